@@ -1,0 +1,29 @@
+# Every command a user needs; each creates .venv and installs what it needs.
+#   make demo        the main job: the ring on real MPI processes, with its work table
+#   make test        the test suite (what CI runs)
+#   make notebooks   execute the step-through notebooks
+#   make bench       benchmarks -> BENCHMARKS.md and bench/results/
+#   make gpu-check   GPU tests and benchmark table (on a machine with a CUDA 13 GPU)
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+RANKS  ?= 4
+export MPIEXEC_TIMEOUT ?= 600
+
+.PHONY: demo test notebooks bench gpu-check clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[mpi,test,notebooks]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m reference
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

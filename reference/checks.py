@@ -1,0 +1,66 @@
+"""Input checks shared by every entry point: bad input gets a clear error that
+names the argument, before any work or communication (DESIGN.md)."""
+
+import math
+
+import numpy as np
+
+from .layouts import LAYOUTS
+from .tiles import tile_shape
+
+FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+
+
+def check_qkv(q, k, v, *, seq_axis_name="S"):
+    """Check shapes and dtypes of q (B, S, Hq, D), k and v (B, S, Hkv, D).
+    Returns (B, S, Hq, Hkv, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, {seq_axis_name}, H, D), got shape {tuple(x.shape)}")
+        if np.dtype(x.dtype) not in [np.dtype(t) for t in FLOAT_DTYPES]:
+            raise TypeError(f"{name} must be float16, float32 or float64, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, S, Hq, D = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (B, S, D):
+        raise ValueError(f"k and v must be (B, {seq_axis_name}, Hkv, D) = ({B}, {S}, Hkv, {D}) to match q, "
+                         f"got {tuple(k.shape)}")
+    Hkv = k.shape[2]
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if min(B, S, Hq, D) < 1:
+        raise ValueError(f"q must have no empty dimension, got shape {tuple(q.shape)}")
+    return B, S, Hq, Hkv, D
+
+
+def check_grads_inputs(q, out, lse, dout):
+    """out and dout like q; lse (B, Hq, S) in float."""
+    B, S, Hq, D = q.shape
+    for name, x in (("out", out), ("dout", dout)):
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if tuple(lse.shape) != (B, Hq, S):
+        raise ValueError(f"lse must be (B, Hq, S) = {(B, Hq, S)}, got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype).kind != "f":
+        raise TypeError(f"lse must be a float array, got {lse.dtype}")
+
+
+def check_options(*, layout, causal, scale, tile_size, head_dim):
+    """Check the options; returns the scale to use (default D ** -0.5)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    tile_shape(tile_size)
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(scale) or scale == 0:
+        raise ValueError(f"scale must be a finite non-zero number, got {scale!r}")
+    return float(scale)

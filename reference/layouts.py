@@ -1,0 +1,93 @@
+"""Layouts: which device holds which tokens (paper, section 2.2 and Figure 1).
+
+A layout is a permutation of the positions ``0 .. S-1`` cut into N shards of
+``c = S // N`` tokens. It is named once, here, and everything else asks
+`positions` for it. Positions travel with the tokens, so masks never need to
+know which layout made them.
+
+Legend: ``N`` devices, ``S`` tokens, ``c = S // N`` tokens per device.
+
+Run ``python -m reference.layouts`` to print the three layouts for S=16, N=4.
+"""
+
+import numpy as np
+
+LAYOUTS = ("contiguous", "striped", "zigzag")
+
+
+def check_layout(layout, seq_len, n_devices):
+    """Raise ValueError unless `layout` can deal `seq_len` tokens to `n_devices`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)) or n_devices < 1:
+        raise ValueError(f"n_devices must be a positive int, got {n_devices!r}")
+    chunks = 2 * n_devices if layout == "zigzag" else n_devices
+    if seq_len < chunks or seq_len % chunks:
+        raise ValueError(
+            f"sequence length {seq_len} must be a positive multiple of "
+            f"{'2 * n_devices' if layout == 'zigzag' else 'n_devices'} = {chunks} "
+            f"for layout {layout!r}")
+
+
+def positions(seq_len, n_devices, layout):
+    """Global positions held by each device, as an int64 array ``(N, c)``.
+
+    S=8, N=4:
+      contiguous  dev0 [0 1]  dev1 [2 3]  dev2 [4 5]  dev3 [6 7]
+      striped     dev0 [0 4]  dev1 [1 5]  dev2 [2 6]  dev3 [3 7]
+      zigzag      dev0 [0 7]  dev1 [1 6]  dev2 [2 5]  dev3 [3 4]
+
+    contiguous is Ring Attention's layout: device r holds ``r*c .. (r+1)*c - 1``.
+    striped is the paper's: device r holds ``r, r+N, r+2N, ...``.
+    zigzag cuts the sequence into 2N chunks of ``S // (2N)``; device r holds
+    chunk r followed by chunk ``2N-1-r``.
+    The inverse permutation is `inverse_positions`.
+    """
+    check_layout(layout, seq_len, n_devices)
+    tokens = np.arange(seq_len, dtype=np.int64)
+    if layout == "contiguous":
+        return tokens.reshape(n_devices, -1)
+    if layout == "striped":
+        return np.ascontiguousarray(tokens.reshape(-1, n_devices).T)
+    chunks = tokens.reshape(2 * n_devices, -1)                 # (2N, S // 2N)
+    return np.concatenate([chunks[:n_devices], chunks[::-1][:n_devices]], axis=1)
+
+
+def inverse_positions(seq_len, n_devices, layout):
+    """Where each global position lives: ``index[p]`` is its place in the
+    concatenation of all shards, so that ``concat(shards)[index] == x``.
+
+    S=8, N=4, striped: positions flattened [0 4 1 5 2 6 3 7], inverse [0 2 4 6 1 3 5 7].
+    """
+    flat = positions(seq_len, n_devices, layout).ravel()
+    index = np.empty_like(flat)
+    index[flat] = np.arange(seq_len)
+    return index
+
+
+def shard(x, n_devices, layout, axis=1):
+    """Cut `x` (natural token order along `axis`) into the N shards of `layout`."""
+    xp = array_module(x)
+    pos = positions(x.shape[axis], n_devices, layout)
+    return [xp.take(x, xp.asarray(p), axis=axis) for p in pos]
+
+
+def unshard(shards, layout, axis=1):
+    """Inverse of `shard`: put the N shards back into natural token order."""
+    xp = array_module(shards[0])
+    joined = xp.concatenate(list(shards), axis=axis)
+    index = inverse_positions(joined.shape[axis], len(shards), layout)
+    return xp.take(joined, xp.asarray(index), axis=axis)
+
+
+def array_module(x):
+    """NumPy for NumPy arrays, CuPy for CuPy arrays, without importing CuPy otherwise."""
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+if __name__ == "__main__":
+    for name in LAYOUTS:
+        print(f"{name:<11}", "  ".join(f"dev{r} {p}" for r, p in enumerate(positions(16, 4, name))))

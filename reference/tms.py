@@ -1,0 +1,126 @@
+"""Theoretical Maximum Speedup (TMS) of Striped over Ring Attention, by counting FLOPs.
+
+Idea: time one training step as the FLOPs on the critical path (communication fully
+overlapped, non-matmul work free), once with Ring Attention's busiest device and once
+with Striped Attention's, and take the ratio. Implements the paper's section 4
+("Theoretical Maximum Speedup") and reproduces every TMS in its Tables 3, 4, 5 and
+Appendix A.1-A.3 (typed in `bench/paper_tms.csv`) to within rounding (largest
+residual 0.00497 over 190 rows).
+
+Letters: N devices in the ring (sequence parallelism), S = n_seq tokens,
+c = S // N tokens per device, d = d_model, f = d_ff, V = n_vocab, L = n_layer,
+h = hardware attention cost factor. Units: FLOPs per device per layer.
+
+    F_lin  = c * (8 d^2 + 4 d f + 2 d V / L)     QKV+O, MLP, LM head
+    P_ring = c(c+1)/2 + (N-1) c^2                 busiest device's (query, key) pairs
+    P_str  = N * c(c+1)/2
+    TMS    = (F_lin + 4 d h P_ring) / (F_lin + 4 d h P_str)
+
+Where each constant comes from:
+- 2 FLOPs per weight per token for every matmul (multiply + add), the standard count
+  (Kaplan et al. 2020, Table 1): 4 d x d projections (Q, K, V, O) give 8 d^2; two
+  d x f MLP matrices give 4 d f; the d x V LM head gives 2 d V once per model, so
+  2 d V / L per layer. Embedding lookups and norms are not matmuls (paper: "non-matrix-
+  multiply FLOPs" are free). Table 1's models use a 3-matrix SwiGLU MLP (6 d f), but the
+  printed TMS values follow the 2-matrix count: 6 d f misses by up to 0.056.
+- 4 d per visible (query, key) pair: 2 d for the row of S = Q K^T, 2 d for P V.
+- h: paper section 4, "attention FLOPs (performed in TensorFloat-32) are twice as
+  expensive as all other FLOPs (performed in bfloat16)" on A100; equal cost on TPU.
+- P_ring: section 2, in round 0 every device attends to its own block (causal, diagonal
+  included: c(c+1)/2 pairs); in each of the other N-1 rounds some device holds a block
+  that is fully visible (c^2 pairs), and the round waits for it.
+- P_str: section 2.2, Work(i, j) = c(c+1)/2 if i >= j else c(c-1)/2; every round has a
+  device with i >= j, so every round costs c(c+1)/2.
+- Training: the backward pass costs 2x the forward for linear layers and for attention
+  alike (each matmul has two gradient matmuls), so forward+backward multiplies every
+  term by 3 and it cancels; so does model parallelism, which splits heads and d_ff (and
+  every term with them) evenly over its devices. Neither appears in TMS. (Counting a
+  recomputed attention forward in the backward, 4x instead of 3x, misses by up to 0.06.)
+
+As N and c grow, TMS -> (N - 1/2) / (N / 2) = 2 - 1/N -> 2 (section 2.2).
+
+Run:  python3 -m reference.tms                 # every paper row, recomputed
+      python3 -m reference.tms --model 7B --seq-parallel 8 --n-seq 262144 --hardware tpuv4
+"""
+import argparse
+import csv
+from pathlib import Path
+
+# Paper Table 1 (from the Ring Attention codebase).
+MODELS = {
+    "1B": dict(n_vocab=32000, d_model=2048, d_ff=5504, n_layer=22, n_head=16),
+    "3B": dict(n_vocab=32000, d_model=3200, d_ff=8640, n_layer=26, n_head=32),
+    "7B": dict(n_vocab=32000, d_model=4096, d_ff=11008, n_layer=32, n_head=32),
+}
+
+# Cost of one attention FLOP in units of one bf16 matmul FLOP (paper section 4).
+HARDWARE = {"a100": 2, "tpuv3": 1, "tpuv4": 1}
+
+PAPER_CSV = Path(__file__).resolve().parents[1] / "bench" / "paper_tms.csv"
+
+
+def critical_path_pairs(seq_parallel, c):
+    """(ring, striped): sum over rounds of the busiest device's visible (query, key) pairs."""
+    diag = c * (c + 1) // 2                        # causal block with its diagonal
+    ring = diag + (seq_parallel - 1) * c * c       # round 0, then one full block per round
+    striped = seq_parallel * diag                  # Work(i >= j) in every round
+    return ring, striped
+
+
+def theoretical_max_speedup(model, seq_parallel, n_seq, hardware, model_parallel=1):
+    """Paper section 4's TMS of Striped over Ring Attention for one training config."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+    if hardware not in HARDWARE:
+        raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
+    if seq_parallel < 1 or model_parallel < 1:
+        raise ValueError(f"seq_parallel and model_parallel must be >= 1, got "
+                         f"{seq_parallel} and {model_parallel}")
+    if n_seq < 1 or n_seq % seq_parallel:
+        raise ValueError(f"n_seq must be a positive multiple of seq_parallel={seq_parallel}, "
+                         f"got {n_seq}")
+    m = MODELS[model]
+    d, f, V, L = m["d_model"], m["d_ff"], m["n_vocab"], m["n_layer"]
+    c = n_seq // seq_parallel                                  # tokens per device
+    # FLOPs per device per layer; model parallelism splits every term evenly.
+    linear = c * (8 * d * d + 4 * d * f + 2 * d * V / L) / model_parallel
+    per_pair = 4 * d * HARDWARE[hardware] / model_parallel     # QK^T + PV, hardware-weighted
+    ring, striped = critical_path_pairs(seq_parallel, c)
+    return (linear + per_pair * ring) / (linear + per_pair * striped)
+
+
+def paper_rows(path=PAPER_CSV):
+    """Rows of bench/paper_tms.csv, typed, each with `tms_recomputed` added."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(line for line in fh if not line.startswith("#")))
+    for r in rows:
+        for k in ("model_parallel", "seq_parallel", "n_seq"):
+            r[k] = int(r[k])
+        r["tms"], r["speedup"] = float(r["tms"]), float(r["speedup"])
+        r["tms_recomputed"] = theoretical_max_speedup(
+            r["model"], r["seq_parallel"], r["n_seq"], r["hardware"], r["model_parallel"])
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS))
+    p.add_argument("--seq-parallel", type=int, default=4)
+    p.add_argument("--n-seq", type=int, default=65536)
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100")
+    args = p.parse_args()
+    if args.model:
+        print(f"{theoretical_max_speedup(args.model, args.seq_parallel, args.n_seq, args.hardware):.4f}")
+        return
+    rows = paper_rows()
+    print(f"{'table':>5} {'hw':>5} {'model':>5} {'mesh':>5} {'n_seq':>7} {'paper':>6} {'ours':>7} {'diff':>7}")
+    for r in rows:
+        mesh = f"{r['model_parallel']}x{r['seq_parallel']}"
+        print(f"{r['table']:>5} {r['hardware']:>5} {r['model']:>5} {mesh:>5} {r['n_seq']:>7} "
+              f"{r['tms']:>6.2f} {r['tms_recomputed']:>7.4f} {r['tms_recomputed'] - r['tms']:>+7.4f}")
+    worst = max(abs(r["tms_recomputed"] - r["tms"]) for r in rows)
+    print(f"{len(rows)} rows, largest |ours - paper| = {worst:.5f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The oracle: N virtual devices in one process, running the ring of `reference.ring`.
+
+Each virtual device is a thread running exactly the per-device code that MPI
+ranks and GPUs run; `VirtualRing` is their communication object. Devices share
+no memory: a message is a copy, delivered to the next device's mailbox. The
+public functions take and return arrays in natural token order, and shard and
+unshard them with the chosen layout.
+
+    out, lse, trace = ring_attention(q, k, v, n_devices=4, layout="striped", trace=True)
+    print(trace.table())
+
+Shapes: q (B, S, Hq, D), k and v (B, S, Hkv, D), lse (B, Hq, S).
+"""
+
+import queue
+import threading
+
+from . import checks, ring
+from .layouts import check_layout, positions, shard, unshard
+from .trace import Trace
+
+POLL_S = 0.05
+
+
+class VirtualRing:
+    """One device's end of a ring of N threads: `start_shift` posts a copy of
+    the arrays to the next device's mailbox, `finish_shift` takes what the
+    previous device posted with the same tag."""
+
+    def __init__(self, rank, size, mailboxes, failed):
+        self.rank, self.size = rank, size
+        self._mailboxes, self._failed = mailboxes, failed
+
+    def start_shift(self, arrays, tag):
+        self._mailboxes[(self.rank + 1) % self.size][tag].put(tuple(a.copy() for a in arrays))
+        return tag
+
+    def finish_shift(self, tag):
+        box = self._mailboxes[self.rank][tag]
+        while True:     # poll, so that a failure on another device ends the wait
+            try:
+                return box.get(timeout=POLL_S)
+            except queue.Empty:
+                if self._failed.is_set():
+                    raise RuntimeError("another virtual device failed") from None
+
+
+def run_devices(n_devices, device_fn):
+    """Run ``device_fn(rank, comm)`` on N threads; return their results in rank
+    order, or raise the first device's exception."""
+    mailboxes = [{ring.KV: queue.Queue(), ring.DKV: queue.Queue()} for _ in range(n_devices)]
+    failed = threading.Event()
+    results, errors = [None] * n_devices, [None] * n_devices
+
+    def run(rank):
+        try:
+            results[rank] = device_fn(rank, VirtualRing(rank, n_devices, mailboxes, failed))
+        except BaseException as e:      # noqa: BLE001 - re-raised below
+            errors[rank] = e
+            failed.set()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"device{r}") for r in range(n_devices)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    first = next((e for e in errors if e is not None and not _secondary(e)), None) \
+        or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+def _secondary(e):
+    return isinstance(e, RuntimeError) and str(e) == "another virtual device failed"
+
+
+def _validate(q, k, v, n_devices, layout, causal, scale, tile_size):
+    B, S, Hq, Hkv, D = checks.check_qkv(q, k, v)
+    check_layout(layout, S, n_devices)
+    return checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
+
+
+def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
+                   tile_size=None, trace=False):
+    """Exact attention over N virtual devices. Returns (out, lse) or (out, lse, Trace)."""
+    scale = _validate(q, k, v, n_devices, layout, causal, scale, tile_size)
+    pos = positions(q.shape[1], n_devices, layout)
+    qs, ks, vs = (shard(x, n_devices, layout) for x in (q, k, v))
+
+    def device(j, comm):
+        return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm,
+                                 causal=causal, scale=scale, tile_size=tile_size)
+
+    outs, lses, logs = zip(*run_devices(n_devices, device))
+    out, lse = unshard(outs, layout, axis=1), unshard(lses, layout, axis=2)
+    return (out, lse, Trace.from_logs(logs)) if trace else (out, lse)
+
+
+def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
+                            scale=None, tile_size=None, trace=False):
+    """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace)."""
+    scale = _validate(q, k, v, n_devices, layout, causal, scale, tile_size)
+    checks.check_grads_inputs(q, out, lse, dout)
+    pos = positions(q.shape[1], n_devices, layout)
+    qs, ks, vs, outs, douts = (shard(x, n_devices, layout) for x in (q, k, v, out, dout))
+    lses = shard(lse, n_devices, layout, axis=2)
+
+    def device(j, comm):
+        return ring.ring_backward(qs[j], ks[j], vs[j], outs[j], lses[j], douts[j], pos[j], pos[j],
+                                  comm, causal=causal, scale=scale, tile_size=tile_size)
+
+    dqs, dks, dvs, logs = zip(*run_devices(n_devices, device))
+    grads = tuple(unshard(g, layout, axis=1) for g in (dqs, dks, dvs))
+    return grads + (Trace.from_logs(logs),) if trace else grads
