@@ -25,5 +25,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+BENCH ?= --quick
+
+bench: $(VENV)/.installed
+	$(PY) -m bench.run $(BENCH)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

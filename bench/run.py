@@ -1,0 +1,217 @@
+"""Run every benchmark section and write BENCHMARKS.md (tables) and bench/results/ (plots).
+
+Each section is a module of `bench` with ``run(quick=True) -> (markdown, png_paths)``,
+imported only when its turn comes. A section that is missing or raises is written into
+the file as such and makes the exit status non-zero, except the GPU section on a
+machine without a GPU. Progress goes to stderr, a line per step with the time elapsed.
+
+    python -m bench.run                                  # quick: a few minutes on 2 cores
+    python -m bench.run --full                           # the longer sweeps
+    python -m bench.run --only paper predicted --out /tmp/B.md
+"""
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import inspect
+import io
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from contextlib import redirect_stdout
+from pathlib import Path
+
+from . import RESULTS, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (module, title), in the order they are written
+SECTIONS = {
+    "paper": ("bench.paper", "The paper's Theoretical Maximum Speedup, recomputed"),
+    "predicted": ("bench.predicted", "Predicted speed-up (cost model)"),
+    "kernel": ("bench.kernel", "Kernel efficiency and memory of one device"),
+    "mpi": ("bench.mpi_scaling", "Measured speed-up with MPI processes"),
+    "gpu": ("bench.gpu_bench", "GPU"),
+}
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # they change BLAS timings
+HEARTBEAT_S = 30     # a line on stderr this often while a long section runs
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="sections: " + ", ".join(f"{k} ({m})" for k, (m, _) in SECTIONS.items()))
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="quick", action="store_true", default=True,
+                      help="small sizes, a few minutes on a 2-core laptop (default)")
+    mode.add_argument("--full", dest="quick", action="store_false", help="the longer sweeps")
+    ap.add_argument("--only", nargs="+", choices=list(SECTIONS), metavar="SECTION",
+                    help="run only these sections (default: all)")
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"),
+                    help="markdown file (default: BENCHMARKS.md in the repository root)")
+    ap.add_argument("--results", default=str(RESULTS),
+                    help="folder for plots, for sections that take one (default: bench/results)")
+    return ap.parse_args(argv)
+
+
+class Progress:
+    """Lines on stderr: which section, elapsed time, and a heartbeat while one runs."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def say(self, msg):
+        print(f"[bench {time.perf_counter() - self.t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    def beat_while(self, name):
+        """Start a heartbeat thread; returns the function that stops it."""
+        stop = threading.Event()
+        started = time.perf_counter()
+
+        def beat():
+            while not stop.wait(HEARTBEAT_S):
+                self.say(f"  {name} still running ({time.perf_counter() - started:.0f} s)")
+        threading.Thread(target=beat, daemon=True).start()
+        return stop.set
+
+
+def has_gpu():
+    """A CUDA device that CuPy can see (or, without CuPy, one the driver exposes)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:      # no CuPy, no driver, no device: all mean "no usable GPU"
+        return Path("/dev/nvidia0").exists()
+
+
+def blas_info():
+    """BLAS that numpy was built with, from numpy.show_config (numpy >= 1.25) or its text."""
+    import numpy as np
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        extra = blas.get("openblas configuration", "")
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip() + (f" ({extra})" if extra else "")
+    except Exception:      # older numpy: no mode=, print the text and take the blas lines
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            np.show_config()
+        lines = [ln.strip() for ln in buf.getvalue().splitlines() if "blas" in ln.lower()]
+        return "; ".join(lines[:3]) or "unknown"
+
+
+def cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit():
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + (" with uncommitted changes" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def header(argv, quick):
+    import numpy as np
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    command = shlex.join(["python", "-m", "bench.run", *argv])
+    threads = ", ".join(f"{k}={os.environ[k]}" for k in THREAD_VARS if k in os.environ)
+    return "\n".join([
+        "# Benchmarks",
+        "",
+        f"Made by `{command}` ({'quick' if quick else 'full'} sizes), from the repository root; "
+        "`make bench` runs the quick one. Timings are ratios measured side by side in one "
+        "run (the machine may be shared and noisy); the cost model gives what each is held against.",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- machine: {cpu_name()}, {os.cpu_count()} cores ({usable} usable), {platform.system()} {platform.release()}",
+        f"- BLAS: {blas_info()}",
+        f"- numpy {np.__version__}, Python {platform.python_version()}",
+        f"- thread settings: {threads or 'none set (BLAS picks its own)'}",
+        f"- commit: {git_commit()}",
+        "",
+    ])
+
+
+def run_section(name, quick, results_dir, progress):
+    """(status, markdown, pngs): status is "ok", "missing" or "failed"."""
+    module_name, _ = SECTIONS[name]
+    if importlib.util.find_spec(module_name) is None:
+        return "missing", f"**Not run: `{module_name}` does not exist in this checkout.**\n", []
+    stop = progress.beat_while(name)
+    try:
+        run = importlib.import_module(module_name).run
+        kwargs = {"quick": quick}
+        params = inspect.signature(run).parameters
+        if "results_dir" in params:
+            kwargs["results_dir"] = results_dir
+        if "progress" in params:
+            kwargs["progress"] = lambda msg: progress.say(f"  {name}: {msg}")
+        text, pngs = run(**kwargs)
+        return "ok", text, list(pngs)
+    except (Exception, SystemExit):      # reported in the file and the exit status, not dropped
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr)
+        last = "\n".join(tb.strip().splitlines()[-12:])
+        return "failed", f"**Failed: `{module_name}` raised.**\n\n```\n{last}\n```\n", []
+    finally:
+        stop()
+
+
+def section_markdown(name, status, text, pngs, seconds, out_dir):
+    """The section's text under its title, with its plots linked relative to the output file."""
+    title = SECTIONS[name][1]
+    body = text.strip()
+    parts = [body] if body.startswith("#") else [f"## {title}", body]
+    for png in pngs:
+        rel = os.path.relpath(Path(png).resolve(), out_dir)
+        if Path(png).name not in body:      # the section may have linked it itself
+            parts.append(f"![{Path(png).stem}]({Path(rel).as_posix()})")
+    parts.append(f"*Section `{name}`: {status}, {seconds:.1f} s.*")
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    names = [n for n in SECTIONS if not args.only or n in args.only]     # in the file's order
+    out = Path(args.out).resolve()
+    progress = Progress()
+    gpu = has_gpu()
+    chunks, summary, failures = [], [], []
+    for i, name in enumerate(names, 1):
+        progress.say(f"[{i}/{len(names)}] {name} ({SECTIONS[name][0]}) ...")
+        t0 = time.perf_counter()
+        status, text, pngs = run_section(name, args.quick, args.results, progress)
+        seconds = time.perf_counter() - t0
+        if name == "gpu" and not gpu and status != "ok":
+            text += "\nNo GPU on this machine: the GPU section is not required here.\n"
+            status += " (no GPU: not required)"
+        elif status != "ok":
+            failures.append(f"{name} {status}")
+        chunks.append(section_markdown(name, status, text, pngs, seconds, out.parent))
+        summary.append((f"{name}: {SECTIONS[name][1]}", status, f"{seconds:.1f}"))
+        progress.say(f"[{i}/{len(names)}] {name}: {status} in {seconds:.1f} s")
+    contents = markdown_table(("section", "status", "seconds"), summary, "llr")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join([header(argv, args.quick), contents, "", *chunks]))
+    progress.say(f"wrote {out}" + (f"; problems: {', '.join(failures)}" if failures else ""))
+    return 1 if failures else 0
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The benchmark sections and their driver: the paper's tables in full, the rest tiny.
+
+The paper section is checked on its own output: every row of every table, read back
+from the markdown, must carry the recomputed TMS of its configuration, within 0.01 of
+the printed one. The predicted section runs a tiny sweep (N <= 4, blocks of a few
+tiles of 4 tokens) and the driver runs those two sections into a temporary file.
+
+Run: .venv/bin/python -m pytest tests/test_bench.py -q
+"""
+import importlib.machinery
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from bench import paper, predicted
+from bench import run as bench_run
+from reference.cost import paper_rows, speedup, striped_limit, theoretical_max_speedup
+
+PRINTED = 0.01       # the paper's last printed digit
+ROWS_PER_TABLE = {"3": 21, "4": 20, "5": 12, "A.1": 80, "A.2": 16, "A.3": 41}   # counted in the paper
+SPEEDUP_DIGITS = 0.0005                     # predicted tables print 3 decimals
+
+# N 2..4, c = 16 tokens (4 tiles of 4) for the N sweep; zigzag needs c even.
+TINY = predicted.Sweep(n_devices=(2, 3, 4), block_for_n=4, tile=4, n_fixed=4, block_tiles=(1, 2, 4),
+                       c_for_tiles=16, tile_sizes=(2, 4, 16), paper_blocks=(4096,))
+
+
+def tables(markdown):
+    """{heading: [row dict]} for every '### heading' followed by a markdown table."""
+    out = {}
+    for chunk in re.split(r"^### ", markdown, flags=re.M)[1:]:
+        heading, *lines = chunk.splitlines()
+        rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines if ln.startswith("|")]
+        head, body = rows[0], rows[2:]                       # rows[1] is the alignment rule
+        out[heading] = [dict(zip(head, r)) for r in body]
+    return out
+
+
+def is_png(path):
+    return Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the paper's tables --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def paper_out(tmp_path_factory):
+    text, pngs = paper.run(results_dir=tmp_path_factory.mktemp("paper"))
+    return text, tables(text), pngs
+
+
+def test_paper_has_every_table_and_row(paper_out):
+    _, tabs, _ = paper_out
+    counts = {caption: len(tabs.get(caption, [])) for caption in paper.TABLES.values()}
+    assert counts == {paper.TABLES[t]: n for t, n in ROWS_PER_TABLE.items()}
+
+
+def test_paper_rows_are_the_csv_rows_in_order(paper_out):
+    _, tabs, _ = paper_out
+    for table, caption in paper.TABLES.items():
+        printed = [(r["model"], r["mesh m x N"], int(r["n_seq"]), r["TMS paper"], r["speed-up paper"])
+                   for r in tabs[caption]]
+        typed = [(r["model"], f"{r['model_parallel']} x {r['seq_parallel']}", r["n_seq"],
+                  f"{r['tms']:.2f}", f"{r['speedup']:.2f}") for r in paper_rows() if r["table"] == table]
+        assert printed == typed, table
+
+
+def test_every_recomputed_tms_is_within_0_01_of_the_paper(paper_out):
+    _, tabs, _ = paper_out
+    n = 0
+    for caption, rows in tabs.items():
+        for r in rows:
+            m, seq_parallel = (int(x) for x in r["mesh m x N"].split(" x "))
+            hardware = "a100" if "A100" in caption else ("tpuv3" if "v3" in caption else "tpuv4")
+            # the printed value is the reference's, for the configuration printed beside it
+            ours = theoretical_max_speedup(r["model"], seq_parallel, int(r["n_seq"]), hardware, m)
+            assert r["TMS recomputed"] == f"{ours:.4f}", (caption, r)
+            assert int(r["c"]) * seq_parallel == int(r["n_seq"])
+            diff = float(r["TMS recomputed"]) - float(r["TMS paper"])
+            assert abs(diff) <= PRINTED, (caption, r)
+            assert float(r["difference"]) == pytest.approx(diff, abs=1e-4)
+            n += 1
+    assert n == sum(ROWS_PER_TABLE.values())
+
+
+def test_paper_states_largest_difference_and_assumptions(paper_out):
+    text, tabs, _ = paper_out
+    worst = max(abs(float(r["difference"])) for rows in tabs.values() for r in rows)
+    stated = float(re.search(r"largest difference ([+-]\d\.\d+)", text).group(1))
+    assert abs(stated) == pytest.approx(worst, abs=1e-4)
+    assert abs(stated) < PRINTED / 2          # every recomputed value rounds to the printed one
+    assert "A100 an\nattention FLOP (TensorFloat-32) costs 2x" in text
+    assert "TPU v3\nand v4 (bfloat16 throughout) it costs 1x" in text
+
+
+def test_paper_plot_written(paper_out):
+    _, _, pngs = paper_out
+    assert len(pngs) == 1 and is_png(pngs[0])
+
+
+# -- predicted speed-ups ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def predicted_out(tmp_path_factory):
+    res = predicted.sweeps(TINY)
+    text, pngs = predicted.run(results_dir=tmp_path_factory.mktemp("predicted"), sweep=TINY)
+    return res, text, tables(text), pngs
+
+
+def _speedup_columns(row):
+    return [float(row[h]) for h in predicted.HEAD[:-1]]
+
+
+def test_predicted_tables_have_expected_rows(predicted_out):
+    _, _, tabs, _ = predicted_out
+    by_n, by_block, by_tile, by_paper = tabs.values()
+    assert [int(r["N"]) for r in by_n] == list(TINY.n_devices)
+    assert [int(r["c / T"]) for r in by_block] == list(TINY.block_tiles)
+    assert [r["tile T"] for r in by_tile] == [f"{t} x {t}" for t in TINY.tile_sizes]
+    assert len(by_paper) == len(predicted.PAPER_TILES) * len(TINY.paper_blocks)
+
+
+def test_predicted_speedups_are_sane(predicted_out):
+    _, _, tabs, _ = predicted_out
+    for heading, rows in tabs.items():
+        for r in rows:
+            n = int(r.get("N", TINY.n_fixed))
+            limit = float(r["(2N-1)/N"])
+            assert limit == pytest.approx(striped_limit(n), abs=SPEEDUP_DIGITS)
+            for x in _speedup_columns(r):
+                assert 1 <= x <= 2, (heading, r)
+            # element-exact work never beats the limit (it is approached from below)
+            for layout in predicted.COMPARED:
+                assert float(r[f"{layout} pairs"]) <= limit + SPEEDUP_DIGITS, (heading, r)
+
+
+def test_predicted_matches_cost_model_and_trends(predicted_out):
+    _, _, tabs, _ = predicted_out
+    by_n, by_block, _, _ = tabs.values()
+    c = TINY.block_for_n * TINY.tile
+    for r in by_n:
+        n = int(r["N"])
+        assert float(r["striped tiles"]) == pytest.approx(
+            speedup(n * c, n, "striped", TINY.tile, "tiles"), abs=SPEEDUP_DIGITS)
+    for layout in predicted.COMPARED:
+        pairs = [float(r[f"{layout} pairs"]) for r in by_n]
+        assert pairs == sorted(pairs) and pairs[-1] > pairs[0]      # more devices, more to balance
+    # one tile per block: whole-tile skipping saves nothing for any layout
+    assert [float(by_block[0][f"{lay} tiles"]) for lay in predicted.COMPARED] == [1.0, 1.0]
+
+
+def test_predicted_plot_draws_the_limit(predicted_out, tmp_path):
+    res, _, _, pngs = predicted_out
+    assert len(pngs) == 1 and is_png(pngs[0])
+    fig = predicted.plot(res, TINY, tmp_path / "p.png")
+    for ax, name in zip(fig.axes, ("N", "block", "tile")):
+        limit = [ln for ln in ax.lines if ln.get_label() == "(2N-1)/N limit"]
+        assert len(limit) == 1
+        assert list(limit[0].get_ydata()) == [striped_limit(n) for _, n, _ in res[name]]
+
+
+# -- the driver -------------------------------------------------------------------
+
+def test_driver_writes_header_and_sections(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(predicted, "QUICK", TINY)
+    out = tmp_path / "B.md"
+    argv = ["--only", "paper", "predicted", "--out", str(out), "--results", str(tmp_path)]
+    assert bench_run.main(argv) == 0
+    text = out.read_text()
+    assert text.startswith("# Benchmarks")
+    assert f"`python -m bench.run --only paper predicted --out {out} --results {tmp_path}`" in text
+    for field in ("- date: ", " cores (", "- BLAS: ", "- numpy ", "Python "):
+        assert field in text
+    for name in ("paper", "predicted"):
+        assert f"## {bench_run.SECTIONS[name][1]}" in text
+        assert f"*Section `{name}`: ok," in text
+        assert f"| {name}: {bench_run.SECTIONS[name][1]} | ok |" in text      # the summary table
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    assert len(links) == 2 and all(is_png(out.parent / link) for link in links)
+    assert "[2/2] predicted: ok" in capsys.readouterr().err
+
+
+def _fake_section(monkeypatch, name, run):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.run = run
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def _boom(quick=True):
+    raise RuntimeError("section exploded")
+
+
+@pytest.mark.parametrize("gpu_present, expected_rc", [(False, 0), (True, 1)])
+def test_driver_reports_missing_and_failing_sections(tmp_path, monkeypatch, gpu_present, expected_rc):
+    _fake_section(monkeypatch, "bench_fake_failing", _boom)
+    monkeypatch.setattr(bench_run, "SECTIONS", {
+        "failing": ("bench_fake_failing", "Failing"),
+        "missing": ("bench_no_such_module", "Missing"),
+        "gpu": ("bench_no_such_gpu_module", "GPU"),
+    })
+    monkeypatch.setattr(bench_run, "has_gpu", lambda: gpu_present)
+    out = tmp_path / "B.md"
+    # a missing GPU section is excused only where there is no GPU
+    assert bench_run.main(["--only", "gpu", "--out", str(out)]) == expected_rc
+    assert "Not run: `bench_no_such_gpu_module` does not exist" in out.read_text()
+    assert ("No GPU on this machine" in out.read_text()) == (not gpu_present)
+    # a broken or absent section is written into the file and fails the run
+    assert bench_run.main(["--only", "failing", "missing", "--out", str(out)]) == 1
+    text = out.read_text()
+    assert "Failed: `bench_fake_failing` raised" in text and "RuntimeError: section exploded" in text
+    assert "Not run: `bench_no_such_module` does not exist" in text
+
+
+def test_driver_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_run.main(["--help"])
+    assert exit_.value.code == 0
+    assert "--only SECTION" in capsys.readouterr().out
