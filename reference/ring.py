@@ -63,8 +63,9 @@ def _prepare(q, k, v, scale):
     """Compute-layout copies: q pre-scaled in the accumulation dtype; k, v in
     their own dtype (blocks travel as they came)."""
     acc = step.accumulate_dtype(q.dtype)
-    q_h = step.q_to_heads(q, k.shape[2], dtype=acc)         # (B, Hkv, c, G, D)
-    q_h *= acc(scale)
+    # Hazard: q_to_heads returns a view of the caller's q when no transpose or
+    # cast is needed, so scale into a new array, never in place.
+    q_h = step.q_to_heads(q, k.shape[2], dtype=acc) * acc(scale)   # (B, Hkv, c, G, D)
     return q_h, step.kv_to_heads(k), step.kv_to_heads(v)    # (B, Hkv, c, D)
 
 

@@ -1,0 +1,84 @@
+"""Layouts: each is a permutation of positions 0..S-1 into N shards of c = S // N,
+as DESIGN.md defines it; `shard` deals tokens by it and `unshard` undoes it.
+
+    .venv/bin/python -m pytest tests/test_layouts.py -q
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference import LAYOUTS, inverse_positions, positions, shard, unshard
+
+
+@st.composite
+def layout_sizes(draw):
+    """(layout, S, N) with S a multiple of N (of 2N for zigzag)."""
+    layout = draw(st.sampled_from(LAYOUTS))
+    n = draw(st.integers(1, 8))
+    chunks = 2 * n if layout == "zigzag" else n
+    return layout, chunks * draw(st.integers(1, 8)), n
+
+
+def by_definition(layout, S, N):
+    """DESIGN.md's words, written as loops."""
+    c = S // N
+    if layout == "contiguous":      # device r holds r*c .. (r+1)*c - 1
+        return [[r * c + i for i in range(c)] for r in range(N)]
+    if layout == "striped":         # device r holds r, r+N, r+2N, ...
+        return [[r + i * N for i in range(c)] for r in range(N)]
+    m = S // (2 * N)                # zigzag: chunk r, then chunk 2N-1-r, chunks of S // 2N
+    return [[r * m + i for i in range(m)] + [(2 * N - 1 - r) * m + i for i in range(m)] for r in range(N)]
+
+
+@given(layout_sizes())
+def test_positions_follow_the_definition(sizes):
+    layout, S, N = sizes
+    pos = positions(S, N, layout)
+    assert pos.shape == (N, S // N) and pos.dtype == np.int64
+    assert pos.tolist() == by_definition(layout, S, N)
+
+
+@given(layout_sizes())
+def test_positions_are_a_permutation(sizes):
+    layout, S, N = sizes
+    flat = positions(S, N, layout).ravel()
+    assert sorted(flat.tolist()) == list(range(S))
+    index = inverse_positions(S, N, layout)
+    assert (flat[index] == np.arange(S)).all()        # concat(shards)[index] == x
+    assert (index[flat] == np.arange(S)).all()
+
+
+@given(layout_sizes(), st.integers(0, 2**32 - 1), st.sampled_from([0, 1, 2]))
+def test_unshard_inverts_shard(sizes, seed, axis):
+    layout, S, N = sizes
+    shape = [2, 3, 2]
+    shape.insert(axis, S)                             # the token axis anywhere
+    x = np.random.default_rng(seed).standard_normal(shape)
+    shards = shard(x, N, layout, axis=axis)
+    assert len(shards) == N
+    pos = positions(S, N, layout)
+    for j, s in enumerate(shards):                    # shard j holds exactly its positions' tokens
+        np.testing.assert_array_equal(s, np.take(x, pos[j], axis=axis))
+    np.testing.assert_array_equal(unshard(shards, layout, axis=axis), x)
+
+
+def test_docstring_examples():
+    # positions' docstring, S=8, N=4
+    assert positions(8, 4, "contiguous").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert positions(8, 4, "striped").tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert positions(8, 4, "zigzag").tolist() == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    # inverse_positions' docstring: striped, flattened [0 4 1 5 2 6 3 7]
+    assert inverse_positions(8, 4, "striped").tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    # the paper's example (section 2.2.1): 4 devices, device 0 owns 0, 4, 8, ...
+    assert positions(16, 4, "striped")[0].tolist() == [0, 4, 8, 12]
+    assert positions(16, 4, "striped")[1].tolist() == [1, 5, 9, 13]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_device_is_the_identity(layout):
+    S = 6
+    assert positions(S, 1, layout).tolist() == [list(range(S))]
+    x = np.arange(2 * S).reshape(1, S, 2)
+    np.testing.assert_array_equal(shard(x, 1, layout)[0], x)

@@ -1,0 +1,405 @@
+"""The ring of N virtual devices against the dense oracle: forward (out, lse)
+and backward (dq, dk, dv), every layout, N from 1 to 8, GQA and MQA, any tile
+size, causal or not, any scale, float64/float32/float16, and inputs chosen to
+break an online softmax: scores of a few hundred, constant score rows, one
+token per device, rows that see no key of a block. Nothing may be NaN or inf.
+Then NaN in an input: it reaches the rows the positions rule says, no others.
+
+    .venv/bin/python -m pytest tests/test_ring.py -q
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import Case, assert_close, assert_finite, cases
+from reference import (LAYOUTS, attention, attention_backward, positions, ring, ring_attention,
+                       ring_attention_backward, shard, unshard)
+from reference.tiles import visible
+from reference.virtual import run_devices
+
+
+def dense(case, q, k, v):
+    return attention(q, k, v, causal=case.causal, scale=case.scale)
+
+
+def check_forward(case):
+    q, k, v, _ = case.inputs()
+    out, lse = ring_attention(q, k, v, **case.options())
+    ref_out, ref_lse = dense(case, q, k, v)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == ref_lse.dtype and lse.shape == (case.B, case.Hq, case.S)
+    assert_finite(out, lse, names=("out", "lse"))
+    assert_close(out, ref_out, case.dtype, "out", case.tolerance_factor)
+    assert_close(lse, ref_lse, case.dtype, "lse", case.tolerance_factor)
+
+
+def check_backward(case):
+    # the same (out, lse, dout) go to both, so only the backward is compared
+    q, k, v, dout = case.inputs()
+    out, lse = dense(case, q, k, v)
+    grads = ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+    expected = attention_backward(q, k, v, out, lse, dout, causal=case.causal, scale=case.scale)
+    assert_finite(*grads, names=("dq", "dk", "dv"))
+    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        assert_close(g, e, case.dtype, name, case.tolerance_factor)
+
+
+@given(cases())
+def test_forward_equals_dense(case):
+    check_forward(case)
+
+
+@given(cases())
+def test_backward_equals_dense(case):
+    check_backward(case)
+
+
+# -- chosen cases, so that each hazard is met whatever hypothesis draws ------
+
+def case_of(layout="striped", n_devices=4, S=16, Hq=2, Hkv=1, D=4, tile_size=None, causal=True,
+            scale=None, dtype=np.float64, kind="gaussian", B=1, seed=0):
+    return Case(layout, n_devices, B, S, Hq, Hkv, D, tile_size, causal, scale, dtype, kind, seed)
+
+
+def rows_without_visible_key(case):
+    """How many (round, device, query) rows see no key of the block they hold."""
+    pos = positions(case.S, case.n_devices, case.layout)
+    n = case.n_devices
+    return sum(int((~visible(pos[j], pos[(j - t) % n], case.causal).any(axis=1)).sum())
+               for t in range(n) for j in range(n))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 8])
+def test_one_token_per_device(layout, n_devices, dtype):
+    # c = 1 (2 for zigzag): every block is one key, invisible to the query in
+    # half the rounds
+    S = 2 * n_devices if layout == "zigzag" else n_devices
+    case = case_of(layout, n_devices, S, Hq=3, Hkv=1, tile_size=1, dtype=dtype)
+    check_forward(case)
+    check_backward(case)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tile_size", [1, 3, (2, 5), None])
+def test_rows_with_no_visible_key_in_a_block(layout, tile_size):
+    case = case_of(layout, n_devices=4, S=24, Hq=4, Hkv=2, tile_size=tile_size, dtype=np.float32)
+    assert rows_without_visible_key(case) > 0          # the hazard is there
+    check_forward(case)
+    check_backward(case)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("kind", ["large_logits", "constant_keys", "constant"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hard_inputs(layout, kind, dtype):
+    case = case_of(layout, n_devices=4, S=32, Hq=4, Hkv=2, D=16, tile_size=(3, 5), dtype=dtype,
+                   kind=kind, B=2)
+    q, k, _, _ = case.inputs()
+    if kind == "large_logits":                         # the scores are a few hundred
+        s = np.einsum("bqhd,bkhd->bhqk", q[:, :, ::2].astype(float), k.astype(float)) * case.D ** -0.5
+        assert np.abs(s).max() > 300
+    check_forward(case)
+    check_backward(case)
+
+
+@pytest.mark.parametrize("score", [None, -5e4, 5e4])
+def test_constant_keys_give_the_running_mean(score):
+    # every score row constant: out row i is the mean of the visible values and
+    # lse = score + log(count), also when the scores are tens of thousands from zero
+    case = case_of("striped", n_devices=4, S=16, kind="constant_keys", tile_size=3)
+    q, k, v, _ = case.inputs()
+    scale = case.D ** -0.5
+    if score is not None:                              # q . k0 * scale = score for every query
+        k0 = k[:, :1, :1]                              # (B, 1, 1, D), Hkv = 1
+        q = np.broadcast_to(score * k0 / (scale * (k0 ** 2).sum(-1, keepdims=True)), q.shape).copy()
+    out, lse = ring_attention(q, k, v, **case.options())
+    count = np.arange(1, case.S + 1)[None, :, None, None]
+    mean = np.cumsum(np.repeat(v, case.Hq // case.Hkv, axis=2), axis=1) / count
+    assert_close(out, mean, np.float64, "out")
+    s0 = scale * np.einsum("bqhd,bhd->bhq", q, k[:, 0, np.zeros(case.Hq, int)])
+    assert_close(lse, s0 + np.log(count[0, :, 0, 0]), np.float64, "lse")
+
+
+@given(cases(dtypes=(np.float64,)), st.sampled_from([0.25, -2.0]))
+def test_scale_is_applied_once(case, scale):
+    # scale s on q, k equals scale 1 on (s q, k): the scale multiplies the scores
+    q, k, v, _ = case.inputs()
+    opts = {**case.options(), "scale": scale}
+    out, lse = ring_attention(q, k, v, **opts)
+    ref_out, ref_lse = ring_attention(q * scale, k, v, **{**opts, "scale": 1.0})
+    assert_close(out, ref_out, np.float64, "out", case.tolerance_factor)
+    assert_close(lse, ref_lse, np.float64, "lse", case.tolerance_factor)
+
+
+# -- NaN reaches the rows it should, and only those --------------------------
+#
+# DESIGN.md: "NaN in the inputs gives NaN in the rows it reaches, not elsewhere."
+# A NaN in query p of (batch b, head h) reaches the output row (b, p, h); a NaN
+# in key or value p of key/value head g reaches the rows (b, i, h) of every query
+# head h of g's group with key p visible to query i (pos_p <= pos_i, causal).
+
+def reached_rows(case, source, b, p, head):
+    """Boolean (B, S, Hq): the output rows a NaN at (b, p, head) of `source` reaches."""
+    rows = np.zeros((case.B, case.S, case.Hq), dtype=bool)
+    if source == "q":
+        rows[b, p, head] = True
+        return rows
+    group = case.Hq // case.Hkv
+    seen_by = np.arange(case.S) >= p if case.causal else np.ones(case.S, bool)
+    rows[b, :, head * group:(head + 1) * group] = seen_by[:, None]
+    return rows
+
+
+def nan_inputs(case, source, rng):
+    q, k, v, dout = case.inputs()
+    x = {"q": q, "k": k, "v": v}[source]
+    b, p, head, d = (int(rng.integers(n)) for n in x.shape)
+    x[b, p, head, d] = np.nan
+    return (q, k, v, dout), reached_rows(case, source, b, p, head)
+
+
+def run_forward(case, backend, q, k, v):
+    if backend == "dense":
+        return dense(case, q, k, v)
+    return ring_attention(q, k, v, **case.options())
+
+
+def assert_nan_exactly_in(rows, out, what):
+    """out (B, S, H, D): a row has a NaN where `rows` is True, and is finite elsewhere."""
+    has_nan = np.isnan(out).any(axis=-1)
+    finite = np.isfinite(out).all(axis=-1)
+    assert (has_nan[rows]).all(), f"{what}: NaN missing from rows it reaches"
+    bad = np.argwhere(~rows & ~finite)
+    assert len(bad) == 0, f"{what}: NaN or inf in rows it does not reach, (b, s, h) = {bad.tolist()}"
+
+
+@given(cases(dtypes=(np.float64, np.float32)), st.sampled_from(["q", "k"]), st.integers(0, 2**32 - 1))
+def test_nan_in_q_or_k_reaches_only_its_rows(case, source, seed):
+    (q, k, v, _), rows = nan_inputs(case, source, np.random.default_rng(seed))
+    out, _ = run_forward(case, "ring", q, k, v)
+    assert_nan_exactly_in(rows, out, f"out, NaN in {source}")
+
+
+NAN_CASE = case_of("contiguous", n_devices=2, S=8, Hq=2, Hkv=1, tile_size=4, B=2)
+LSE_IS_MINUS_INF = ("the ring's finish_forward maps a NaN row sum l to 'no visible key' "
+                    "(l > 0 is False), so lse of a NaN row is -inf, not NaN")
+ZERO_TIMES_NAN = ("P V with P = 0 on masked entries: 0 * NaN = NaN, so a NaN value reaches "
+                  "rows that cannot see its key ({})")
+MASKED_P_IS_NAN = ("a NaN query row has lse = NaN, so its masked entries get P = exp(-inf - NaN) = NaN "
+                   "(and dS = 0 * (dP - NaN delta) = NaN): dK, dV of keys it cannot see become NaN ({})")
+
+
+@pytest.mark.parametrize("source", ["q", "k"])
+@pytest.mark.parametrize("backend", [
+    "dense", pytest.param("ring", marks=pytest.mark.xfail(strict=True, reason=LSE_IS_MINUS_INF))])
+def test_nan_reaches_lse_of_its_rows(backend, source):
+    # NaN at query 5 (or key 5): lse is NaN exactly in the rows reached
+    (q, k, v, _) = NAN_CASE.inputs()
+    {"q": q, "k": k}[source][1, 5, 0, 2] = np.nan
+    rows = reached_rows(NAN_CASE, source, 1, 5, 0)
+    _, lse = run_forward(NAN_CASE, backend, q, k, v)
+    assert_nan_exactly_in(rows, lse.transpose(0, 2, 1)[..., None], f"lse, NaN in {source}")
+
+
+@pytest.mark.parametrize("backend, tile_size", [
+    pytest.param("dense", None, marks=pytest.mark.xfail(
+        strict=True, reason=ZERO_TIMES_NAN.format("dense: every row before it"))),
+    pytest.param("ring", 4, marks=pytest.mark.xfail(
+        strict=True, reason=ZERO_TIMES_NAN.format("ring: rows of the same masked tile"))),
+    ("ring", 1),                                       # 1x1 tiles: masked tiles are skipped
+])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_in_v_reaches_only_its_rows(backend, tile_size, layout):
+    # NaN in value 5: rows 5.. see it; rows 0..4 must stay finite (query 4
+    # shares a 4x4 tile with key 5 on contiguous and zigzag, and striped's
+    # blocks have masked tiles in every round)
+    case = case_of(layout, n_devices=2, S=8, Hq=2, Hkv=1, tile_size=tile_size, B=2)
+    q, k, v, _ = case.inputs()
+    v[1, 5, 0, 2] = np.nan
+    out, lse = run_forward(case, backend, q, k, v)
+    assert_nan_exactly_in(reached_rows(case, "v", 1, 5, 0), out, "out, NaN in v")
+    assert np.isfinite(lse).all()                      # values do not enter lse
+
+
+def reached_by_query_in_backward(case, b, p, h):
+    """NaN in query p (b, head h): dq row (b, p, h); dk and dv rows (b, j, h // G)
+    of the keys j that query p sees. Returns three boolean (B, S, H) arrays."""
+    dq = np.zeros((case.B, case.S, case.Hq), bool)
+    dq[b, p, h] = True
+    dkv = np.zeros((case.B, case.S, case.Hkv), bool)
+    dkv[b, :, h // (case.Hq // case.Hkv)] = np.arange(case.S) <= p if case.causal else True
+    return dq, dkv, dkv
+
+
+@pytest.mark.parametrize("backend, tile_size", [
+    pytest.param("dense", None, marks=pytest.mark.xfail(
+        strict=True, reason=MASKED_P_IS_NAN.format("dense backward: every key of its head"))),
+    pytest.param("ring", 4, marks=pytest.mark.xfail(
+        strict=True, reason=MASKED_P_IS_NAN.format("ring backward: keys of the same masked tile"))),
+    ("ring", 1),
+])
+def test_nan_in_q_reaches_only_its_gradients(backend, tile_size):
+    case = case_of("contiguous", n_devices=2, S=8, Hq=2, Hkv=1, tile_size=tile_size, B=2)
+    q, k, v, dout = case.inputs()
+    q[1, 5, 0, 2] = np.nan
+    out, lse = dense(case, q, k, v)
+    if backend == "dense":
+        grads = attention_backward(q, k, v, out, lse, dout, causal=case.causal)
+    else:
+        grads = ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+    for name, g, rows in zip(("dq", "dk", "dv"), grads, reached_by_query_in_backward(case, 1, 5, 0)):
+        assert_nan_exactly_in(rows, g, f"{name}, NaN in q")
+
+
+# -- the per-device ring with keys dealt differently from queries ---------------
+#
+# Through the public functions a device always meets its own block first, and
+# the first key tile of that block holds a key every query sees (a layout's first
+# local key is its smallest). To reach a row whose *first* block shows it no key
+# (the running max is still -inf: the step's hazard), deal the K/V blocks to the
+# devices in reverse order; positions travel with them, so the answer must not
+# change.
+
+def run_ring(q_shards, k_shards, v_shards, q_pos, k_pos, *, causal=True, scale=None, tile_size=None,
+             backward_inputs=None):
+    """ring.ring_forward (or ring_backward) on N virtual devices with the given
+    shards and positions; returns the per-device results."""
+    n = len(q_shards)
+    scale = q_shards[0].shape[-1] ** -0.5 if scale is None else scale
+    # copies: ring_forward may scale its q in place (test_ring_leaves_its_inputs_alone)
+    q_shards = [x.copy() for x in q_shards]
+    opts = dict(causal=causal, scale=scale, tile_size=tile_size)
+
+    def device(j, comm):
+        if backward_inputs is None:
+            return ring.ring_forward(q_shards[j], k_shards[j], v_shards[j], q_pos[j], k_pos[j], comm, **opts)
+        out, lse, dout = (x[j] for x in backward_inputs)
+        return ring.ring_backward(q_shards[j], k_shards[j], v_shards[j], out, lse, dout,
+                                  q_pos[j], k_pos[j], comm, **opts)
+    return list(zip(*run_devices(n, device)))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("tile_size", [1, 2, (3, 2), None])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_first_block_shows_some_rows_no_key(layout, tile_size, dtype):
+    N, S = 4, 16
+    case = case_of(layout, N, S, Hq=2, Hkv=1, tile_size=tile_size, dtype=dtype, B=2)
+    q, k, v, dout = case.inputs()
+    pos = positions(S, N, layout)
+    k_owner = [N - 1 - j for j in range(N)]                # device j starts with block N-1-j
+    k_pos = [pos[o] for o in k_owner]
+    first = visible(pos[0], k_pos[0])                      # device 0 meets the last block first
+    assert not first.any(axis=1).all()                     # some rows see nothing in it
+    ref_out, ref_lse = dense(case, q, k, v)
+    qs, os_, dos = (shard(x, N, layout) for x in (q, ref_out, dout))
+    ks, vs = ([np.take(x, p, axis=1) for p in k_pos] for x in (k, v))
+    out, lse, _ = run_ring(qs, ks, vs, pos, k_pos, tile_size=tile_size)
+    assert_finite(*out, *lse)
+    assert_close(unshard(out, layout), ref_out, dtype, "out")
+    assert_close(unshard(lse, layout, axis=2), ref_lse, dtype, "lse")
+
+    lses = shard(ref_lse, N, layout, axis=2)
+    dq, dk, dv, _ = run_ring(qs, ks, vs, pos, k_pos, tile_size=tile_size, backward_inputs=(os_, lses, dos))
+    ref = attention_backward(q, k, v, ref_out, ref_lse, dout)
+    dk_full, dv_full = np.empty_like(k), np.empty_like(v)
+    for j in range(N):                                     # dK, dV come home with their keys
+        dk_full[:, k_pos[j]], dv_full[:, k_pos[j]] = dk[j], dv[j]
+    for name, g, e in zip(("dq", "dk", "dv"), (unshard(dq, layout), dk_full, dv_full), ref):
+        assert_finite(g, names=(name,))
+        assert_close(g, e, dtype, name)
+
+
+def masked_attention(q, k, v, q_pos, k_pos, scale):
+    """float64 attention with the mask from positions (key visible iff
+    k_pos <= q_pos), one query row at a time; a row that sees no key gets
+    out = 0, lse = -inf. q (B, Sq, H, D), k, v (B, Sk, H, D)."""
+    B, Sq, H, D = q.shape
+    out, lse = np.zeros(q.shape), np.full((B, H, Sq), -np.inf)
+    for i in range(Sq):
+        keys = k_pos <= q_pos[i]
+        if keys.any():
+            s = np.einsum("bhd,bkhd->bhk", q[:, i], k[:, keys]) * scale     # (B, H, keys)
+            m = s.max(axis=-1, keepdims=True)
+            w = np.exp(s - m)
+            lse[:, :, i] = (m + np.log(w.sum(axis=-1, keepdims=True)))[..., 0]
+            out[:, i] = np.einsum("bhk,bkhd->bhd", w / w.sum(axis=-1, keepdims=True), v[:, keys])
+    return out, lse
+
+
+@pytest.mark.parametrize("tile_size", [1, 3, None])
+def test_rows_that_see_no_key_at_all(tile_size):
+    # keys sit at positions offset..offset+S-1: queries before `offset` see no key
+    # anywhere; their out is 0 and lse -inf (step.finish_forward), nothing is NaN,
+    # and in the backward they add nothing
+    N, S, offset, scale = 2, 8, 3, 0.5
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, S, 1, 4)) for _ in range(4))
+    pos = positions(S, N, "striped")
+    qs, ks, vs, dos = (shard(x, N, "striped") for x in (q, k, v, dout))
+    out, lse, _ = run_ring(qs, ks, vs, pos, pos + offset, scale=scale, tile_size=tile_size)
+    out, lse = unshard(out, "striped"), unshard(lse, "striped", axis=2)
+    ref_out, ref_lse = masked_attention(q, k, v, np.arange(S), np.arange(S) + offset, scale)
+    blind = np.arange(S) < offset
+    assert (out[:, blind] == 0).all() and np.isneginf(lse[..., blind]).all()
+    assert np.isfinite(out).all() and np.isfinite(lse[..., ~blind]).all()
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse[..., ~blind], ref_lse[..., ~blind], rtol=1e-12)
+
+    os_, lses = shard(out, N, "striped"), shard(lse, N, "striped", axis=2)
+    dq, dk, dv, _ = run_ring(qs, ks, vs, pos, pos + offset, scale=scale, tile_size=tile_size,
+                             backward_inputs=(os_, lses, dos))
+    dq = unshard(dq, "striped")
+    assert_finite(dq, *dk, *dv)
+    assert (dq[:, blind] == 0).all()
+    # a blind row's dout changes nothing: the gradients equal those with its dout zeroed
+    dos_zero = shard(np.where(blind[None, :, None, None], 0.0, dout), N, "striped")
+    again = run_ring(qs, ks, vs, pos, pos + offset, scale=scale, tile_size=tile_size,
+                     backward_inputs=(os_, lses, dos_zero))
+    for got, want in zip((dk, dv), again[1:3]):
+        np.testing.assert_array_equal(np.concatenate(got, axis=1), np.concatenate(want, axis=1))
+
+
+@pytest.mark.parametrize("Hq, Hkv, S, N", [
+    (4, 2, 8, 2),
+    (2, 1, 8, 2),   # MQA: the transpose moves nothing, so q_to_heads may return a view
+    (4, 2, 2, 2),   # one token per device: likewise
+])
+@pytest.mark.parametrize("backward", [False, True])
+def test_ring_leaves_its_inputs_alone(Hq, Hkv, S, N, backward):
+    # the per-device functions are what mpi_impl and gpu_impl call on the user's
+    # own shards, so they must not write to them
+    rng = np.random.default_rng(2)
+    q, dout = rng.standard_normal((1, S, Hq, 4)), rng.standard_normal((1, S, Hq, 4))
+    k, v = rng.standard_normal((1, S, Hkv, 4)), rng.standard_normal((1, S, Hkv, 4))
+    out, lse = attention(q, k, v)
+    pos = positions(S, N, "striped")
+    inputs = [shard(x, N, "striped") for x in (q, k, v, out, dout)] + [shard(lse, N, "striped", axis=2)]
+    kept = [[x.copy() for x in xs] for xs in inputs]
+    qs, ks, vs, os_, dos, lses = inputs
+
+    def device(j, comm):
+        opts = dict(causal=True, scale=0.5, tile_size=None)
+        if backward:
+            return ring.ring_backward(qs[j], ks[j], vs[j], os_[j], lses[j], dos[j], pos[j], pos[j], comm, **opts)
+        return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm, **opts)
+    run_devices(N, device)
+    for name, now, before in zip(("q", "k", "v", "out", "dout", "lse"), inputs, kept):
+        for a, b in zip(now, before):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} was written to")
+
+
+def test_public_functions_leave_their_inputs_alone():
+    case = case_of("striped", n_devices=2, S=8, Hq=2, Hkv=1)
+    q, k, v, dout = case.inputs()
+    out, lse = ring_attention(q, k, v, **case.options())
+    kept = [x.copy() for x in (q, k, v, out, lse, dout)]
+    ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+    ring_attention(q, k, v, **case.options())
+    for now, before in zip((q, k, v, out, lse, dout), kept):
+        np.testing.assert_array_equal(now, before)
