@@ -1,7 +1,7 @@
 # Every command a user needs; each creates .venv and installs what it needs.
 #   make demo        the main job: the ring on real MPI processes, with its work table
 #   make test        the test suite (what CI runs)
-#   make notebooks   execute the step-through notebooks
+#   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
 #   make gpu-check   GPU tests and benchmark table (on a machine with a CUDA 13 GPU)
 
@@ -20,10 +20,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m reference
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m mpi4py -m mpi_impl --layout all --check
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+notebooks: $(VENV)/.installed
+	$(PY) scripts/run_notebooks.py --write
 
 BENCH ?= --quick
 

@@ -1,0 +1,146 @@
+"""Ring attention on MPI ranks: this rank's shard in, this rank's shard out.
+
+Each rank is one device of the paper's Algorithm 1. The per-device loop is
+`reference.ring` (the same code the virtual devices run); this module only adds
+what real processes need around it:
+
+1. a collective agreement check: every rank validates its own inputs, then all
+   ranks exchange what must agree (shapes, dtypes, options) with one
+   ``allgather``, and every rank raises the same clear error if any rank's input
+   is bad or any two ranks differ. Every rank reaches the allgather, errors or
+   not, so the check itself cannot hang;
+2. a `RingComm` on a duplicate of the caller's communicator;
+3. the global positions of this rank's tokens, from the layout
+   (`reference.layouts.positions`), since positions travel with the tokens.
+
+    from mpi4py import MPI
+    from reference import shard
+    comm = MPI.COMM_WORLD
+    qs, ks, vs = (shard(x, comm.size, "striped")[comm.rank] for x in (q, k, v))
+    out, lse = ring_attention(qs, ks, vs, comm=comm, layout="striped")
+
+Shapes (this rank's shard, in the layout's local order): q (B, c, Hq, D),
+k and v (B, c, Hkv, D), out like q, lse (B, Hq, c), with c = S // N.
+"""
+
+from reference import checks, ring
+from reference.layouts import check_layout, positions
+from reference.tiles import tile_shape
+from reference.trace import Trace
+
+from .comm import RingComm
+
+TRACE_CHOICES = (False, True, "rank")
+
+
+def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
+                   trace=False, make_ring=RingComm.on):
+    """Exact attention of this rank's queries over every rank's keys.
+
+    Returns (out, lse); with ``trace=True`` also the Trace of every rank
+    (gathered, collective); with ``trace="rank"`` this rank's RoundLog.
+    ``make_ring(comm)`` builds the communication object (another backend passes
+    its own; one with a ``free()`` is freed after the ring).
+    Collective: every rank of `comm` must call it."""
+    scale = agree(comm, lambda: describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,
+                                              tile_size=tile_size, trace=trace, kind="forward"))["scale"]
+    q_pos = this_rank_positions(q, comm, layout)
+    ring_comm = make_ring(comm)
+    out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, causal=causal,
+                                      scale=scale, tile_size=tile_size)
+    _free(ring_comm)
+    return (out, lse) + _trace_result(log, comm, trace)
+
+
+def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
+                            scale=None, tile_size=None, trace=False, make_ring=RingComm.on):
+    """Gradients (dq, dk, dv) of this rank's shard, from the forward's out and lse.
+
+    K, V, dK, dV travel the ring; dQ stays home; dK, dV end on the rank that
+    owns those keys. ``trace`` and ``make_ring`` as in `ring_attention`. Collective."""
+    def describe():
+        d = describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                          trace=trace, kind="backward")
+        checks.check_grads_inputs(q, out, lse, dout)
+        d.update(out=(tuple(out.shape), str(out.dtype)), lse=(tuple(lse.shape), str(lse.dtype)),
+                 dout=(tuple(dout.shape), str(dout.dtype)))
+        return d
+
+    scale = agree(comm, describe)["scale"]
+    q_pos = this_rank_positions(q, comm, layout)
+    ring_comm = make_ring(comm)
+    dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
+                                         causal=causal, scale=scale, tile_size=tile_size)
+    _free(ring_comm)
+    return (dq, dk, dv) + _trace_result(log, comm, trace)
+
+
+def this_rank_positions(q, comm, layout):
+    """Global positions of this rank's c tokens (NumPy int64, (c,)): S = c * N."""
+    n = comm.Get_size()
+    return positions(q.shape[1] * n, n, layout)[comm.Get_rank()]
+
+
+def _free(ring_comm):
+    if hasattr(ring_comm, "free"):
+        ring_comm.free()
+
+
+def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, trace=False, kind="forward"):
+    """Validate this rank's inputs (raising the reference's clear errors) and
+    return what every rank must agree on; pass it to `agree`."""
+    if trace not in TRACE_CHOICES or isinstance(trace, int) and not isinstance(trace, bool):
+        raise ValueError(f"trace must be one of {TRACE_CHOICES}, got {trace!r}")
+    B, c, Hq, Hkv, D = checks.check_qkv(q, k, v, seq_axis_name="c")
+    n = comm.Get_size()
+    check_layout(layout, c * n, n)
+    scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                                 head_dim=D)
+    return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
+                layout=layout, causal=bool(causal), scale=scale, tile_size=tile_shape(tile_size),
+                trace=trace)
+
+
+def agree(comm, describe):
+    """Collective check: run ``describe()`` on this rank (a dict of what must
+    agree, or an exception), allgather, and raise the same clear error on every
+    rank if any rank failed or two ranks disagree. Returns this rank's dict."""
+    if not all(hasattr(comm, name) for name in ("allgather", "Get_rank", "Get_size", "Dup")):
+        raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    try:
+        mine, error = describe(), None
+    except Exception as e:      # noqa: BLE001 - reported to every rank, re-raised below
+        mine, error = None, e
+    everyone = comm.allgather((mine, _describe_error(error)))    # every rank gets here
+    failed = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
+    if failed:
+        if error is not None:
+            raise error
+        r, (kind, message) = failed[0]
+        raise _ERRORS.get(kind, RuntimeError)(f"rank {r} failed its input check: {kind}: {message}")
+    for key, value in mine.items():
+        values = [d[key] for d, _ in everyone]
+        if any(x != value for x in values):
+            raise ValueError(f"ranks disagree on {key}: "
+                             + ", ".join(f"rank {r} {x!r}" for r, x in enumerate(values)))
+    return mine
+
+
+_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}
+
+
+def _describe_error(e):
+    return None if e is None else (type(e).__name__, str(e))
+
+
+def _trace_result(log, comm, trace):
+    if trace == "rank":
+        return (log,)
+    if trace:
+        return (gather_trace(log, comm),)
+    return ()
+
+
+def gather_trace(log, comm):
+    """Every rank's RoundLog -> one Trace ([t, j] arrays), on every rank. Collective."""
+    return Trace.from_logs(comm.allgather(log))

@@ -1,0 +1,374 @@
+"""The command line: run the ring on MPI ranks for each layout and print what it cost.
+
+    mpiexec -n 4 python -m mpi4py -m mpi_impl --layout all --check
+    mpiexec -n 2 python -m mpi4py -m mpi_impl --seq-len 8192 --backward --plot timeline.png
+
+Every rank makes its own shard of random q, k, v (chunk by chunk from a seed;
+only --check builds the whole sequence, on rank 0), runs `ring_attention` (and with ``--backward``
+`ring_attention_backward`) for each layout, and rank 0 prints one row per layout:
+
+  max error     with --check: rank 0 gathers the shards and compares with the
+                reference (`reference.attention`, or for S > 4096 the NumPy ring on
+                one virtual device), scaled by max(1, |ref|)
+  critical path sum over rounds of the busiest rank's CPU time in the step
+                (`compute_cpu_s`): what the run costs when every rank has a core
+  wall          slowest rank, best of --repeat, after one untimed warm-up run
+  speedup       contiguous over this layout, measured (wall and critical path)
+  predicted     the cost model's speedup (`reference.cost`, "tiles", same tile size)
+
+With more ranks than cores, wall time measures the scheduler; read the critical
+path. Give each rank one BLAS thread (OPENBLAS_NUM_THREADS=1) so that CPU time is
+the step's time.
+
+Other backends reuse this module:
+
+    from mpi_impl.cli import Backend, build_parser, main
+    parser = build_parser(prog="mpiexec -n N python -m mpi4py -m gpu_impl")
+    parser.add_argument("--transfer", choices=("staged", "cuda-aware"), default="staged")
+    sys.exit(main(parser=parser, backend=lambda args: Backend("cupy", fwd, bwd, to_device=cupy.asarray,
+                                                               to_host=cupy.asnumpy, synchronize=sync)))
+
+with ``fwd``, ``bwd`` taking this package's keyword arguments (``comm``,
+``layout``, ``causal``, ``tile_size``, ``trace="rank"``), e.g.
+``functools.partial(mpi_impl.ring_attention, make_ring=...)``. `run`,
+`format_table`, `write_trace`, `read_trace` and `plot_timeline` are usable alone.
+"""
+
+import argparse
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import numpy as np
+
+from reference import LAYOUTS, attention, attention_backward, cost, positions, unshard
+from reference import ring_attention as reference_ring
+from reference import ring_attention_backward as reference_ring_backward
+from reference.trace import Trace
+
+from .attention import gather_trace, ring_attention, ring_attention_backward
+
+DTYPES = ("float16", "float32", "float64")
+# --check fails above these (errors scaled by max(1, |reference|)); what the
+# tests measure is far below: float64 1e-15, float32 1e-6
+DENSE_MAX_SEQ = 4096     # --check uses the dense S x S formula up to here
+CHECK_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2}
+CHUNK = 256          # tokens per independently seeded piece of the random inputs
+
+
+def _same(x):
+    return x
+
+
+def _nothing():
+    pass
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the command line needs from a backend: its two ring functions (the
+    signatures of `mpi_impl.ring_attention` and `ring_attention_backward`, with
+    ``trace="rank"`` returning this rank's RoundLog), a NumPy -> backend array
+    conversion and back, and a way to wait for queued work before reading a clock."""
+    name: str
+    ring_attention: Callable
+    ring_attention_backward: Callable
+    to_device: Callable = _same
+    to_host: Callable = _same
+    synchronize: Callable = _nothing
+
+
+NUMPY = Backend("numpy", ring_attention, ring_attention_backward)
+
+
+@dataclass
+class Row:
+    """One layout's result, on rank 0."""
+    layout: str
+    wall_s: float
+    critical_cpu_s: float
+    predicted: float
+    error: float = float("nan")
+    wait_fraction: float = float("nan")
+    traces: dict = field(default_factory=dict)       # "forward"/"backward" -> Trace
+    peak_rss_kb: list = field(default_factory=list)  # per rank, over the whole process so far
+
+
+def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=None):
+    ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens S, all ranks together")
+    ap.add_argument("--batch", type=int, default=1, help="batch B")
+    ap.add_argument("--heads", type=int, default=4, help="query heads Hq")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads Hkv (default: Hq)")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dim D")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32")
+    ap.add_argument("--tile-size", type=int, default=128, help="tile side, queries and keys")
+    ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--backward", action="store_true", help="also run the backward pass")
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the reference on rank 0: the dense formula up to S = 4096, the NumPy "
+                         "ring on one virtual device beyond; "
+                         "exit 1 above the dtype's tolerance")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per layout; the fastest is reported")
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="one untimed run first, so that the first layout timed does not pay for "
+                         "imports, BLAS start-up and first-touch page faults")
+    ap.add_argument("--trace-out", metavar="FILE.json", help="write every rank's per-round trace")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the per-rank, per-round timeline")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv=None, backend=NUMPY, parser=None):
+    """Parse, run every layout, print the table on rank 0; returns the exit status.
+    `backend` is a Backend, or a function of the parsed arguments returning one
+    (for options a backend adds to `parser`, such as a transfer path)."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if not isinstance(backend, Backend):
+        backend = backend(args)
+    problem = check_args(args, comm.Get_size())
+    if problem:                 # every rank finds the same problem; one of them says it
+        if comm.Get_rank() == 0:
+            parser.print_usage(sys.stderr)
+            print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+        return 2
+    rows = run(args, backend, comm)
+    if comm.Get_rank() != 0:
+        return 0
+    print(format_table(rows, args, comm.Get_size(), backend.name))
+    if args.trace_out:
+        write_trace(args.trace_out, rows, args, comm.Get_size())
+    if args.plot:
+        plot_timeline(args.plot, rows, f"S={args.seq_len}, N={comm.Get_size()}, tile={args.tile_size}")
+    failed = [r.layout for r in rows if args.check and not r.error <= CHECK_TOL[args.dtype]]
+    if failed:
+        print(f"CHECK FAILED: {', '.join(failed)} above {CHECK_TOL[args.dtype]:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def check_args(args, n_ranks):
+    """A message for options that cannot run on n_ranks, or None."""
+    for name in ("seq_len", "batch", "heads", "head_dim", "tile_size", "repeat"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        return f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
+    for layout in _layouts(args):
+        chunks = 2 * n_ranks if layout == "zigzag" else n_ranks
+        if args.seq_len % chunks:
+            return f"--seq-len {args.seq_len} must be a multiple of {chunks} for {layout} on {n_ranks} ranks"
+    return None
+
+
+def _layouts(args):
+    return LAYOUTS if args.layout == "all" else (args.layout,)
+
+
+def run(args, backend, comm):
+    """Run every requested layout; return the rows on rank 0, None elsewhere."""
+    if args.warmup:
+        time_passes(args, _layouts(args)[0], backend, comm)
+    rows = [run_layout(args, layout, backend, comm) for layout in _layouts(args)]
+    return rows if comm.Get_rank() == 0 else None
+
+
+# -- one layout --------------------------------------------------------------
+
+def shapes(args):
+    hkv = args.kv_heads or args.heads
+    B, S, D = args.batch, args.seq_len, args.head_dim
+    return (B, S, args.heads, D), (B, S, hkv, D)
+
+
+def make_shard(seed, which, shape, pos, dtype):
+    """Tokens `pos` of a standard-normal (B, S, H, D) array defined CHUNK tokens at a
+    time from (seed, which, chunk), so that each rank makes only its own shard."""
+    B, S, H, D = shape
+    out = np.empty((B, len(pos), H, D), dtype=dtype)             # (B, c, H, D)
+    for start in range(0, S, CHUNK):
+        here = np.nonzero((pos >= start) & (pos < start + CHUNK))[0]
+        if len(here):
+            rng = np.random.default_rng([seed, which, start])
+            piece = rng.standard_normal((B, min(CHUNK, S - start), H, D))
+            out[:, here] = piece[:, pos[here] - start]
+    return out
+
+
+def inputs(args, pos):
+    """q, k, v, dout for the tokens at `pos`, NumPy."""
+    sq, skv = shapes(args)
+    return tuple(make_shard(args.seed, i, s, pos, args.dtype) for i, s in enumerate((sq, skv, skv, sq)))
+
+
+def time_passes(args, layout, backend, comm):
+    """One timed run: (wall of the slowest rank, out, lse, grads or None, forward
+    RoundLog, backward RoundLog or None)."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    pos = positions(args.seq_len, n, layout)[rank]
+    q, k, v, dout = (backend.to_device(x) for x in inputs(args, pos))
+    opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size)
+    comm.Barrier()
+    start = time.perf_counter()
+    out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", **opts)
+    grads = bwd_log = None
+    if args.backward:
+        *grads, bwd_log = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank", **opts)
+    backend.synchronize()
+    wall = comm.allreduce(time.perf_counter() - start, op=_max())
+    return wall, out, lse, grads, fwd_log, bwd_log
+
+
+def run_layout(args, layout, backend, comm):
+    n, rank = comm.Get_size(), comm.Get_rank()
+    best = None
+    for _ in range(args.repeat):
+        timed = time_passes(args, layout, backend, comm)
+        best = timed if best is None or timed[0] < best[0] else best     # one run's arrays held, not all
+    wall, out, lse, grads, fwd_log, bwd_log = best
+    traces = {"forward": gather_trace(fwd_log, comm)}
+    if bwd_log is not None:
+        traces["backward"] = gather_trace(bwd_log, comm)
+    error = check(args, layout, comm, backend, out, lse, grads) if args.check else float("nan")
+    rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    if rank != 0:
+        return None
+    return Row(layout=layout, wall_s=wall, error=error, traces=traces, peak_rss_kb=rss,
+               critical_cpu_s=sum(t.critical_path("compute_cpu_s") for t in traces.values()),
+               wait_fraction=_wait_fraction(traces.values()),
+               predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal))
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def _wait_fraction(traces):
+    """Largest, over ranks, of (time waiting for transfers) / (time computing)."""
+    wait = sum(t.wait_s.sum(axis=0) for t in traces)              # (N,)
+    compute = sum(t.compute_s.sum(axis=0) for t in traces)
+    return float((wait / np.maximum(compute, 1e-12)).max())
+
+
+def check(args, layout, comm, backend, out, lse, grads):
+    """Largest error of out, lse (and dq, dk, dv) against the dense reference,
+    scaled by max(1, |reference|); computed on rank 0, NaN elsewhere."""
+    mine = [backend.to_host(x) for x in (out, lse, *(grads or ()))]
+    gathered = comm.gather(mine)
+    if comm.Get_rank() != 0:
+        return float("nan")
+    axes = [1, 2, 1, 1, 1]                   # sequence axis of out, lse, dq, dk, dv
+    got = [unshard([g[i] for g in gathered], layout, axis=axes[i]) for i in range(len(mine))]
+    full = np.arange(args.seq_len)
+    q, k, v, dout = (x.astype(np.float64) for x in inputs(args, full))   # the reference in float64
+    forward, backward = _reference(args.seq_len)
+    ref_out, ref_lse = forward(q, k, v, causal=args.causal)
+    want = [ref_out, ref_lse]
+    if grads is not None:
+        want += backward(q, k, v, ref_out, ref_lse, dout, causal=args.causal)
+    return max(_scaled_error(a, b) for a, b in zip(got, want))
+
+
+def _reference(seq_len):
+    """The dense formula up to DENSE_MAX_SEQ tokens; beyond, where its S x S
+    scores would not fit, the NumPy ring on one virtual device (tested against
+    the dense formula), whose memory grows linearly with S."""
+    if seq_len <= DENSE_MAX_SEQ:
+        return attention, attention_backward
+    return (partial(reference_ring, n_devices=1, layout="contiguous"),
+            partial(reference_ring_backward, n_devices=1, layout="contiguous"))
+
+
+def _scaled_error(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / max(1.0, np.abs(expected).max()))
+
+
+# -- output ------------------------------------------------------------------
+
+def format_table(rows, args, n_ranks, backend_name="numpy"):
+    """layout | max error | critical path | wall | speedups measured | predicted."""
+    base = next((r for r in rows if r.layout == "contiguous"), None)
+    passes = "forward+backward" if args.backward else "forward"
+    lines = [f"{backend_name}: N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, Hq={args.heads}, "
+             f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
+             f"{'causal' if args.causal else 'not causal'}, {passes}, best of {args.repeat}",
+             f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'speedup':>8} "
+             f"{'crit. speedup':>13} {'predicted':>9} {'wait/compute':>12}",
+             "-" * 89]
+    for r in rows:
+        speed = f"{base.wall_s / r.wall_s:>8.2f}" if base else f"{'-':>8}"
+        crit = f"{base.critical_cpu_s / r.critical_cpu_s:>13.2f}" if base else f"{'-':>13}"
+        err = f"{r.error:>9.1e}" if args.check else f"{'-':>9}"
+        lines.append(f"{r.layout:<11} {err} {r.critical_cpu_s * 1e3:>8.1f}ms {r.wall_s * 1e3:>7.1f}ms "
+                     f"{speed} {crit} {r.predicted:>9.2f} {r.wait_fraction:>12.1%}")
+    lines.append("crit. path: sum over rounds of the busiest rank's CPU time in the step; "
+                 "speedups: contiguous / layout; predicted: reference.cost, tiles")
+    return "\n".join(lines)
+
+
+def write_trace(path, rows, args, n_ranks):
+    doc = {"args": vars(args), "n_ranks": n_ranks, "layouts": {
+        r.layout: {"wall_s": r.wall_s, "critical_cpu_s": r.critical_cpu_s, "predicted_speedup": r.predicted,
+                   "max_error": None if np.isnan(r.error) else r.error, "wait_fraction": r.wait_fraction,
+                   "peak_rss_kb": r.peak_rss_kb, **{k: t.to_dict() for k, t in r.traces.items()}}
+        for r in rows}}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def read_trace(path):
+    """The document `--trace-out` wrote, with Trace objects back."""
+    with open(path) as f:
+        doc = json.load(f)
+    for entry in doc["layouts"].values():
+        for kind in ("forward", "backward"):
+            if kind in entry:
+                entry[kind] = Trace.from_dict(entry[kind])
+    return doc
+
+
+def plot_timeline(path, rows, title=""):
+    """One panel per layout, one line per rank: each round's compute (colour)
+    then wait (grey), forward then backward, laid end to end."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    n = rows[0].traces["forward"].n_devices
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 1.2 + 0.45 * n * len(rows)), sharex=True, squeeze=False)
+    for ax, row in zip(axes[:, 0], rows):
+        _draw_rounds(ax, list(row.traces.items()))
+        ax.set_ylabel(row.layout)
+    axes[-1, 0].set_xlabel("seconds (per rank: compute, then wait, round after round)")
+    axes[0, 0].set_title(title)
+    axes[0, 0].legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_rounds(ax, traces):
+    colours = {"forward": "tab:blue", "backward": "tab:orange"}
+    n = traces[0][1].n_devices
+    for j in range(n):
+        x = 0.0
+        for kind, tr in traces:
+            for t in range(tr.compute_s.shape[0]):
+                c, w = tr.compute_s[t, j], tr.wait_s[t, j]
+                ax.barh(j, c, left=x, color=colours[kind], edgecolor="white", linewidth=0.5,
+                        label=f"{kind} compute" if (j, t) == (0, 0) else None)
+                first = (j, t, kind) == (0, 0, "forward")
+                ax.barh(j, w, left=x + c, color="0.75", label="wait" if first else None)
+                x += c + w
+    ax.set_yticks(range(n), [f"rank {j}" for j in range(n)])
+    ax.invert_yaxis()
