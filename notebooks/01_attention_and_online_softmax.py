@@ -1,0 +1,225 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 1. Attention, the causal mask, and the online softmax
+#
+# This is the first of six notebooks on Striped Attention (Brandon et al. 2023). They
+# build up, one idea each, to exact causal attention spread over a ring of devices:
+#
+# 1. **attention and the online softmax** (this notebook): why a device can attend to
+#    one block of keys at a time and still get the exact answer;
+# 2. layouts: which device holds which token;
+# 3. the ring, round by round;
+# 4. tiles, and the speed-up they turn balance into;
+# 5. the backward pass;
+# 6. real processes with MPI.
+#
+# Every claim is followed by an `assert` or a picture. Nothing is re-implemented here:
+# the notebooks call the project's package `reference` (pure NumPy).
+#
+# Shapes follow flash-attn: `q` is `(B, S, Hq, D)` (batch, tokens, heads, head dim),
+# `k` and `v` are `(B, S, Hkv, D)`, and `lse` (the log-sum-exp of each query's scores)
+# is `(B, Hq, S)`.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+from reference import attention
+from reference import step
+from reference.tiles import visible
+
+rng = np.random.default_rng(0)
+
+# %% [markdown]
+# ## Causal attention (paper, section 2.1)
+#
+# $$\mathrm{CausalAttn}(Q, K, V) = \mathrm{Softmax}(Q K^\top \cdot \mathrm{scale} + C)\,V,
+# \qquad C_{q,k} = \begin{cases} -\infty & \text{pos}_k > \text{pos}_q \\ 0 & \text{otherwise}\end{cases}$$
+#
+# The mask says: a token only looks at itself and at tokens before it. In this project
+# the mask is always computed from **positions**, `q_pos[:, None] >= k_pos[None, :]`,
+# never from array indices: that is what will let us shuffle tokens between devices
+# later without changing the answer.
+
+# %%
+S = 16
+pos = np.arange(S)
+mask = visible(pos, pos)                     # (S, S) True where key k is visible to query q
+
+plt.figure(figsize=(3.2, 3.2))
+plt.imshow(mask, cmap="Greys_r")
+plt.xlabel("key position")
+plt.ylabel("query position")
+plt.title("causal mask (white = visible)")
+plt.show()
+
+assert (mask == np.tril(np.ones((S, S), dtype=bool))).all()
+assert mask.sum() == S * (S + 1) // 2        # about half the pairs: the work causality saves
+
+# %% [markdown]
+# `reference.attention` is the dense oracle: it builds the whole `(S, S)` score matrix,
+# so it is only for checking. It returns the output and `lse`, the log of each row's
+# softmax denominator. `lse` is what makes the softmax weights recoverable later:
+# `P = exp(scores - lse)`, and each row of `P` sums to one.
+
+# %%
+B, H, D = 1, 1, 8
+q, k, v = (rng.standard_normal((B, S, H, D)) for _ in range(3))   # (B, S, H, D) float64
+scale = D ** -0.5
+
+out, lse = attention(q, k, v, causal=True)   # out (B, S, H, D), lse (B, H, S)
+scores = q[0, :, 0] @ k[0, :, 0].T * scale   # (S, S) for the one batch element and head
+P = np.where(mask, np.exp(scores - lse[0, 0][:, None]), 0.0)
+
+assert np.allclose(P.sum(axis=1), 1.0)                   # lse normalises every row
+assert np.allclose(P @ v[0, :, 0], out[0, :, 0])         # and out = P V
+
+plt.figure(figsize=(3.2, 3.2))
+plt.imshow(P, cmap="viridis")
+plt.xlabel("key position")
+plt.ylabel("query position")
+plt.title("attention weights P")
+plt.colorbar(fraction=0.046)
+plt.show()
+
+# %% [markdown]
+# ## The online softmax: one block of keys at a time
+#
+# In a ring, a device never holds all keys at once: it sees one block per round. It keeps,
+# for each of its query rows, a running maximum `m`, a running sum `l` and an
+# unnormalised output `O` (Rabe and Staats 2021; this is Algorithm 1's `Out_j`).
+# For a new block of scores `S_b`:
+#
+# $$m' = \max(m, \max_k S_b), \quad l' = l\,e^{m - m'} + \sum_k e^{S_b - m'}, \quad
+# O' = O\,e^{m - m'} + e^{S_b - m'} V_b$$
+#
+# and at the end `out = O / l`, `lse = m + log l`. The factor $e^{m - m'}$ rescales what was
+# accumulated against the old maximum; nothing is lost.
+#
+# First the identity on one row of six numbers, split into two blocks of three:
+
+# %%
+row = rng.standard_normal(6)
+a, b = row[:3], row[3:]
+m_a, l_a = a.max(), np.exp(a - a.max()).sum()
+m_b, l_b = b.max(), np.exp(b - b.max()).sum()
+m = max(m_a, m_b)
+l = l_a * np.exp(m_a - m) + l_b * np.exp(m_b - m)
+
+assert np.isclose(m + np.log(l), np.log(np.exp(row).sum()))   # merged lse == full lse
+
+# %% [markdown]
+# Now the project's own per-device step, `reference.step`, on whole blocks. It works in a
+# *compute layout* `(B, Hkv, c, G, D)` (query heads grouped under their key/value head),
+# so we convert with its helpers. Queries are pre-scaled, as the ring does.
+#
+# - `ForwardAcc.zeros(q)`: the empty running state (`m = -inf`, `l = 0`, `O = 0`);
+# - `attend_block(acc, q, k, v, q_pos, k_pos, ...)`: merge one key/value block;
+# - `finish_forward(acc)`: `out = O / l`, `lse = m + log l`.
+#
+# We split the 16 keys into two blocks, positions `0..7` and `8..15`, and merge them in
+# the "wrong" order (later keys first) to show the order does not matter.
+
+# %%
+q_h = step.q_to_heads(q, n_kv_heads=H) * scale          # (B, Hkv, S, G, D), pre-scaled
+k_h, v_h = step.kv_to_heads(k), step.kv_to_heads(v)     # (B, Hkv, S, D)
+first, second = slice(0, 8), slice(8, 16)               # two key blocks
+
+acc = step.ForwardAcc.zeros(q_h)
+for keys in (second, first):
+    step.attend_block(acc, q_h, k_h[:, :, keys], v_h[:, :, keys], pos, pos[keys],
+                      causal=True, tile_size=4)
+out_h, lse_h = step.finish_forward(acc)
+merged_out, merged_lse = step.q_from_heads(out_h), step.rows_from_heads(lse_h)
+
+print("max |merged - dense| out:", np.abs(merged_out - out).max(), " lse:", np.abs(merged_lse - lse).max())
+assert np.allclose(merged_out, out, rtol=0, atol=1e-12)
+assert np.allclose(merged_lse, lse, rtol=0, atol=1e-12)
+
+# %% [markdown]
+# ## A row with no visible key
+#
+# Look at the state after the first merge only (keys `8..15`). Queries `0..7` see none of
+# those keys: every score in their row is `-inf`, so their running max is still `-inf`.
+# The naive update would compute `exp(-inf - (-inf)) = exp(nan)`. The step guards against
+# this (see `reference/step.py`): such a row stays at `m = -inf, l = 0, O = 0`, with no NaN,
+# and the next block merges into it as if it were empty.
+#
+# With striping (notebook 2), in every round after the first some device holds a block from
+# a device after it, and its first query sees none of that block's keys: on the ring this
+# case is not a corner, it happens every round.
+
+# %%
+acc = step.ForwardAcc.zeros(q_h)
+step.attend_block(acc, q_h, k_h[:, :, second], v_h[:, :, second], pos, pos[second],
+                  causal=True, tile_size=4)
+m_rows = step.rows_from_heads(acc.m)[0, 0]               # (S,) running max per query
+l_rows = step.rows_from_heads(acc.l)[0, 0]
+print("m after block 8..15:", np.round(m_rows, 2))
+
+assert np.isneginf(m_rows[:8]).all() and (l_rows[:8] == 0).all()    # queries 0..7 saw nothing
+assert np.isfinite(m_rows[8:]).all() and (l_rows[8:] > 0).all()
+assert not np.isnan(acc.o).any() and not np.isnan(acc.l).any()
+
+# %% [markdown]
+# If we stopped here, `finish_forward` would give those rows `out = 0` and `lse = -inf`
+# (a row that saw no key has nothing to average), still without NaN. Then merging the other
+# block makes them exactly right:
+
+# %%
+only_second_out, only_second_lse = step.finish_forward(acc)
+empty_rows = step.rows_from_heads(only_second_lse)[0, 0, :8]
+assert np.isneginf(empty_rows).all()
+assert (step.q_from_heads(only_second_out)[0, :8] == 0).all()
+assert not np.isnan(only_second_out).any()
+
+step.attend_block(acc, q_h, k_h[:, :, first], v_h[:, :, first], pos, pos[first],
+                  causal=True, tile_size=4)
+out_h, lse_h = step.finish_forward(acc)
+assert np.allclose(step.q_from_heads(out_h), out, rtol=0, atol=1e-12)
+assert np.allclose(step.rows_from_heads(lse_h), lse, rtol=0, atol=1e-12)
+
+# %% [markdown]
+# ## Picture: the running state, block by block
+#
+# Each query's `lse` after zero, one and two blocks, against the dense `lse`. After the
+# first block (keys `8..15`) only the second half has a value; after the second block the
+# curves coincide.
+
+# %%
+acc = step.ForwardAcc.zeros(q_h)
+partial = []
+for keys in (second, first):
+    step.attend_block(acc, q_h, k_h[:, :, keys], v_h[:, :, keys], pos, pos[keys],
+                      causal=True, tile_size=4)
+    partial.append(step.rows_from_heads(step.finish_forward(acc)[1])[0, 0])
+
+plt.figure(figsize=(6, 3))
+plt.plot(pos, lse[0, 0], "k-", lw=3, alpha=0.3, label="dense lse")
+plt.plot(pos, np.where(np.isneginf(partial[0]), np.nan, partial[0]), "o", label="after keys 8..15")
+plt.plot(pos, partial[1], "x", label="after keys 0..7 as well")
+plt.xlabel("query position")
+plt.ylabel("lse")
+plt.legend()
+plt.show()
+
+assert np.allclose(partial[1], lse[0, 0])
+assert (partial[0][8:] <= lse[0, 0][8:] + 1e-12).all()   # more keys only add to the sum
+
+# %% [markdown]
+# **What we have seen.** A device can attend to keys one block at a time, in any order,
+# keeping three small arrays per query row, and the result equals dense attention to
+# rounding; rows that see nothing in a block are harmless. Next, in
+# `02_layouts`, we decide which device holds which tokens.

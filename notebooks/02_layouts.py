@@ -1,0 +1,206 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 2. Layouts: which device holds which token
+#
+# Ring Attention (Liu et al. 2023) cuts the sequence into N contiguous blocks, one per
+# device. Each device keeps its queries and, round by round, attends them to every
+# device's keys as the key/value blocks travel around the ring (paper, section 2.2 and
+# Algorithm 1): in round `t`, device `j` holds the block that started on device
+# `(j - t) mod N`.
+#
+# Striped Attention changes only **which tokens each device holds**. This notebook draws
+# the three layouts of `reference.layouts` and, for each round, which device computes
+# which (query, key) pair: the paper's Figures 2, 3 and 4.
+#
+# Legend: `N` devices, `S` tokens, `c = S // N` tokens per device.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import ListedColormap
+
+from reference import LAYOUTS, cost, positions, shard, unshard
+from reference.tiles import visible
+
+S, N = 16, 4              # the paper's figures: 16 tokens on 4 devices
+c = S // N
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]   # one colour per device
+DEVICE_CMAP = ListedColormap(COLORS)
+
+# %% [markdown]
+# ## Three layouts
+#
+# `positions(S, N, layout)` is an `(N, c)` array: row `j` lists the global positions held
+# by device `j`, in its local order.
+#
+# - **contiguous** (Ring Attention): device `r` holds `r*c .. (r+1)*c - 1`;
+# - **striped** (the paper): device `r` holds `r, r+N, r+2N, ...`, tokens dealt round-robin;
+# - **zigzag** (common in practice): `2N` chunks, device `r` holds chunk `r` and chunk `2N-1-r`.
+
+# %%
+for layout in LAYOUTS:
+    print(f"{layout:<11}", "  ".join(f"dev{j} {p}" for j, p in enumerate(positions(S, N, layout))))
+
+# %%
+owner = {}
+for layout in LAYOUTS:
+    pos = positions(S, N, layout)                           # (N, c)
+    owner[layout] = np.empty(S, dtype=int)
+    owner[layout][pos] = np.arange(N)[:, None]              # owner[p] = the device holding p
+    # every position is held by exactly one device
+    assert sorted(pos.ravel()) == list(range(S))
+
+assert (owner["contiguous"] == np.arange(S) // c).all()
+assert (owner["striped"] == np.arange(S) % N).all()
+
+fig, axes = plt.subplots(len(LAYOUTS), 1, figsize=(7, 2.4), sharex=True)
+for ax, layout in zip(axes, LAYOUTS):
+    ax.imshow(owner[layout][None, :], cmap=DEVICE_CMAP, vmin=-0.5, vmax=N - 0.5, aspect="auto")
+    for p in range(S):
+        ax.text(p, 0, str(p), ha="center", va="center", color="white", fontsize=8)
+    ax.set_yticks([0], [layout])
+axes[-1].set_xlabel("token position (colour = device that holds it)")
+axes[-1].set_xticks([])
+plt.show()
+
+# %% [markdown]
+# `shard` cuts an array in natural token order into the N shards of a layout, and
+# `unshard` puts them back. Positions travel with the tokens: the shard of device `j`
+# holds exactly the tokens `positions(S, N, layout)[j]`.
+
+# %%
+x = np.arange(S)[None, :, None, None] * 1.0                 # (B=1, S, H=1, D=1): token i holds i
+for layout in LAYOUTS:
+    shards = shard(x, N, layout)                            # N arrays (1, c, 1, 1)
+    assert all((s.ravel() == p).all() for s, p in zip(shards, positions(S, N, layout)))
+    assert (unshard(shards, layout) == x).all()
+
+# %% [markdown]
+# ## Each device's mask in each round (Figures 2 and 3)
+#
+# In round `t`, device `j` attends its queries (positions `pos[j]`) to the keys of device
+# `k = (j - t) mod N`. Its mask is computed from positions,
+# `visible(pos[j], pos[k]) = pos[j][:, None] >= pos[k][None, :]`, a `c x c` square.
+# Black is masked (skippable), the device's colour is work it must do.
+
+# %%
+def block_masks(layout):
+    """mask[t][j]: the (c, c) visibility of device j's queries to the block it holds in round t."""
+    pos = positions(S, N, layout)
+    return [[visible(pos[j], pos[(j - t) % N]) for j in range(N)] for t in range(N)]
+
+
+masks = {layout: block_masks(layout) for layout in LAYOUTS}
+
+fig, axes = plt.subplots(len(LAYOUTS), N * N, figsize=(13, 2.6))
+for row, layout in enumerate(LAYOUTS):
+    for t in range(N):
+        for j in range(N):
+            ax = axes[row, t * N + j]
+            ax.imshow(masks[layout][t][j], cmap=ListedColormap(["black", COLORS[j]]), vmin=0, vmax=1)
+            ax.set_xticks([]), ax.set_yticks([])
+            if row == 0:
+                ax.set_title(f"r{t} d{j}", fontsize=7)
+        axes[row, 0].set_ylabel(layout, fontsize=8)
+fig.suptitle("device d's c x c mask in round r (black = masked)", y=1.06)
+plt.show()
+
+# %% [markdown]
+# What the pictures show, as asserts. For **contiguous** (Ring Attention's `GetMask`):
+# the own block is a triangle, a block from an earlier device is fully visible, and a
+# block from a later device is fully masked. So in every round after the first, some
+# device has a full block of work while another has none, and the round waits for the
+# busiest.
+
+# %%
+tri = np.tril(np.ones((c, c), dtype=bool))          # y <= x: the diagonal included
+strict = np.tril(np.ones((c, c), dtype=bool), -1)   # y < x
+for t in range(N):
+    for j in range(N):
+        k = (j - t) % N
+        m = masks["contiguous"][t][j]
+        expected = tri if j == k else np.ones_like(tri) if j > k else np.zeros_like(tri)
+        assert (m == expected).all()
+
+# %% [markdown]
+# For **striped** (the paper's `GetMaskStripedAttention`): query `x` of device `j` is at
+# position `x*N + j`, key `y` of device `k` at `y*N + k`, and `y*N + k <= x*N + j` holds iff
+# `y < x`, or `y == x` and `k <= j`. So every mask is a triangle: with the diagonal when
+# `j >= k`, without it when `j < k`. Every device has about half a block of work in
+# every round. (Each strict triangle has a first row with no visible key: the case
+# notebook 1 showed is harmless.)
+
+# %%
+for t in range(N):
+    for j in range(N):
+        k = (j - t) % N
+        assert (masks["striped"][t][j] == (tri if j >= k else strict)).all()
+        # the paper's Work(i, j) = c(c+1)/2 if i >= j else c(c-1)/2 (section 2.2)
+        assert masks["striped"][t][j].sum() == cost.paper_work(j, k, c)
+
+# %% [markdown]
+# ## The (query, key) grid coloured by device (Figure 4)
+#
+# The same thing seen from the whole `S x S` attention matrix, in natural token order:
+# a cell is coloured by the device that computes that (query, key) pair in that round;
+# white cells are not computed that round (black: masked by causality, never computed).
+
+# %%
+def round_grid(layout, t):
+    """(S, S) grid: the device computing pair (q, k) in round t, -1 if masked, NaN if not this round."""
+    pos = positions(S, N, layout)
+    grid = np.full((S, S), np.nan)
+    for j in range(N):
+        keys = pos[(j - t) % N]
+        grid[np.ix_(pos[j], keys)] = j
+    grid[~visible(np.arange(S), np.arange(S))] = -1
+    return grid
+
+
+cmap = ListedColormap(["black"] + COLORS)
+cmap.set_bad("white")
+fig, axes = plt.subplots(len(LAYOUTS), N, figsize=(9, 7))
+for row, layout in enumerate(LAYOUTS):
+    for t in range(N):
+        ax = axes[row, t]
+        ax.imshow(round_grid(layout, t), cmap=cmap, vmin=-1.5, vmax=N - 0.5)
+        ax.set_xticks([]), ax.set_yticks([])
+        ax.set_title(f"{layout}, round {t}", fontsize=9)
+plt.show()
+
+# %% [markdown]
+# Over all rounds and devices, every visible pair is computed exactly once, whatever the
+# layout: the layouts differ only in **when** and **where** each pair is computed. The
+# visible pairs per device and round (what the grids count) show the balance.
+
+# %%
+causal = visible(np.arange(S), np.arange(S))
+for layout in LAYOUTS:
+    pos = positions(S, N, layout)
+    times_computed = np.zeros((S, S), dtype=int)
+    for t in range(N):
+        for j in range(N):
+            times_computed[np.ix_(pos[j], pos[(j - t) % N])] += 1
+    assert (times_computed == 1).all()                       # every pair in exactly one (t, j)
+
+    work = np.array([[masks[layout][t][j].sum() for j in range(N)] for t in range(N)])   # (t, j)
+    assert work.sum() == causal.sum()
+    print(f"{layout:<11} visible pairs per (round, device):", work.tolist(),
+          f" busiest per round: {work.max(axis=1).tolist()}")
+
+# %% [markdown]
+# **What we have seen.** Contiguous blocks put all of a round's work on some devices and
+# none on others; striping (and zigzag) gives every device about half a block every round.
+# The total work is the same. Next, `03_the_ring` runs the ring and records this work.

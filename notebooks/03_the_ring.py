@@ -1,0 +1,217 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 3. The ring, round by round
+#
+# The paper's Algorithm 1, for each device `j` in parallel:
+#
+# ```
+# for round t = 0 .. N-1:
+#     k = (j - t) mod N                       # the block held this round
+#     Out_j = AccumulateAttentionFragment(Out_j, Q_j, K_k, V_k, GetMask(j, k))
+#     send K_k, V_k to device (j + 1) mod N; receive K_(k-1), V_(k-1) from (j - 1) mod N
+# normalize(Out_j)
+# ```
+#
+# `reference.ring.ring_forward` is that loop for **one** device. It is the same code for
+# every backend; only the communication object `comm` changes. It needs two verbs:
+#
+# ```
+# handle = comm.start_shift(arrays, tag)   # send to rank+1, receive from rank-1
+# arrays = comm.finish_shift(handle)       # wait for both
+# ```
+#
+# `reference.virtual` provides N *virtual* devices (threads in this process, sharing
+# nothing: a message is a copy). Here we run them on a small case, watch the blocks go
+# round, and read the trace: the work each device did in each round.
+#
+# Legend: `N` devices, `S` tokens, `c = S // N`, `T` tile size.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+
+from reference import LAYOUTS, Trace, attention, cost, positions, ring_attention, shard, unshard
+from reference import ring
+from reference.virtual import run_devices
+
+S, N, T = 32, 4, 2            # 4 devices of c = 8 tokens, tiles of 2 x 2: 4 x 4 tiles per block
+B, HQ, HKV, D = 1, 2, 1, 8    # two query heads sharing one key/value head
+c = S // N
+rng = np.random.default_rng(0)
+q = rng.standard_normal((B, S, HQ, D))                        # (B, S, Hq, D)
+k, v = (rng.standard_normal((B, S, HKV, D)) for _ in range(2))   # (B, S, Hkv, D)
+dense_out, dense_lse = attention(q, k, v)
+
+# %% [markdown]
+# ## Watching the blocks travel
+#
+# We wrap each device's communication object so that it notes what it sends, then run
+# `ring_forward` on four threads with `run_devices`, exactly as `ring_attention` does.
+# A block travels as `(K, V, positions of its keys, the device it started on)`:
+# positions travel with the tokens, so each mask is computed from them.
+
+# %%
+class WatchedRing:
+    """Passes every call to the real communication object, noting each send."""
+
+    def __init__(self, comm, sent):
+        self.comm, self.sent = comm, sent
+        self.rank, self.size = comm.rank, comm.size
+        self.round = 0
+
+    def start_shift(self, arrays, tag):
+        k_pos = arrays[2]                      # (c,) global positions of the keys sent
+        self.sent[self.round, self.rank] = k_pos
+        self.round += 1
+        return self.comm.start_shift(arrays, tag)
+
+    def finish_shift(self, handle):
+        return self.comm.finish_shift(handle)
+
+
+layout = "contiguous"
+pos = positions(S, N, layout)                                  # (N, c)
+qs, ks, vs = (shard(x, N, layout) for x in (q, k, v))          # N shards (B, c, H, D)
+sent = np.full((N, N, c), -1)                                  # [t, j] -> positions sent
+
+
+def device(j, comm):
+    return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], WatchedRing(comm, sent),
+                             causal=True, scale=D ** -0.5, tile_size=T)
+
+
+outs, lses, logs = zip(*run_devices(N, device))
+trace = Trace.from_logs(logs)                                  # arrays [t, j]
+
+out = unshard(outs, layout)                                    # back to natural order
+assert np.allclose(out, dense_out, rtol=0, atol=1e-12)
+assert np.allclose(unshard(lses, layout, axis=2), dense_lse, rtol=0, atol=1e-12)
+
+# %% [markdown]
+# What each device holds in each round, with the work it did on it: visible (query, key)
+# pairs, and tiles computed out of the `4 x 4` tiles of the block.
+
+# %%
+for t in range(N):
+    print(f"round {t}")
+    for j in range(N):
+        src = trace.source[t, j]
+        print(f"  dev{j}: queries {pos[j]}  keys {pos[src]} (from dev{src})  "
+              f"{trace.pairs[t, j]:>2} pairs, {trace.tiles_computed[t, j]}/{trace.tiles_computed[t, j] + trace.tiles_skipped[t, j]} tiles")
+
+# %% [markdown]
+# Checked against Algorithm 1: in round `t` device `j` holds the block of device
+# `(j - t) mod N`; what device `j` sends in round `t` is what device `j + 1` holds in round
+# `t + 1`; and nothing is sent after the last round.
+
+# %%
+for t in range(N):
+    for j in range(N):
+        assert trace.source[t, j] == (j - t) % N
+        if t < N - 1:
+            assert (sent[t, j] == pos[trace.source[t + 1, (j + 1) % N]]).all()
+assert (sent[N - 1] == -1).all()                 # no transfer after the last round
+assert (trace.bytes_sent[N - 1] == 0).all() and (trace.bytes_sent[:N - 1] > 0).all()
+
+# %% [markdown]
+# ## The work table
+#
+# `Trace.table()` prints the same per-(round, device) work compactly, with the busiest and
+# idlest device of each round. A round lasts as long as its busiest device, so the
+# **critical path** is the sum over rounds of the busiest device's work.
+
+# %%
+print(trace.table(f"{layout}: S={S}, N={N}, tile={T}"))
+
+# %% [markdown]
+# ## Every layout
+#
+# `ring_attention(..., trace=True)` does all of the above (shard, run the devices,
+# unshard) and returns the trace. Each layout gives the dense answer; only the work
+# distribution differs.
+
+# %%
+traces = {}
+for layout in LAYOUTS:
+    out, lse, traces[layout] = ring_attention(q, k, v, n_devices=N, layout=layout, tile_size=T, trace=True)
+    assert np.allclose(out, dense_out, rtol=0, atol=1e-12)
+    assert np.allclose(lse, dense_lse, rtol=0, atol=1e-12)
+    print(traces[layout].table(f"\n{layout}"))
+
+# %% [markdown]
+# The cost model, `reference.cost.predict`, counts the same tiles and pairs from positions
+# alone, without running attention. It agrees with the run exactly, which is what lets
+# notebook 4 use it for sizes far too large to run here.
+
+# %%
+for layout, tr in traces.items():
+    p = cost.predict(S, N, layout, tile_size=T)
+    for field in ("source", "pairs", "tiles_computed", "tiles_skipped"):
+        assert (getattr(p, field) == getattr(tr, field)).all(), (layout, field)
+
+# %% [markdown]
+# ## Heat maps: work per (round, device)
+#
+# Top: visible pairs; bottom: tiles computed. Contiguous has a cold lower-left (devices
+# whose block is all in the future) and a hot band (devices with a full block); striped
+# and zigzag are nearly flat.
+
+# %%
+fig, axes = plt.subplots(2, len(LAYOUTS), figsize=(10, 6.5), sharey=True, layout="constrained")
+for col, (layout, tr) in enumerate(traces.items()):
+    for row, (field, vmax) in enumerate([("pairs", c * c), ("tiles_computed", (c // T) ** 2)]):
+        work = getattr(tr, field)                               # (t, j)
+        ax = axes[row, col]
+        im = ax.imshow(work, cmap="magma", vmin=0, vmax=vmax)
+        for t in range(N):
+            for j in range(N):
+                ax.text(j, t, work[t, j], ha="center", va="center",
+                        color="white" if work[t, j] < vmax / 2 else "black")
+        ax.set_title(f"{layout}: {field}", fontsize=9)
+        ax.set_xlabel("device j")
+        ax.set_xticks(range(N))
+    axes[0, col].set_ylabel("round t")
+    axes[1, col].set_ylabel("round t")
+plt.show()
+
+# %% [markdown]
+# The critical paths, and the speed-up they imply, as the cost model predicts them. With
+# exact (pair-level) skipping striped's speed-up tends to `(2N - 1) / N` as blocks grow,
+# held back at this tiny size by its diagonal (the `c(c+1)/2` against `c(c-1)/2` of
+# notebook 2). Zigzag is flatter still here: after round 0 each of its devices holds
+# exactly half of a `c x c` square.
+
+# %%
+crit = {layout: int(tr.critical_path("pairs")) for layout, tr in traces.items()}
+crit_tiles = {layout: int(tr.critical_path("tiles_computed")) for layout, tr in traces.items()}
+print("critical path, pairs:", crit)
+print("critical path, tiles:", crit_tiles)
+
+assert all(tr.pairs.sum() == traces["contiguous"].pairs.sum() for tr in traces.values())   # same total work
+cont = traces["contiguous"].pairs
+assert all(cont[t, j] == 0 for t in range(1, N) for j in range(t))           # the cold lower-left
+assert all(cont[t, j] == c * c for t in range(1, N) for j in range(t, N))     # the hot band
+assert crit["striped"] < crit["contiguous"] and crit["zigzag"] < crit["contiguous"]
+assert crit_tiles["striped"] < crit_tiles["contiguous"]
+assert crit["contiguous"] / crit["striped"] == cost.speedup(S, N, "striped", T, mode="pairs")
+assert crit["contiguous"] / crit["striped"] < cost.striped_limit(N)
+assert (traces["zigzag"].pairs[1:] == c * c // 2).all()
+
+# %% [markdown]
+# **What we have seen.** The ring is Algorithm 1 run by N copies of one function; every
+# layout gives the dense answer; the trace records each device's work in each round and the
+# cost model predicts it exactly; striping flattens the work so that no round waits for a
+# device with a full block. Next, `04_tiles_and_speedup`: how much of that balance turns
+# into speed depends on the tile size.

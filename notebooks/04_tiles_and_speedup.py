@@ -1,0 +1,232 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 4. Tiles: how balance becomes speed
+#
+# Notebook 3 showed that striping balances the *visible pairs*. But a kernel does not
+# skip single pairs: it cuts each (query block, key block) pair into tiles of
+# `tq x tk` and skips a tile only when **no** pair in it is visible (paper, section 2.2.1).
+# A tile is, by `reference.tiles.classify`:
+#
+# - **SKIP** when `max(pos_q) < min(pos_k)`: nothing visible, not computed;
+# - **FULL** when `min(pos_q) >= max(pos_k)`: all visible, computed without a mask;
+# - **MASKED** otherwise: computed, with the mask.
+#
+# So the speed-up depends on how many tiles a block has. This notebook works through the
+# paper's example, sweeps the cost model (`reference.cost`) over N and tile size, and
+# recomputes the paper's Theoretical Maximum Speedup table (section 4).
+#
+# Legend: `N` devices, `S` tokens, `c = S // N` tokens per device, `m = c / tile` tiles
+# per block side.
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import ListedColormap
+
+from reference import cost, positions
+from reference.tiles import FULL, MASKED, SKIP, classify
+from reference.tms import critical_path_pairs, paper_rows
+
+KIND_CMAP = ListedColormap(["black", "#55a868", "#dd8452"])   # SKIP, FULL, MASKED
+KIND_NAMES = {SKIP: "skip", FULL: "full", MASKED: "masked"}
+
+# %% [markdown]
+# ## The paper's example (section 2.2.1)
+#
+# Tiles of `512 x 512`, blocks of `1536 x 1536` (nine tiles). A causal block on the
+# diagonal has three fully visible tiles, three partly masked, and three fully masked:
+# skipping those saves a third of the compute, not the half of the FLOPs that causality
+# saves in principle. A fully visible block needs all nine.
+#
+# With `N = 4`, `S = 4 * 1536`, we classify the tiles of three blocks of **contiguous**
+# (the own block in round 0, a past block, a future block) and two of **striped**
+# (a block from an earlier device, one from a later device).
+
+# %%
+N, c, TILE = 4, 1536, 512
+S = N * c
+cont, strip = positions(S, N, "contiguous"), positions(S, N, "striped")
+blocks = {
+    "contiguous, own block": classify(cont[1], cont[1], TILE),
+    "contiguous, past block": classify(cont[1], cont[0], TILE),
+    "contiguous, future block": classify(cont[1], cont[2], TILE),
+    "striped, earlier device": classify(strip[1], strip[0], TILE),
+    "striped, later device": classify(strip[1], strip[2], TILE),
+}
+
+fig, axes = plt.subplots(1, len(blocks), figsize=(13, 3))
+for ax, (name, kinds) in zip(axes, blocks.items()):
+    ax.imshow(kinds, cmap=KIND_CMAP, vmin=-0.5, vmax=2.5)
+    for (a, b), kind in np.ndenumerate(kinds):
+        ax.text(b, a, KIND_NAMES[kind], ha="center", va="center", color="white", fontsize=8)
+    ax.set_title(name, fontsize=9)
+    ax.set_xlabel("key tile")
+    ax.set_xticks(range(3)), ax.set_yticks(range(3))
+axes[0].set_ylabel("query tile")
+plt.show()
+
+counts = {name: {KIND_NAMES[kd]: int((kinds == kd).sum()) for kd in KIND_NAMES} for name, kinds in blocks.items()}
+for name, n in counts.items():
+    print(f"{name:<26} {n}")
+
+assert counts["contiguous, own block"] == {"skip": 3, "full": 3, "masked": 3}     # the paper's 33%
+assert counts["contiguous, past block"] == {"skip": 0, "full": 9, "masked": 0}    # all nine
+assert counts["contiguous, future block"] == {"skip": 9, "full": 0, "masked": 0}
+# striping: every block looks like the diagonal one, whichever device it came from
+assert counts["striped, earlier device"] == counts["striped, later device"] == {"skip": 3, "full": 3, "masked": 3}
+
+# %% [markdown]
+# So with contiguous blocks the skipping helps in round 0 only: after that, in every round
+# some device holds a past block and computes all nine tiles. With striped blocks every
+# device skips three tiles in every round. For this example the cost model predicts:
+
+# %%
+p_cont = cost.predict(S, N, "contiguous", TILE)
+p_strip = cost.predict(S, N, "striped", TILE)
+print("tiles computed per (round, device), contiguous:\n", p_cont.tiles_computed)
+print("tiles computed per (round, device), striped:\n", p_strip.tiles_computed)
+print(f"predicted speedup: {cost.speedup(S, N, 'striped', TILE):.3f}")
+
+assert (p_strip.tiles_computed == 6).all()
+assert (p_cont.tiles_computed.max(axis=1) == [6, 9, 9, 9]).all()
+assert cost.speedup(S, N, "striped", TILE) == (6 + 9 * (N - 1)) / (6 * N)
+
+# %% [markdown]
+# ## Predicted speed-up against N and tile size
+#
+# The critical path is the sum over rounds of the busiest device's work. Counting work as
+# the **area of the tiles computed** (mode `"tiles"`, what a tiled kernel pays) gives the
+# speed-up of striped over contiguous as a function of `m`, the number of tiles per block
+# side. Counting only visible pairs (mode `"pairs"`, a kernel that skips single pairs)
+# gives the ceiling `(2N - 1) / N` as blocks grow (`cost.striped_limit`).
+#
+# The model depends only on `m` and `N` (not on the tile size itself), so a tile of 8
+# keeps the sequences short. Zigzag (dotted, even `m` only) is drawn for comparison.
+# Note what the model says about it: a zigzag block is two contiguous chunks, so whole
+# tiles lie entirely in the past or the future and are computed without a mask or skipped,
+# while in a striped block the tiles on the diagonal always straddle it. With few tiles per
+# block zigzag turns the same balance into more speed-up; both approach the same ceiling.
+
+# %%
+TILE_SMALL = 8
+ms = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+NS = (2, 4, 8)
+by_tiles = {n: [cost.speedup(n * m * TILE_SMALL, n, "striped", TILE_SMALL, "tiles") for m in ms] for n in NS}
+by_pairs = {n: [cost.speedup(n * m * TILE_SMALL, n, "striped", TILE_SMALL, "pairs") for m in ms] for n in NS}
+# zigzag's two chunks per device align with tiles only for even m
+ms_even = [m for m in ms if m % 2 == 0]
+zigzag = {n: [cost.speedup(n * m * TILE_SMALL, n, "zigzag", TILE_SMALL, "tiles") for m in ms_even] for n in NS}
+
+fig, ax = plt.subplots(figsize=(7, 4))
+for n, color in zip(NS, ["#4c72b0", "#dd8452", "#55a868"]):
+    ax.plot(ms, by_tiles[n], "o-", color=color, label=f"N={n} striped, tiles")
+    ax.plot(ms_even, zigzag[n], "x:", color=color, label=f"N={n} zigzag, tiles")
+    ax.plot(ms, by_pairs[n], "-", color=color, alpha=0.4, lw=3, label=f"N={n} striped, pairs")
+    ax.axhline(cost.striped_limit(n), color=color, ls="--", lw=0.8)
+ax.set_xscale("log", base=2)
+ax.set_xlabel("tiles per block side  m = c / tile")
+ax.set_ylabel("predicted speedup over contiguous")
+ax.legend(fontsize=7, ncol=3)
+plt.show()
+
+for n in NS:
+    assert by_tiles[n][0] == 1.0                                  # one tile per block: nothing to skip
+    assert all(a < b for a, b in zip(by_tiles[n], by_tiles[n][1:]))   # more tiles, more skipped
+    assert all(t <= p < cost.striped_limit(n) for t, p in zip(by_tiles[n], by_pairs[n]))
+    assert by_tiles[n][-1] > 0.95 * cost.striped_limit(n)          # 32 tiles: within 5% of the ceiling
+assert by_tiles[2][-1] < by_tiles[4][-1] < by_tiles[8][-1]         # and more devices gain more
+for n in NS:                                                       # zigzag: at least striped's
+    assert all(z >= by_tiles[n][ms.index(m)] for m, z in zip(ms_even, zigzag[n]))
+
+# %% [markdown]
+# ### The paper's hardware (section 3.2)
+#
+# On TPUs the tile was `2048 x 2048`; on A100s, `2048` queries by `4096` keys. At the
+# smallest per-device block, `4096`, the paper says striping saves 25% of the attention
+# FLOPs on TPUs and nothing on GPUs. The cost model agrees:
+
+# %%
+c_small, N8 = 4096, 8
+for name, tile, saved in [("TPU", (2048, 2048), 0.25), ("A100", (2048, 4096), 0.0)]:
+    p = cost.predict(N8 * c_small, N8, "striped", tile)
+    area = p.tile_area.max(axis=1)                               # busiest device per round
+    print(f"{name}: busiest striped device computes {area.max() / c_small**2:.0%} of a block every round; "
+          f"speedup {cost.speedup(N8 * c_small, N8, 'striped', tile):.3f}")
+    assert (area == (1 - saved) * c_small ** 2).all()
+
+# %% [markdown]
+# ## The Theoretical Maximum Speedup, recomputed (section 4)
+#
+# The paper bounds the end-to-end training speed-up by counting FLOPs on the critical path,
+# attention and the rest of the model (projections, MLP, LM head), assuming perfect
+# overlap and element-exact skipping. `reference.tms` derives the formula (its docstring
+# lists where each constant comes from) and recomputes every TMS the paper prints
+# (Tables 3, 4, 5 and Appendix A), typed in `bench/paper_tms.csv`.
+#
+# Its attention term is the critical path in visible pairs, the same count the cost model
+# makes from positions:
+
+# %%
+for n, cc in [(2, 16), (4, 32), (8, 24)]:
+    ring_pairs, striped_pairs = critical_path_pairs(n, cc)
+    assert ring_pairs == cost.predict(n * cc, n, "contiguous").critical_path("pairs")
+    assert striped_pairs == cost.predict(n * cc, n, "striped").critical_path("pairs")
+
+# %%
+rows = paper_rows()
+diff = np.array([r["tms_recomputed"] - r["tms"] for r in rows])
+print(f"{len(rows)} rows; largest |recomputed - paper| = {np.abs(diff).max():.4f}\n")
+print(f"{'table':>5} {'hw':>5} {'model':>5} {'mesh':>5} {'n_seq':>7} {'paper':>6} {'ours':>6} {'measured':>9}")
+for r in rows:
+    if r["table"] == "3":
+        print(f"{r['table']:>5} {r['hardware']:>5} {r['model']:>5} {r['model_parallel']}x{r['seq_parallel']:<3} "
+              f"{r['n_seq']:>7} {r['tms']:>6.2f} {r['tms_recomputed']:>6.3f} {r['speedup']:>9.2f}")
+
+assert np.abs(diff).max() < 0.01
+
+# %% [markdown]
+# Left: every recomputed TMS against the paper's. Right: for Table 3 (A100, mesh 2 x 4),
+# the TMS and the paper's measured speed-up against sequence length: the bound rises with
+# the block size, and the measurements follow below it.
+
+# %%
+fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 4))
+paper = np.array([r["tms"] for r in rows])
+ours = np.array([r["tms_recomputed"] for r in rows])
+ax0.plot(paper, ours, ".", alpha=0.6)
+ax0.plot([1, 2], [1, 2], "k-", lw=0.5)
+ax0.set_xlabel("TMS printed in the paper")
+ax0.set_ylabel("TMS recomputed (reference.tms)")
+ax0.set_title(f"{len(rows)} rows, max |diff| {np.abs(diff).max():.4f}", fontsize=9)
+
+for model in ("1B", "3B", "7B"):
+    sel = [r for r in rows if r["table"] == "3" and r["model"] == model]
+    n_seq = [r["n_seq"] for r in sel]
+    line, = ax1.plot(n_seq, [r["tms_recomputed"] for r in sel], "-", label=f"{model} TMS")
+    ax1.plot(n_seq, [r["speedup"] for r in sel], "o--", color=line.get_color(), label=f"{model} measured")
+ax1.set_xscale("log", base=2)
+ax1.set_xlabel("sequence length")
+ax1.set_ylabel("speedup over Ring Attention")
+ax1.legend(fontsize=7)
+plt.show()
+
+table3 = [r for r in rows if r["table"] == "3"]
+assert all(r["speedup"] < r["tms"] for r in table3)      # the bound holds for every measurement
+
+# %% [markdown]
+# **What we have seen.** Striped blocks skip the same fraction of tiles in every round, so
+# the speed-up grows with the number of tiles per block, from none at one tile to close to
+# `(2N - 1) / N`; the paper's 33% and 25% examples and its whole TMS table follow from
+# counting. Next, `05_backward`: the same ring, run backwards.
