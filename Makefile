@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m mpi4py -m mpi_impl --layout all --check
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m mpi4py -m mpi_impl --layout all --check --seq-len 8192 --tile-size 256 --repeat 2
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -32,6 +32,9 @@ BENCH ?= --quick
 
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
+
+gpu-check: $(VENV)/.installed
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

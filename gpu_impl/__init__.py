@@ -1,0 +1,24 @@
+"""Striped Attention on GPUs: the reference ring with CuPy arrays, one MPI rank per GPU.
+
+The ring loop (`reference.ring`) and the block step (`reference.step`) run
+unchanged with CuPy as the array module; this package adds what GPUs need:
+choosing a rank's GPU by local rank (`device`), moving blocks between GPUs
+over CUDA-aware MPI or through pinned host memory (`transfer`), and a fused
+forward kernel beside the plain step (`fused`, `kernels/attend_block_v1.cu`).
+
+    mpiexec -n 4 python -m mpi4py -m gpu_impl --layout all --check
+
+    out, lse = gpu_impl.ring_attention(q, k, v, comm=MPI.COMM_WORLD, layout="striped",
+                                       transfer="auto", kernel="step")
+
+Importing this package needs neither CuPy nor a GPU; calling it without them
+raises `GpuUnavailable` saying which is missing.
+"""
+
+from .api import ring_attention, ring_attention_backward, use_local_device
+from .device import GpuUnavailable, require_cupy
+from .fused import KERNELS
+from .transfer import TRANSFERS, choose_transfer
+
+__all__ = ["ring_attention", "ring_attention_backward", "use_local_device", "GpuUnavailable",
+           "require_cupy", "KERNELS", "TRANSFERS", "choose_transfer"]

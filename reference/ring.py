@@ -73,8 +73,11 @@ def _as(x, dtype):
     return x.astype(dtype, copy=False)
 
 
-def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size):
-    """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog)."""
+def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, attend=None):
+    """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
+    `attend` is the block step: `step.attend_block` (None), or a kernel with its
+    contract (`gpu_impl.fused.attend_block`)."""
+    attend = attend or step.attend_block
     xp, n = array_module(q), comm.size
     q_h, k_h, v_h = _prepare(q, k, v, scale)
     owner = np.array([comm.rank], dtype=np.int64)           # travels with the block
@@ -84,7 +87,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size):
         # Algorithm 1: send K_k, V_k on while attending to them; no send after the last round.
         pending = log.send(t, comm, block, KV) if t < n - 1 else None
         kb, vb, kpos, src = block
-        counts = log.timed(t, "compute_s", step.attend_block, acc, q_h, _as(kb, q_h.dtype),
+        counts = log.timed(t, "compute_s", attend, acc, q_h, _as(kb, q_h.dtype),
                            _as(vb, q_h.dtype), q_pos, _host(kpos), causal=causal, tile_size=tile_size)
         log.record(t, int(_host(src)[0]), counts)
         if pending is not None:

@@ -1,0 +1,160 @@
+// attend_block_v1: one query shard against one key/value block, fused.
+//
+// The same contract as reference/step.py's attend_block (the plain step): the
+// running softmax state (o, m, l) of every query row is read, updated with the
+// keys of this block, and written back, so that calls over the ring's rounds
+// accumulate. Paper, Algorithm 1 (AccumulateAttentionFragment) and section
+// 2.2.1 (skipping tiles that no query can see).
+//
+// Version 1, the simplest fused kernel: one thread per query row (its q and o
+// in registers), a tile of TK keys and values and the tile's scores in shared
+// memory, float32 throughout.
+// Validated against the plain step by tests/test_gpu.py before it is timed
+// (like llm.c's dev/cuda kernels).
+//
+// Compute layout (float32, C-contiguous), BH = B * Hkv, G = Hq / Hkv:
+//   q, o  (BH, c, G, HEAD_DIM)   q pre-scaled by the softmax scale
+//   m, l  (BH, c, G)             running row max and row sum
+//   k, v  (BH, ck, HEAD_DIM)
+//   q_pos (c,), k_pos (ck,)      global positions (int64): masks come from them
+// Grid (ceil(c / TQ), G, BH), TQ threads: block (x, g, bh) holds queries
+// x*TQ .. x*TQ+TQ-1 of query head g of group bh, the tile's rows.
+//
+// Per key tile (FlashAttention's online softmax, one row per thread):
+//   S = q K^T (masked: -inf where k_pos > q_pos)
+//   m_new = max(m, rowmax(S));  P = exp(S - m_new)
+//   l = l * exp(m - m_new) + rowsum(P);  o = o * exp(m - m_new) + P V
+//
+// Compile-time sizes (nvcc -D or NVRTC options): HEAD_DIM, TQ, TK.
+// Check: nvcc -arch=sm_90 -cubin -DHEAD_DIM=64 gpu_impl/kernels/attend_block_v1.cu
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 64
+#endif
+#ifndef TQ
+#define TQ 64
+#endif
+#ifndef TK
+#define TK 32
+#endif
+
+#define NEG_INF __int_as_float(0xff800000)
+
+extern "C" __global__ void __launch_bounds__(TQ)
+attend_block_v1(const float* __restrict__ q, const float* __restrict__ k,
+                const float* __restrict__ v,
+                const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
+                float* __restrict__ o, float* __restrict__ m, float* __restrict__ l,
+                int c, int ck, int G, int causal)
+{
+    __shared__ float Ks[TK][HEAD_DIM];
+    __shared__ float Vs[TK][HEAD_DIM];
+    __shared__ float S[TK][TQ];
+    __shared__ long long kp[TK];
+    __shared__ long long q_max_tile;
+
+    const int tid = threadIdx.x;
+    const int qi = blockIdx.x * TQ + tid;          // this thread's query (local index)
+    const int g = blockIdx.y;
+    const long long bh = blockIdx.z;
+    const bool active = qi < c;                    // the last tile may be short
+
+    // This thread's row: its query, pre-scaled, and its running state.
+    const long long row = (bh * c + (active ? qi : 0)) * G + g;
+    float q_r[HEAD_DIM], o_r[HEAD_DIM];
+    float m_r = NEG_INF, l_r = 0.0f;
+    long long my_pos = -1;
+    if (active) {
+        #pragma unroll
+        for (int d = 0; d < HEAD_DIM; ++d) {
+            q_r[d] = q[row * HEAD_DIM + d];
+            o_r[d] = o[row * HEAD_DIM + d];
+        }
+        m_r = m[row];
+        l_r = l[row];
+        my_pos = q_pos[qi];
+    }
+
+    // The latest query of the tile decides which key tiles it can skip.
+    if (tid == 0) {
+        long long hi = -1;
+        for (int i = blockIdx.x * TQ; i < min(c, (int)(blockIdx.x + 1) * TQ); ++i)
+            hi = max(hi, q_pos[i]);
+        q_max_tile = hi;
+    }
+
+    const float* k_bh = k + bh * (long long)ck * HEAD_DIM;
+    const float* v_bh = v + bh * (long long)ck * HEAD_DIM;
+
+    for (int k0 = 0; k0 < ck; k0 += TK) {
+        const int nk = min(TK, ck - k0);
+        __syncthreads();                           // hazard: the previous tile is still being read
+        for (int j = tid; j < nk; j += TQ)
+            kp[j] = k_pos[k0 + j];
+        __syncthreads();
+
+        // Skip a tile that no query of this tile can see: max(q_pos) < min(k_pos)
+        // (the pair rule pos_k <= pos_q at the extreme pair; reference/tiles.py).
+        // Every thread reaches the same decision, so the __syncthreads stay uniform.
+        if (causal) {
+            long long k_min = kp[0];
+            for (int j = 1; j < nk; ++j)
+                k_min = min(k_min, kp[j]);
+            if (q_max_tile < k_min)
+                continue;
+        }
+
+        for (int idx = tid; idx < nk * HEAD_DIM; idx += TQ) {
+            const int j = idx / HEAD_DIM, d = idx % HEAD_DIM;
+            Ks[j][d] = k_bh[(long long)(k0 + j) * HEAD_DIM + d];
+            Vs[j][d] = v_bh[(long long)(k0 + j) * HEAD_DIM + d];
+        }
+        __syncthreads();
+        if (!active)
+            continue;
+
+        // S = q K^T for this row, masked; kept in shared memory, column tid
+        // (consecutive threads, consecutive banks)
+        float tile_max = NEG_INF;
+        for (int j = 0; j < nk; ++j) {
+            float dot = NEG_INF;
+            if (!causal || kp[j] <= my_pos) {
+                dot = 0.0f;
+                #pragma unroll
+                for (int d = 0; d < HEAD_DIM; ++d)
+                    dot += q_r[d] * Ks[j][d];
+            }
+            S[j][tid] = dot;
+            tile_max = fmaxf(tile_max, dot);
+        }
+
+        const float m_new = fmaxf(m_r, tile_max);
+        // Hazard: a row that has seen no visible key yet has m_new = -inf, and
+        // exp(-inf - -inf) is NaN; such a row has nothing to add, so leave it.
+        if (m_new == NEG_INF)
+            continue;
+        const float alpha = expf(m_r - m_new);     // m_r = -inf gives 0: nothing to rescale
+        l_r *= alpha;
+        #pragma unroll
+        for (int d = 0; d < HEAD_DIM; ++d)
+            o_r[d] *= alpha;
+        for (int j = 0; j < nk; ++j) {
+            const float p = expf(S[j][tid] - m_new);   // masked: exp(-inf) = 0
+            if (p == 0.0f)
+                continue;
+            l_r += p;
+            #pragma unroll
+            for (int d = 0; d < HEAD_DIM; ++d)
+                o_r[d] += p * Vs[j][d];
+        }
+        m_r = m_new;
+    }
+
+    if (active) {
+        #pragma unroll
+        for (int d = 0; d < HEAD_DIM; ++d)
+            o[row * HEAD_DIM + d] = o_r[d];
+        m[row] = m_r;
+        l[row] = l_r;
+    }
+}
