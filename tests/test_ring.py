@@ -44,7 +44,7 @@ def check_backward(case):
     assert_finite(*grads, names=("dq", "dk", "dv"))
     for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
         assert g.dtype == x.dtype and g.shape == x.shape, name
-        assert_close(g, e, case.dtype, name, case.tolerance_factor)
+        assert_close(g, e, case.dtype, name, case.grad_tolerance_factor)
 
 
 @given(cases())
