@@ -22,8 +22,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m mpi4py -m mpi_impl --layout all --check --seq-len 8192 --tile-size 256 --repeat 2
 
+# pytest exits 5 when it collected no test: not a failure of the code (every other
+# non-zero status is passed on).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
 notebooks: $(VENV)/.installed
 	$(PY) scripts/run_notebooks.py --write

@@ -18,6 +18,38 @@ Backward, per tile, with ``delta = rowsum(dO * out)`` computed once:
     dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta)
     dQ += dS K * scale,   dK += dS^T Q * scale
 
+Two implementations of the same tiles sit side by side:
+
+- the plain step (`_forward_tile`, `_backward_tile`), the formulas above on
+  whole tiles of every head at once, for any array module (CuPy runs this one);
+- the NumPy step (`_forward_rows`, `_backward_cols`), the same arithmetic
+  arranged for a CPU, where a tile's element-wise passes cost as much as its
+  two matrix products. At S=8192, H=8, D=64, causal, float32 on 2 cores it
+  reaches about 65% of the float32 matmul rate forward and 70% backward, the
+  plain step about 30% (``python -m bench.kernel``). What it does:
+    * base 2: ``exp2`` is twice as fast as ``exp``, so ``log2(e)`` is folded
+      into Q and ``m``, ``lse`` are carried in base 2 inside a tile loop;
+    * one product instead of a pass: ``[Q, -m] @ [K, 1]^T = S - m`` and
+      ``P @ [V, 1] = [P V, rowsum(P)]``; in the backward
+      ``[dO, -delta] @ [V, 1]^T = dP - delta``;
+    * a lazy max: the running ``m`` is raised only when a tile would overflow.
+      Any shift gives the same ``O / l`` and ``m + log(l)``; the shift only has
+      to keep ``exp`` finite. So a tile is first computed with the current
+      ``m`` and no row max, no subtraction and no rescaling; if some row's sum
+      exceeds ``_SUM_LIMIT`` (or is NaN) the tile is redone exactly as above.
+      Rows that have seen no key yet (``m = -inf``) always take the exact path;
+    * taller products: the forward stacks neighbouring query tiles (up to
+      ``_UNIT_ROWS`` rows) and computes a key tile they share in one product;
+      the blocks cover exactly the plan's tiles, so the work counted is the
+      work done;
+    * threads: the work is cut into independent units (a group of query tiles
+      of one head in the forward, a whole head in the backward, whose key
+      tiles all add to the head's dQ) run on as many threads as BLAS would
+      use, with BLAS held to one thread meanwhile. NumPy's element-wise passes
+      run on one core, BLAS on all; per unit both run on the unit's core, and
+      the cores stay busy. A unit owns the rows it writes, so results do not
+      depend on the number of threads, bit for bit.
+
 Compute layout: grouped-query heads share their key/value head, so the G query
 heads of one key/value head are stacked as extra rows of one matrix product.
     q, out, dq:    (B, Hkv, c, G, D)    G = Hq // Hkv
@@ -27,9 +59,12 @@ A tile of ``tq`` queries is then a view ``(B, Hkv, tq*G, D)`` (rows ordered
 query-major), and its mask ``(tq, 1, tk)`` broadcasts over G.
 
 Legend: ``B`` batch, ``H`` heads, ``c`` queries held, ``ck`` keys in the block,
-``D`` head dim, ``R = tq*G`` rows of a tile.
+``D`` head dim, ``R = tq*G`` rows of a tile, ``W`` worker threads.
 """
 
+import ctypes
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,7 +122,9 @@ def rows_from_heads(r):
 @dataclass
 class ForwardAcc:
     """Running softmax state of one device's queries: unnormalised output `o`,
-    row max `m` and row sum `l` (Algorithm 1's Out_j)."""
+    shift `m` and row sum `l` (Algorithm 1's Out_j). ``o / l`` is the output
+    and ``m + log(l)`` the log-sum-exp so far; `m` is the running row max, or
+    below it by a bounded amount (the NumPy step's lazy max)."""
     o: object   # (B, Hkv, c, G, D)
     m: object   # (B, Hkv, c, G)
     l: object   # (B, Hkv, c, G)
@@ -108,22 +145,12 @@ class StepCounts:
     pairs: int = 0
 
 
-def _rows(x, qs):
-    """Tile rows of a compute-layout array as a matrix: (B, Hkv, c, G, ...) -> (B, Hkv, tq*G, ...)."""
-    t = x[:, :, qs]
-    return t.reshape(t.shape[:2] + (t.shape[2] * t.shape[3],) + t.shape[4:])
-
-
-def _apply_mask(s, mask, xp):
-    """Set invisible entries of scores ``s`` (B, Hkv, tq*G, tk) to -inf, in place."""
-    B, Hkv, R, tk = s.shape
-    s5 = s.reshape(B, Hkv, mask.shape[0], R // mask.shape[0], tk)
-    xp.copyto(s5, -np.inf, where=~xp.asarray(mask)[:, None, :])
-
-
-def _count(counts, kind, mask, qs_len, ks_len):
-    counts.tiles_computed += 1
-    counts.pairs += int(mask.sum()) if kind == MASKED else qs_len * ks_len
+def _step_counts(plan, skipped, q_pos, k_pos):
+    counts = StepCounts(tiles_computed=len(plan), tiles_skipped=skipped)
+    for qs, ks, kind in plan:
+        counts.pairs += (int(visible(q_pos[qs], k_pos[ks]).sum()) if kind == MASKED
+                         else len(q_pos[qs]) * len(k_pos[ks]))
+    return counts
 
 
 def attend_block(acc, q, k, v, q_pos, k_pos, *, causal, tile_size):
@@ -135,13 +162,44 @@ def attend_block(acc, q, k, v, q_pos, k_pos, *, causal, tile_size):
     """
     xp = array_module(q)
     plan, skipped = tile_plan(q_pos, k_pos, tile_size, causal)
-    counts = StepCounts(tiles_skipped=skipped)
+    if xp is np:
+        _forward_numpy(acc, q, k, v, q_pos, k_pos, plan)
+    else:
+        _forward_plain(acc, q, k, v, q_pos, k_pos, plan, xp)
+    return _step_counts(plan, skipped, q_pos, k_pos)
+
+
+def finish_forward(acc):
+    """out = O / l and lse = m + log(l); a row with no visible key at all gets
+    out = 0 and lse = -inf. Returns (out (B,Hkv,c,G,D), lse (B,Hkv,c,G))."""
+    xp = array_module(acc.o)
+    seen = acc.l > 0
+    l_safe = xp.where(seen, acc.l, 1.0)
+    out = acc.o / l_safe[..., None]
+    lse = xp.where(seen, acc.m + xp.log(l_safe), -np.inf)
+    return out, lse
+
+
+# -- the plain step: any array module -------------------------------------
+
+def _rows(x, qs):
+    """Tile rows of a compute-layout array as a matrix: (B, Hkv, c, G, ...) -> (B, Hkv, tq*G, ...)."""
+    t = x[:, :, qs]
+    return t.reshape(t.shape[:2] + (t.shape[2] * t.shape[3],) + t.shape[4:])
+
+
+def _apply_mask(s, mask, xp):
+    """Set invisible entries of scores ``s`` (..., tq*G, tk) to -inf, in place."""
+    R, tk = s.shape[-2:]
+    s5 = s.reshape(s.shape[:-2] + (mask.shape[0], R // mask.shape[0], tk))
+    xp.copyto(s5, -np.inf, where=~xp.asarray(mask)[:, None, :])
+
+
+def _forward_plain(acc, q, k, v, q_pos, k_pos, plan, xp):
     for qs, ks, kind in plan:
         mask = visible(q_pos[qs], k_pos[ks]) if kind == MASKED else None
-        _count(counts, kind, mask, len(q_pos[qs]), len(k_pos[ks]))
         _forward_tile(_rows(acc.o, qs), _rows(acc.m, qs), _rows(acc.l, qs),
                       _rows(q, qs), k[:, :, ks], v[:, :, ks], mask, xp)
-    return counts
 
 
 def _forward_tile(o, m, l, q, k, v, mask, xp):
@@ -163,15 +221,160 @@ def _forward_tile(o, m, l, q, k, v, mask, xp):
     m[...] = m_new
 
 
-def finish_forward(acc):
-    """out = O / l and lse = m + log(l); a row with no visible key at all gets
-    out = 0 and lse = -inf. Returns (out (B,Hkv,c,G,D), lse (B,Hkv,c,G))."""
-    xp = array_module(acc.o)
-    seen = acc.l > 0
-    l_safe = xp.where(seen, acc.l, 1.0)
-    out = acc.o / l_safe[..., None]
-    lse = xp.where(seen, acc.m + xp.log(l_safe), -np.inf)
-    return out, lse
+# -- the NumPy step: base 2, folded columns, lazy max, threads ------------
+
+LOG2E = float(np.log2(np.e))
+_SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
+_V_LIMIT = 2.0 ** 64     # above this |V|, O could overflow under a lazy shift: stay exact
+
+
+def _augment(x, column, out=None):
+    """[x, column] along the last axis: (..., D) -> (..., D+1)."""
+    if out is None:
+        out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), dtype=x.dtype)
+    out[..., :-1] = x
+    out[..., -1] = column
+    return out
+
+
+def _by_tile(plan, which):
+    """Group the plan by its query tiles (which=0) or key tiles (which=1):
+    a list of (slice, [(other slice, kind), ...]) in plan order."""
+    groups = {}
+    for entry in plan:
+        own = entry[which]
+        groups.setdefault((own.start, own.stop), (own, []))[1].append((entry[1 - which], entry[2]))
+    return list(groups.values())
+
+
+_UNIT_ROWS = 512   # the forward stacks query tiles up to this many rows: taller products run faster
+
+
+def _forward_units(plan, c, G):
+    """Consecutive query tiles stacked into groups of up to _UNIT_ROWS rows.
+    Returns [(query slice of the group, blocks)], blocks being the group's tiles
+    as (query slice within the group, key slice, kind): a key tile shared by
+    neighbouring query tiles of the group is one block, one product. Blocks
+    cover exactly the plan's tiles."""
+    groups = []
+    for qs, tiles in _by_tile(plan, 0):
+        stop = min(qs.stop, c)
+        last = groups[-1] if groups else None
+        if last and last[-1][0].stop == qs.start and (stop - last[0][0].start) * G <= _UNIT_ROWS:
+            last.append((slice(qs.start, stop), tiles))
+        else:
+            groups.append([(slice(qs.start, stop), tiles)])
+    return [(slice(g[0][0].start, g[-1][0].stop), _blocks(g)) for g in groups]
+
+
+def _blocks(group):
+    """The blocks of one group of query tiles (see `_forward_units`)."""
+    first = group[0][0].start
+    users = {}                                           # key tile -> [(member, kind)]
+    for i, (qs, tiles) in enumerate(group):
+        for ks, kind in tiles:
+            users.setdefault((ks.start, ks.stop), (ks, []))[1].append((i, kind))
+    blocks = []
+    for ks, members in users.values():
+        run = [members[0]]
+        for member in members[1:] + [None]:              # runs of neighbouring query tiles
+            if member is not None and member[0] == run[-1][0] + 1:
+                run.append(member)
+                continue
+            rows = slice(group[run[0][0]][0].start - first, group[run[-1][0]][0].stop - first)
+            blocks.append((rows, ks, MASKED if any(kind == MASKED for _, kind in run) else FULL))
+            run = [member]
+    return blocks
+
+
+def _forward_numpy(acc, q, k, v, q_pos, k_pos, plan):
+    """The plan's tiles, one unit of work per (batch, key/value head, group of query tiles)."""
+    B, Hkv, c, G, D = q.shape
+    heads = [(b, h) for b in range(B) for h in range(Hkv)]
+    units = sorted(((b, h, qs, blocks) for qs, blocks in _forward_units(plan, c, G) for b, h in heads),
+                   key=lambda u: -len(u[3]))             # most blocks first: workers finish together
+    workers = _BLAS.threads(len(units))
+    k1 = np.empty(k.shape[:-1] + (D + 1,), dtype=k.dtype)   # [K, 1]   (B, Hkv, ck, D+1)
+    v1 = np.empty_like(k1)                               # [V, 1]: P [V, 1] = [P V, rowsum(P)]
+    lazy = np.zeros((B, Hkv), dtype=bool)
+
+    def prepare(worker, b, h):
+        _augment(k[b, h], 1.0, out=k1[b, h])
+        _augment(v[b, h], 1.0, out=v1[b, h])
+        lazy[b, h] = max(v[b, h].max(initial=0.0), -v[b, h].min(initial=0.0)) <= _V_LIMIT
+
+    def unit(worker, b, h, qs, blocks):
+        with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
+            _forward_rows(acc.o[b, h, qs], acc.m[b, h, qs], acc.l[b, h, qs], q[b, h, qs],
+                          k1[b, h], v1[b, h], q_pos[qs], k_pos, blocks, lazy[b, h])
+    _run_units(prepare, heads, workers)
+    _run_units(unit, units, workers)
+
+
+def _forward_rows(o, m, l, q, k1, v1, q_pos, k_pos, blocks, lazy):
+    """The online softmax of one group of query tiles of one head over its blocks.
+    o (tq, G, D), m, l (tq, G): views of the accumulator, updated at the end;
+    q (tq, G, D) pre-scaled; k1, v1 (ck, D+1) = [K, 1], [V, 1]."""
+    tq, G, D = q.shape
+    R = tq * G
+    m2_in = m.reshape(R) * LOG2E                         # (R,) the shift, base 2
+    m2 = m2_in.copy()
+    q2 = _augment(q.reshape(R, D) * LOG2E, 0.0)          # [Q log2(e), -m2]   (R, D+1)
+    _set_shift(q2, m2)
+    ol = _augment(o.reshape(R, D), l.reshape(R))         # [O, l]             (R, D+1)
+    inc = np.empty_like(ol)
+    buf = np.empty(R * max(len(k1[ks]) for _, ks, _ in blocks), dtype=q.dtype)
+    all_seen = np.isfinite(m2).all()                     # every row has a shift: any block may be lazy
+    for qr, ks, kind in blocks:
+        rows = slice(qr.start * G, qr.stop * G)          # the block's rows of the group
+        kt, vt = k1[ks], v1[ks]                          # (tk, D+1)
+        s = buf[:(rows.stop - rows.start) * len(kt)].reshape(-1, len(kt))
+        mask = visible(q_pos[qr], k_pos[ks]) if kind == MASKED else None
+        _shifted_scores(s, q2[rows], kt, mask)           # S - m, base 2   (rows, tk)
+        if lazy and (all_seen or np.isfinite(m2[rows]).all()):
+            np.exp2(s, out=s)                            # P, may overflow to inf
+            np.matmul(s, vt, out=inc[rows])              # [P V, rowsum(P)]   (rows, D+1)
+            if inc[rows, D].max() <= _SUM_LIMIT:         # False for inf and NaN too
+                ol[rows] += inc[rows]
+                continue
+            _shifted_scores(s, q2[rows], kt, mask)       # too large: redo the tile exactly
+        m2[rows] = _exact_tile(ol[rows], m2[rows], q2[rows], s, vt, inc[rows])
+        all_seen = np.isfinite(m2).all()
+    o[...] = ol[:, :D].reshape(tq, G, D)
+    l[...] = ol[:, D].reshape(tq, G)
+    # converting m to base e and back rounds it: write only the rows that moved
+    m[...] = np.where(m2 == m2_in, m.reshape(R), m2 / LOG2E).reshape(tq, G)
+
+
+def _set_shift(q2, m2):
+    """Last column of [Q log2(e), -m2] := -m2, or 0 where no key has been seen (m2 = -inf)."""
+    q2[:, -1] = np.where(np.isfinite(m2), -m2, 0.0)
+
+
+def _shifted_scores(s, q2, kt, mask):
+    """s (R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, masked entries -inf."""
+    np.matmul(q2, kt.T, out=s)
+    if mask is not None:
+        tq, tk = mask.shape
+        np.copyto(s.reshape(tq, -1, tk), -np.inf, where=~mask[:, None, :])
+
+
+def _exact_tile(ol, m2, q2, s, vt, inc):
+    """One exact online-softmax tile (module docstring), in base 2, on scores
+    s = S - shift. Updates ol = [O, l] and q2's shift column; returns the new m2."""
+    shift = -q2[:, -1]                                   # (R,) m2, or 0 where m2 = -inf
+    m_new = np.maximum(m2, shift + s.max(axis=1))       # (R,)
+    # Hazard: a row with no visible key yet keeps m_new = -inf; shifting it by
+    # 0 leaves its P = exp2(-inf) = 0 and its alpha = 1 on O = l = 0, no NaN.
+    seen = np.isfinite(m_new)
+    s -= np.where(seen, m_new - shift, 0.0)[:, None]
+    np.exp2(s, out=s)                                    # P = exp(S - m_new)
+    alpha = np.exp2(m2 - np.where(seen, m_new, 0.0))     # rescales the old O and l
+    ol *= np.where(seen, alpha, 1.0)[:, None]
+    np.matmul(s, vt, out=inc)
+    ol += inc
+    _set_shift(q2, m_new)
+    return m_new
 
 
 # -- backward -------------------------------------------------------------
@@ -188,13 +391,18 @@ def attend_block_backward(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, *, 
     # scores are -inf too, and exp(-inf - 0) = 0 keeps it out of every sum.
     lse = xp.where(xp.isneginf(lse), 0.0, lse).astype(q.dtype, copy=False)
     plan, skipped = tile_plan(q_pos, k_pos, tile_size, causal)
-    counts = StepCounts(tiles_skipped=skipped)
+    if xp is np:
+        _backward_numpy(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, plan)
+    else:
+        _backward_plain(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, plan, xp)
+    return _step_counts(plan, skipped, q_pos, k_pos)
+
+
+def _backward_plain(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, plan, xp):
     for qs, ks, kind in plan:
         mask = visible(q_pos[qs], k_pos[ks]) if kind == MASKED else None
-        _count(counts, kind, mask, len(q_pos[qs]), len(k_pos[ks]))
         _backward_tile(_rows(dq, qs), dk[:, :, ks], dv[:, :, ks], _rows(q, qs), _rows(do, qs),
                        _rows(lse, qs), _rows(delta, qs), k[:, :, ks], v[:, :, ks], mask, xp)
-    return counts
 
 
 def _backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, xp):
@@ -210,3 +418,153 @@ def _backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, xp):
     ds = xp.multiply(p, dp, out=dp)                      # dS = P * (dP - delta)
     dq += ds @ k                                         # dQ += dS K     (B, Hkv, R, D)
     dk += ds.swapaxes(-1, -2) @ q                        # dK += dS^T Q   (B, Hkv, tk, D)
+
+
+def _backward_numpy(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, plan):
+    """The plan's tiles, one unit of work per (batch, key/value head): all key
+    tiles of a head add to the same rows of dQ, so a head stays on one thread,
+    which keeps the sums in one order whatever the number of threads (results
+    are bitwise the same on 1 or 2 threads, as MPI ranks and the virtual ring
+    compare them)."""
+    B, Hkv, c, G, D = q.shape
+    heads = [(b, h) for b in range(B) for h in range(Hkv)]
+    columns = _by_tile(plan, 1)                          # [(key slice, [(query slice, kind)])]
+
+    def unit(worker, b, h):
+        q2 = _augment(q[b, h] * LOG2E, -lse[b, h] * LOG2E)   # [Q log2(e), -lse]   (c, G, D+1)
+        do1 = _augment(do[b, h], -delta[b, h])               # [dO, -delta]        (c, G, D+1)
+        k1, v1 = _augment(k[b, h], 1.0), _augment(v[b, h], 1.0)   # [K, 1], [V, 1]   (ck, D+1)
+        for ks, tiles in columns:
+            _backward_cols(dq[b, h], dk[b, h, ks], dv[b, h, ks], q[b, h], q2, do[b, h], do1,
+                           k[b, h, ks], k1[ks], v1[ks], q_pos, k_pos[ks], tiles)
+    _run_units(unit, heads, _BLAS.threads(len(heads)))
+
+
+def _backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles):
+    """The backward of one key tile of one head over its query tiles.
+    dq (c, G, D), dk, dv (tk, D): views, added to; q, do (c, G, D);
+    q2, do1 (c, G, D+1) = [Q log2(e), -lse], [dO, -delta]; k (tk, D); k1, v1 (tk, D+1)."""
+    tk, D = k.shape
+    G = q.shape[1]
+    dk_t, dv_t = np.zeros_like(dk), np.zeros_like(dv)   # (tk, D) kept in cache over the tiles
+    R_max = G * max(len(q_pos[qs]) for qs, _ in tiles)
+    buf_p, buf_ds = np.empty(R_max * tk, q.dtype), np.empty(R_max * tk, q.dtype)
+    for qs, kind in tiles:
+        tq = len(q_pos[qs])
+        R = tq * G
+        p, ds = buf_p[:R * tk].reshape(R, tk), buf_ds[:R * tk].reshape(R, tk)
+        mask = visible(q_pos[qs], k_pos) if kind == MASKED else None
+        _shifted_scores(p, q2[qs].reshape(R, D + 1), k1, mask)   # S - lse, base 2
+        np.exp2(p, out=p)                                        # P = exp(S - lse)
+        dv_t += p.T @ do[qs].reshape(R, D)                       # dV += P^T dO
+        np.matmul(do1[qs].reshape(R, D + 1), v1.T, out=ds)       # dP - delta   (R, tk)
+        np.multiply(p, ds, out=ds)                               # dS = P * (dP - delta)
+        dq[qs] += (ds @ k).reshape(tq, G, D)                     # dQ += dS K
+        dk_t += ds.T @ q[qs].reshape(R, D)                       # dK += dS^T Q
+    dk += dk_t
+    dv += dv_t
+
+
+# -- worker threads and the BLAS thread count -----------------------------
+
+def _run_units(fn, units, workers):
+    """fn(worker, *unit) for every unit, taken in order by `workers` threads
+    (this one included). The first exception is raised here, after all stop."""
+    if workers <= 1 or len(units) <= 1:
+        for u in units:
+            fn(0, *u)
+        return
+    pending, lock, errors = iter(units), threading.Lock(), []
+
+    def work(worker):
+        while not errors:
+            with lock:
+                u = next(pending, None)
+            if u is None:
+                return
+            try:
+                fn(worker, *u)
+            except BaseException as e:   # re-raised by the caller below
+                errors.append(e)
+
+    with _BLAS.one_thread():
+        threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(1, workers)]
+        for t in threads:
+            t.start()
+        work(0)
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+
+
+class _BlasThreads:
+    """The thread count of the OpenBLAS that NumPy uses, found through ctypes.
+
+    The NumPy step runs as many threads of its own as BLAS would use, and holds
+    BLAS to one thread meanwhile: two levels of threads on the same cores
+    oversubscribe them (measured: several times slower). The count is global
+    to the process, so steps running at once (the virtual ring's devices)
+    share one hold: the first sets it, the last restores it. Without OpenBLAS
+    (another BLAS, not Linux) the step runs on the calling thread alone.
+    """
+
+    def __init__(self):
+        self._lib = None        # (get, set) once looked up; () when there is none
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._saved = 1
+
+    def threads(self, n_units):
+        """Workers for `n_units` units: BLAS's thread count outside any hold."""
+        with self._lock:
+            if not self._find():
+                return 1
+            count = self._saved if self._holders else self._lib[0]()
+        return max(1, min(count, n_units))
+
+    @contextmanager
+    def one_thread(self):
+        with self._lock:
+            if self._holders == 0 and self._find():
+                self._saved = self._lib[0]()
+                self._lib[1](1)
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0 and self._find():
+                    self._lib[1](self._saved)
+
+    def _find(self):
+        if self._lib is None:
+            self._lib = _openblas_thread_functions()
+        return bool(self._lib)
+
+
+def _openblas_thread_functions():
+    """(get, set) of the loaded OpenBLAS's thread count, or () if there is none."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower()})
+    except OSError:
+        return ()
+    # NumPy's own copy first (wheels ship scipy-openblas under numpy.libs)
+    for path in sorted(paths, key=lambda p: "numpy" not in p):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"),
+                               ("openblas", "")):
+            get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+            set_ = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+            if get is not None and set_ is not None:
+                get.restype, set_.argtypes = ctypes.c_int, [ctypes.c_int]
+                return get, set_
+    return ()
+
+
+_BLAS = _BlasThreads()

@@ -1,0 +1,344 @@
+"""Kernel efficiency and memory of one device: the tiled step against a plain matmul.
+
+DESIGN.md's speed target for the per-device step (`reference/step.py`): at S = 8192,
+Hq = 8, D = 64, causal, float32, one device holding the whole sequence as one block
+(q_pos = k_pos = 0 .. S-1), the forward reaches 65% of the same machine's float32
+matmul rate on useful FLOPs, the backward 50%:
+
+    forward   4 D FLOPs per visible (query, key) pair per head   (S = QK^T, O += PV)
+    backward 10 D FLOPs per visible pair per head                 (S, dV, dP, dQ, dK)
+    visible pairs, causal: S (S + 1) / 2
+
+The matmul rate is a 4096 x 4096 @ 4096 x 4096 float32 product, timed in the same run with
+the same BLAS threads. What is timed is the tiled step (`attend_block`,
+`attend_block_backward`) as a ring round calls it; its O(S D) set-up and finish are not.
+The machine may be shared: every figure is the best of a few repeats, and the ratios are
+only as steady as the machine. Also measured: the same step at other S, D and tile sizes,
+the plain step (the array-module-generic one that CuPy runs) beside the NumPy one, what one
+tile's operations cost on one thread (what limits the ratio), and the peak memory of the
+single-device forward and backward against S, which grows linearly (no S x S array).
+
+Letters: S tokens, H heads, D head dim, T tile size (tq x tk).
+
+    python -m bench.kernel                 # quick: about 30 s on 2 idle cores
+    python -m bench.kernel --full          # more sizes and repeats
+    python -m bench.run --only kernel      # into BENCHMARKS.md
+"""
+
+import argparse
+import datetime
+import io
+import os
+import platform
+import sys
+import time
+import tracemalloc
+from contextlib import redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from reference import step
+from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs, tile_plan
+
+from . import RESULTS, markdown_table
+
+FORWARD_TARGET, BACKWARD_TARGET = 0.65, 0.50
+HEADS, TARGET_S, TARGET_D = 8, 8192, 64
+MATMUL_N = 4096
+BLAS_IDLE_S = 0.5      # OpenBLAS's idle threads spin for a while after a product: let them settle
+
+
+@dataclass(frozen=True)
+class Sweep:
+    target_s: int = TARGET_S                       # the first row, held to the targets
+    matmul_n: int = MATMUL_N                       # the product the rates are divided by
+    repeats: int = 3                               # best of, at the target point
+    repeats_other: int = 2                         # best of, elsewhere
+    seq_lens: tuple = (2048, 4096, 8192)           # against S, D = 64, default tile
+    head_dims: tuple = (32, 64, 128)               # against D, at S = sweep_s
+    tiles: tuple = (128, 256, 512, (512, 256), (256, 512))   # against T, at S = sweep_s
+    sweep_s: int = 4096
+    memory_seq_lens: tuple = (1024, 2048, 4096, 8192)
+    plain_s: int = 4096                            # the plain step, for comparison
+
+
+QUICK = Sweep()
+FULL = Sweep(repeats=5, repeats_other=3, seq_lens=(1024, 2048, 4096, 8192, 16384),
+             head_dims=(32, 64, 128, 256), sweep_s=8192,
+             tiles=(64, 128, 256, 512, 1024, (512, 256), (256, 512), (1024, 256)),
+             memory_seq_lens=(1024, 2048, 4096, 8192, 16384), plain_s=8192)
+
+
+# -- measurements -----------------------------------------------------------
+
+def matmul_rate(repeats, n=MATMUL_N):
+    """Best float32 FLOP/s of an n-square product over `repeats` tries."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    a @ a                                                 # warm up the BLAS threads
+    rate = 2 * n ** 3 / _best(lambda: a @ a, repeats)
+    time.sleep(BLAS_IDLE_S)
+    return rate
+
+
+def _best(fn, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def problem(S, D, heads=HEADS, seed=0):
+    """Compute-layout inputs of one device holding all S tokens: q pre-scaled, k, v, dO, positions."""
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (rng.standard_normal((1, S, heads, D), dtype=np.float32) for _ in range(4))
+    q_h = step.q_to_heads(q, heads) * np.float32(D ** -0.5)     # (1, H, S, 1, D)
+    return q_h, step.kv_to_heads(k), step.kv_to_heads(v), step.q_to_heads(do, heads), np.arange(S)
+
+
+def forward(q, k, v, pos, tile, plain=False):
+    """One single-device forward: (out, lse, seconds spent in the tiled step)."""
+    acc = step.ForwardAcc.zeros(q)
+    t = time.perf_counter()
+    if plain:
+        plan, _ = tile_plan(pos, pos, tile, True)
+        step._forward_plain(acc, q, k, v, pos, pos, plan, np)
+    else:
+        step.attend_block(acc, q, k, v, pos, pos, causal=True, tile_size=tile)
+    seconds = time.perf_counter() - t
+    return (*step.finish_forward(acc), seconds)
+
+
+def backward(q, k, v, do, out, lse, pos, tile, plain=False):
+    """One single-device backward: (dq, dk, dv, seconds spent in the tiled step)."""
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    delta = (do * out).sum(axis=-1)                                   # (1, H, S, 1)
+    t = time.perf_counter()
+    if plain:
+        plan, _ = tile_plan(pos, pos, tile, True)
+        step._backward_plain(dq, dk, dv, q, do, lse, delta, k, v, pos, pos, plan, np)
+    else:
+        step.attend_block_backward(dq, dk, dv, q, do, lse, delta, k, v, pos, pos,
+                                   causal=True, tile_size=tile)
+    return dq, dk, dv, time.perf_counter() - t
+
+
+def kernel_point(S, D, tile, repeats, rate, plain=False):
+    """One row: seconds in the tiled step (attend_block, attend_block_backward;
+    the O(S D) set-up and finish outside it) and fraction of the matmul rate."""
+    q, k, v, do, pos = problem(S, D)
+    out, lse, _ = forward(q, k, v, pos, tile, plain)                 # also warms up
+    t_f = min(forward(q, k, v, pos, tile, plain)[-1] for _ in range(repeats))
+    t_b = min(backward(q, k, v, do, out, lse, pos, tile, plain)[-1] for _ in range(repeats))
+    pairs = count_visible_pairs(pos, pos) * HEADS
+    flops_f, flops_b = 4 * D * pairs, 10 * D * pairs
+    return dict(S=S, D=D, tile=tile, plain=plain, fwd_s=t_f, bwd_s=t_b,
+                fwd=flops_f / t_f / rate, bwd=flops_b / t_b / rate,
+                fwd_gflops=flops_f / t_f / 1e9, bwd_gflops=flops_b / t_b / 1e9)
+
+
+def peak_memory(S, D=TARGET_D, tile=None):
+    """Peak bytes NumPy allocates during one single-device forward, and backward,
+    beyond their inputs (tracemalloc sees NumPy's array buffers): the whole
+    pass, accumulators and outputs included."""
+    q, k, v, do, pos = problem(S, D)
+    peaks = []
+    for run in ("forward", "backward"):
+        if run == "backward":
+            out, lse, _ = forward(q, k, v, pos, tile)
+        tracemalloc.start()
+        if run == "forward":
+            forward(q, k, v, pos, tile)
+        else:
+            backward(q, k, v, do, out, lse, pos, tile)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    return peaks
+
+
+def tile_costs(T=256, D=TARGET_D, repeats=20):
+    """Seconds per visible pair of each operation of one T x T tile on one thread:
+    what the NumPy step does (first rows) and the passes it avoids (last rows)."""
+    rng = np.random.default_rng(0)
+    q1 = rng.standard_normal((T, D + 1), dtype=np.float32) * 0.1
+    k1 = rng.standard_normal((T, D + 1), dtype=np.float32) * 0.1
+    s, s0 = np.empty((T, T), np.float32), rng.random((T, T), dtype=np.float32)
+    inc, col = np.empty((T, D + 1), np.float32), rng.random((T, 1), dtype=np.float32)
+    hidden = ~(np.arange(T)[:, None] >= np.arange(T)[None, :])
+    ops = [("S - m = [Q, -m] [K, 1]^T (matmul)", lambda: np.matmul(q1, k1.T, out=s)),
+           ("P = exp2(S - m)", lambda: np.exp2(s0, out=s)),
+           ("[P V, rowsum P] = P [V, 1] (matmul)", lambda: np.matmul(s0, k1, out=inc)),
+           ("mask (diagonal tiles only)", lambda: np.copyto(s, -np.inf, where=hidden)),
+           ("avoided: rowmax(S)", lambda: s0.max(axis=1)),
+           ("avoided: S - m (a pass)", lambda: np.subtract(s0, col, out=s)),
+           ("avoided: exp instead of exp2", lambda: np.exp(s0, out=s)),
+           ("avoided: rowsum(P) (a pass)", lambda: s0.sum(axis=1))]
+    with step._BLAS.one_thread():
+        return [(name, _best(fn, repeats) / (T * T)) for name, fn in ops]
+
+
+# -- report -----------------------------------------------------------------
+
+def blas_name():
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:      # older numpy prints its config instead of returning it
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            np.show_config()
+        return "; ".join(ln.strip() for ln in buf.getvalue().splitlines() if "blas" in ln.lower())[:200]
+
+
+def _tile_label(t):
+    t = DEFAULT_TILE_SIZE if t is None else t
+    return f"{t[0]}x{t[1]}" if isinstance(t, tuple) else f"{t}x{t}"
+
+
+def _rows(points):
+    return [[p["S"], p["D"], _tile_label(p["tile"]), "plain" if p["plain"] else "NumPy",
+             f"{p['fwd_s']:.3f}", f"{p['fwd_gflops']:.0f}", f"{p['fwd']:.0%}",
+             f"{p['bwd_s']:.3f}", f"{p['bwd_gflops']:.0f}", f"{p['bwd']:.0%}"] for p in points]
+
+
+HEADERS = ["S", "D", "tile", "step", "fwd s", "fwd GFLOP/s", "fwd / matmul",
+           "bwd s", "bwd GFLOP/s", "bwd / matmul"]
+
+
+def plot(points, memory, results_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    by_s = sorted((p for p in points if p["D"] == TARGET_D and p["tile"] is None and not p["plain"]),
+                  key=lambda p: p["S"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, target, label in (("fwd", FORWARD_TARGET, "forward"), ("bwd", BACKWARD_TARGET, "backward")):
+        line, = ax.plot([p["S"] for p in by_s], [p[key] for p in by_s], "o-", label=label)
+        ax.axhline(target, color=line.get_color(), ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("S (one device, causal)")
+    ax.set_ylabel("useful FLOP/s / matmul FLOP/s")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"NumPy step, H={HEADS}, D={TARGET_D}, float32 (dotted: targets)")
+    ax.legend()
+    fig.tight_layout()
+    eff = results_dir / "kernel_efficiency.png"
+    fig.savefig(eff, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    seq = [s for s, _, _ in memory]
+    ax.plot(seq, [f / 2 ** 20 for _, f, _ in memory], "o-", label="forward")
+    ax.plot(seq, [b / 2 ** 20 for _, _, b in memory], "s-", label="backward")
+    ax.plot(seq, [s * s * 4 * HEADS / 2 ** 20 for s in seq], "k:", label="S x S float32 scores, all heads")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("S")
+    ax.set_ylabel("peak MiB allocated")
+    ax.legend()
+    fig.tight_layout()
+    mem = results_dir / "kernel_memory.png"
+    fig.savefig(mem, dpi=110)
+    plt.close(fig)
+    return [eff, mem]
+
+
+def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None):
+    """Measure and return (markdown, [png paths])."""
+    sweep = sweep or (QUICK if quick else FULL)
+    say = progress or (lambda msg: None)
+    say("matmul rate")
+    rate = matmul_rate(sweep.repeats + 2, sweep.matmul_n)
+    points = []
+    say(f"target point S={sweep.target_s}")
+    points.append(kernel_point(sweep.target_s, TARGET_D, None, sweep.repeats, rate))
+    for S in sweep.seq_lens:
+        if S != sweep.target_s:
+            say(f"S={S}")
+            points.append(kernel_point(S, TARGET_D, None, sweep.repeats_other, rate))
+    for D in sweep.head_dims:
+        if D != TARGET_D or sweep.sweep_s not in sweep.seq_lens:
+            say(f"D={D}")
+            points.append(kernel_point(sweep.sweep_s, D, None, sweep.repeats_other, rate))
+    for tile in sweep.tiles:
+        if tile != DEFAULT_TILE_SIZE:
+            say(f"tile {tile}")
+            points.append(kernel_point(sweep.sweep_s, TARGET_D, tile, sweep.repeats_other, rate))
+    say("plain step")
+    points.append(kernel_point(sweep.plain_s, TARGET_D, None, 1, rate, plain=True))
+    rate_after = matmul_rate(sweep.repeats, sweep.matmul_n)   # the machine may have changed meanwhile
+    say("one tile's operations, one thread")
+    costs = tile_costs()
+    say("memory")
+    memory = [(S, *peak_memory(S)) for S in sweep.memory_seq_lens]
+    pngs = plot(points, memory, results_dir)
+    return report(sweep, rate, rate_after, points, costs, memory, pngs), pngs
+
+
+def report(sweep, rate, rate_after, points, costs, memory, pngs):
+    target = points[0]
+    workers = step._BLAS.threads(HEADS)
+    mode = {QUICK: "quick", FULL: "full"}.get(sweep, "custom")
+    lines = [
+        f"Made by `python -m bench.kernel{' --full' if mode == 'full' else ''}` ({mode} sizes) on "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}: "
+        f"{os.cpu_count()} cores, {platform.machine()}, BLAS {blas_name()} with "
+        f"{workers} thread(s); the NumPy step runs {workers} worker thread(s) and holds BLAS to one "
+        f"meanwhile. numpy {np.__version__}. Best of {sweep.repeats} (target) or "
+        f"{sweep.repeats_other} (others) repeats; the machine is shared, so timings are noisy "
+        "and the ratios are what to read.",
+        "",
+        f"float32 matmul {sweep.matmul_n}x{sweep.matmul_n}: **{rate / 1e9:.0f} GFLOP/s** "
+        f"(again after the sweep: {rate_after / 1e9:.0f} GFLOP/s). Useful FLOPs: 4 D (forward) and "
+        f"10 D (backward) per visible pair per head; H = {HEADS}, causal, one device holding all S tokens. "
+        "Timed: the tiled step alone (`attend_block`, `attend_block_backward`), as a ring round "
+        "calls it; the O(S D) set-up (`ForwardAcc.zeros`, delta) and `finish_forward` are outside "
+        "the timer.",
+        "",
+        f"**Target (S = {sweep.target_s}, D = {TARGET_D}, tile {_tile_label(None)}):** forward "
+        f"{target['fwd']:.0%} of matmul (target {FORWARD_TARGET:.0%}: "
+        f"{'met' if target['fwd'] >= FORWARD_TARGET else 'NOT met'}), backward {target['bwd']:.0%} "
+        f"(target {BACKWARD_TARGET:.0%}: {'met' if target['bwd'] >= BACKWARD_TARGET else 'NOT met'}).",
+        "",
+        markdown_table(HEADERS, _rows(points), align="rrrl" + "r" * 6),
+        "",
+        "\"plain\" is the step every array module runs (whole tiles of all heads, exp, row max, "
+        "rescaling); \"NumPy\" is the CPU arrangement of the same tiles (base 2, folded "
+        "columns, lazy max, worker threads; see `reference/step.py`).",
+        "",
+        "What limits the ratio: one 256x256 tile (D = 64) on one thread, in nanoseconds per pair. "
+        "The two products run at about the one-thread BLAS rate; what the step adds to them "
+        "is one exp2 pass (and the mask on diagonal tiles):",
+        "",
+        markdown_table(["operation", "ns / pair"], [[n, f"{t * 1e9:.3f}"] for n, t in costs], align="lr"),
+        "",
+        "Peak memory allocated (tracemalloc) during one single-device forward and backward, "
+        "beyond the inputs, against S (H = 8, D = 64, float32). It grows linearly; a single "
+        "S x S float32 score matrix per head would be the last column:",
+        "",
+        markdown_table(["S", "forward MiB", "backward MiB", "forward / S (KiB)", "S x S x H MiB"],
+                       [[S, f"{f / 2**20:.1f}", f"{b / 2**20:.1f}", f"{f / S / 1024:.2f}",
+                         f"{S * S * 4 * HEADS / 2**20:.0f}"] for S, f, b in memory], align="rrrrr"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.kernel", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--full", action="store_true", help="more sizes and repeats")
+    ap.add_argument("--results", default=str(RESULTS), help="folder for the plots (default: bench/results)")
+    args = ap.parse_args(argv)
+    text, pngs = run(quick=not args.full, results_dir=args.results,
+                     progress=lambda msg: print(f"  kernel: {msg}", file=sys.stderr, flush=True))
+    print(text)
+    for png in pngs:
+        print(f"wrote {png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
