@@ -219,3 +219,19 @@ def test_driver_help(capsys):
         bench_run.main(["--help"])
     assert exit_.value.code == 0
     assert "--only SECTION" in capsys.readouterr().out
+
+
+# -- the kernel section, on tiny sizes --------------------------------------
+
+def test_kernel_section_smoke(tmp_path):
+    """The kernel benchmark runs end to end on tiny sizes: a target row, rates as
+    fractions of the matmul rate in (0, 1.5), memory rows, and its two plots."""
+    from bench import kernel
+    tiny = kernel.Sweep(target_s=512, matmul_n=256, repeats=1, repeats_other=1, seq_lens=(256, 512),
+                        head_dims=(16,), tiles=((64, 32),), sweep_s=256, memory_seq_lens=(256, 512),
+                        plain_s=256)
+    text, pngs = kernel.run(sweep=tiny, results_dir=tmp_path)
+    assert "**Target (S = 512" in text
+    fractions = [float(x) / 100 for x in re.findall(r"\|\s*(\d+(?:\.\d+)?)\s*%", text)]
+    assert fractions and all(0 < f < 1.5 for f in fractions), fractions
+    assert len(pngs) == 2 and all(Path(p).stat().st_size > 0 for p in pngs)
