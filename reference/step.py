@@ -50,6 +50,16 @@ Two implementations of the same tiles sit side by side:
       the cores stay busy. A unit owns the rows it writes, so results do not
       depend on the number of threads, bit for bit.
 
+Non-finite inputs (DESIGN.md: NaN reaches the rows it reaches, not elsewhere):
+a masked (query, key) pair contributes nothing, even when one of its values is
+NaN or inf. Both steps set masked scores to -inf after every shift, so P is
+exactly 0 there even where lse is NaN; but 0 x NaN = NaN, so a product of a
+matrix that is 0 at masked pairs with one that holds a NaN row (P V, P^T dO,
+dS K, dS^T Q) goes through `_product`, and dS = P (dP - delta), NaN where dP
+or delta is, is zeroed at masked pairs first. Finite inputs are checked once
+per block (`_all_finite`; in the NumPy forward it costs nothing: the lazy
+shift's test on |V| already fails for NaN and inf) and skip all of this.
+
 Compute layout: grouped-query heads share their key/value head, so the G query
 heads of one key/value head are stacked as extra rows of one matrix product.
     q, out, dq:    (B, Hkv, c, G, D)    G = Hq // Hkv
@@ -171,9 +181,10 @@ def attend_block(acc, q, k, v, q_pos, k_pos, *, causal, tile_size):
 
 def finish_forward(acc):
     """out = O / l and lse = m + log(l); a row with no visible key at all gets
-    out = 0 and lse = -inf. Returns (out (B,Hkv,c,G,D), lse (B,Hkv,c,G))."""
+    out = 0 and lse = -inf, a row that met a NaN keeps it in both.
+    Returns (out (B,Hkv,c,G,D), lse (B,Hkv,c,G))."""
     xp = array_module(acc.o)
-    seen = acc.l > 0
+    seen = ~(acc.l == 0)          # not `l > 0`: that is False for NaN, which would read "no key"
     l_safe = xp.where(seen, acc.l, 1.0)
     out = acc.o / l_safe[..., None]
     lse = xp.where(seen, acc.m + xp.log(l_safe), -np.inf)
@@ -195,15 +206,55 @@ def _apply_mask(s, mask, xp):
     xp.copyto(s5, -np.inf, where=~xp.asarray(mask)[:, None, :])
 
 
+def _mask_rows(mask, R, xp):
+    """A tile's mask (tq, tk) as rows (R, tk), R = tq*G query-major, on xp's device; None stays None."""
+    if mask is None:
+        return None
+    return xp.asarray(np.repeat(mask, R // mask.shape[0], axis=0))
+
+
+def _all_finite(xp, *arrays):
+    """True when no array holds a NaN or inf: one pass per array (a block, not a tile)."""
+    return all(bool(xp.isfinite(x).all()) for x in arrays)
+
+
+def _product(w, x, vis, xp):
+    """w @ x over the visible pairs only: w (..., M, T) is 0 at the masked pairs,
+    x (..., T, E), vis (M, T) bool (None: a plain product, for a tile with no
+    masked pair or a block with finite inputs).
+
+    Hazard: 0 x NaN = NaN (and 0 x inf): a masked weight does not stop a
+    non-finite value, so in w @ x a NaN in row t of x reaches every row of w,
+    also those that cannot see t. The rows of x that are not finite are left
+    out of the product and their terms added back only where visible. Only
+    blocks whose inputs hold a NaN or inf get a `vis` (callers check once per
+    block with `_all_finite`).
+    """
+    if vis is None:
+        return w @ x
+    zero = x.dtype.type(0)
+    bad = ~xp.isfinite(x).all(axis=-1)                   # (..., T) rows of x with a NaN or inf
+    out = w @ xp.where(bad[..., None], zero, x)          # every finite term   (..., M, E)
+    cols = bad.reshape(-1, bad.shape[-1]).any(axis=0)    # (T,) t with a bad row in some head
+    cols = cols.get() if hasattr(cols, "get") else cols  # (CuPy: to the host)
+    with np.errstate(invalid="ignore"):                  # 0 x inf at a masked pair: dropped below
+        for t in np.flatnonzero(cols):
+            xt = xp.where(bad[..., t, None], x[..., t, :], zero)     # (..., E) the bad rows t only
+            out += xp.where(vis[:, t, None], w[..., :, t, None] * xt[..., None, :], zero)
+    return out
+
+
 def _forward_plain(acc, q, k, v, q_pos, k_pos, plan, xp):
+    guard = not _all_finite(xp, v)                       # a NaN or inf in V: guard the masked pairs
     for qs, ks, kind in plan:
         mask = visible(q_pos[qs], k_pos[ks]) if kind == MASKED else None
         _forward_tile(_rows(acc.o, qs), _rows(acc.m, qs), _rows(acc.l, qs),
-                      _rows(q, qs), k[:, :, ks], v[:, :, ks], mask, xp)
+                      _rows(q, qs), k[:, :, ks], v[:, :, ks], mask, xp, guard)
 
 
-def _forward_tile(o, m, l, q, k, v, mask, xp):
-    """One tile of the online softmax, updating the views o (B,Hkv,R,D), m, l (B,Hkv,R)."""
+def _forward_tile(o, m, l, q, k, v, mask, xp, guard=False):
+    """One tile of the online softmax, updating the views o (B,Hkv,R,D), m, l (B,Hkv,R).
+    `guard`: V may hold NaN or inf, which a masked pair must not let through."""
     s = q @ k.swapaxes(-1, -2)                           # S = Q K^T   (B, Hkv, R, tk)
     if mask is not None:
         _apply_mask(s, mask, xp)
@@ -217,7 +268,8 @@ def _forward_tile(o, m, l, q, k, v, mask, xp):
     l *= alpha
     l += p.sum(axis=-1)
     o *= alpha[..., None]
-    o += p @ v                                           # O += P V   (B, Hkv, R, D)
+    vis = _mask_rows(mask, q.shape[-2], xp) if guard else None   # (R, tk) or None
+    o += _product(p, v, vis, xp)                         # O += P V   (B, Hkv, R, D)
     m[...] = m_new
 
 
@@ -297,24 +349,27 @@ def _forward_numpy(acc, q, k, v, q_pos, k_pos, plan):
     k1 = np.empty(k.shape[:-1] + (D + 1,), dtype=k.dtype)   # [K, 1]   (B, Hkv, ck, D+1)
     v1 = np.empty_like(k1)                               # [V, 1]: P [V, 1] = [P V, rowsum(P)]
     lazy = np.zeros((B, Hkv), dtype=bool)
+    guard = np.zeros((B, Hkv), dtype=bool)              # V holds a NaN or inf: guard the masked pairs
 
     def prepare(worker, b, h):
         _augment(k[b, h], 1.0, out=k1[b, h])
         _augment(v[b, h], 1.0, out=v1[b, h])
-        lazy[b, h] = max(v[b, h].max(initial=0.0), -v[b, h].min(initial=0.0)) <= _V_LIMIT
+        lazy[b, h] = max(v[b, h].max(initial=0.0), -v[b, h].min(initial=0.0)) <= _V_LIMIT   # False for NaN
+        guard[b, h] = not lazy[b, h] and not _all_finite(np, v[b, h])
 
     def unit(worker, b, h, qs, blocks):
         with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
             _forward_rows(acc.o[b, h, qs], acc.m[b, h, qs], acc.l[b, h, qs], q[b, h, qs],
-                          k1[b, h], v1[b, h], q_pos[qs], k_pos, blocks, lazy[b, h])
+                          k1[b, h], v1[b, h], q_pos[qs], k_pos, blocks, lazy[b, h], guard[b, h])
     _run_units(prepare, heads, workers)
     _run_units(unit, units, workers)
 
 
-def _forward_rows(o, m, l, q, k1, v1, q_pos, k_pos, blocks, lazy):
+def _forward_rows(o, m, l, q, k1, v1, q_pos, k_pos, blocks, lazy, guard):
     """The online softmax of one group of query tiles of one head over its blocks.
     o (tq, G, D), m, l (tq, G): views of the accumulator, updated at the end;
-    q (tq, G, D) pre-scaled; k1, v1 (ck, D+1) = [K, 1], [V, 1]."""
+    q (tq, G, D) pre-scaled; k1, v1 (ck, D+1) = [K, 1], [V, 1]. `lazy`: V is
+    small enough for a lazy shift; `guard`: V holds NaN or inf (never lazy)."""
     tq, G, D = q.shape
     R = tq * G
     m2_in = m.reshape(R) * LOG2E                         # (R,) the shift, base 2
@@ -338,7 +393,8 @@ def _forward_rows(o, m, l, q, k1, v1, q_pos, k_pos, blocks, lazy):
                 ol[rows] += inc[rows]
                 continue
             _shifted_scores(s, q2[rows], kt, mask)       # too large: redo the tile exactly
-        m2[rows] = _exact_tile(ol[rows], m2[rows], q2[rows], s, vt, inc[rows])
+        vis = _mask_rows(mask, len(s), np) if guard else None
+        m2[rows] = _exact_tile(ol[rows], m2[rows], q2[rows], s, vt, inc[rows], vis)
         all_seen = np.isfinite(m2).all()
     o[...] = ol[:, :D].reshape(tq, G, D)
     l[...] = ol[:, D].reshape(tq, G)
@@ -359,9 +415,10 @@ def _shifted_scores(s, q2, kt, mask):
         np.copyto(s.reshape(tq, -1, tk), -np.inf, where=~mask[:, None, :])
 
 
-def _exact_tile(ol, m2, q2, s, vt, inc):
+def _exact_tile(ol, m2, q2, s, vt, inc, vis=None):
     """One exact online-softmax tile (module docstring), in base 2, on scores
-    s = S - shift. Updates ol = [O, l] and q2's shift column; returns the new m2."""
+    s = S - shift. Updates ol = [O, l] and q2's shift column; returns the new m2.
+    `vis` (R, tk): the mask, when vt may hold NaN or inf (`_product`)."""
     shift = -q2[:, -1]                                   # (R,) m2, or 0 where m2 = -inf
     m_new = np.maximum(m2, shift + s.max(axis=1))       # (R,)
     # Hazard: a row with no visible key yet keeps m_new = -inf; shifting it by
@@ -371,7 +428,10 @@ def _exact_tile(ol, m2, q2, s, vt, inc):
     np.exp2(s, out=s)                                    # P = exp(S - m_new)
     alpha = np.exp2(m2 - np.where(seen, m_new, 0.0))     # rescales the old O and l
     ol *= np.where(seen, alpha, 1.0)[:, None]
-    np.matmul(s, vt, out=inc)
+    if vis is None:
+        np.matmul(s, vt, out=inc)                        # [P V, rowsum(P)]
+    else:
+        inc[...] = _product(s, vt, vis, np)
     ol += inc
     _set_shift(q2, m_new)
     return m_new
@@ -399,25 +459,31 @@ def attend_block_backward(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, *, 
 
 
 def _backward_plain(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, plan, xp):
+    guard = not _all_finite(xp, q, do, delta, k, v)     # a NaN or inf: guard the masked pairs
     for qs, ks, kind in plan:
         mask = visible(q_pos[qs], k_pos[ks]) if kind == MASKED else None
         _backward_tile(_rows(dq, qs), dk[:, :, ks], dv[:, :, ks], _rows(q, qs), _rows(do, qs),
-                       _rows(lse, qs), _rows(delta, qs), k[:, :, ks], v[:, :, ks], mask, xp)
+                       _rows(lse, qs), _rows(delta, qs), k[:, :, ks], v[:, :, ks], mask, xp, guard)
 
 
-def _backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, xp):
-    """One tile of the backward; dq (B,Hkv,R,D), dk, dv (B,Hkv,tk,D) are views updated in place."""
+def _backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, xp, guard=False):
+    """One tile of the backward; dq (B,Hkv,R,D), dk, dv (B,Hkv,tk,D) are views updated in place.
+    `guard`: the inputs may hold NaN or inf, which a masked pair must not let through."""
     s = q @ k.swapaxes(-1, -2)                           # S = Q K^T   (B, Hkv, R, tk)
-    if mask is not None:
-        _apply_mask(s, mask, xp)
     s -= lse[..., None]
-    p = xp.exp(s, out=s)                                 # P = exp(S - lse)
-    dv += p.swapaxes(-1, -2) @ do                        # dV += P^T dO   (B, Hkv, tk, D)
+    if mask is not None:                                 # after lse: -inf - NaN would be NaN, not -inf
+        _apply_mask(s, mask, xp)
+    p = xp.exp(s, out=s)                                 # P = exp(S - lse), exactly 0 where masked
+    vis = _mask_rows(mask, q.shape[-2], xp) if guard else None    # (R, tk) or None
+    vis_t = None if vis is None else vis.T
+    dv += _product(p.swapaxes(-1, -2), do, vis_t, xp)   # dV += P^T dO   (B, Hkv, tk, D)
     dp = do @ v.swapaxes(-1, -2)                         # dP = dO V^T    (B, Hkv, R, tk)
     dp -= delta[..., None]
     ds = xp.multiply(p, dp, out=dp)                      # dS = P * (dP - delta)
-    dq += ds @ k                                         # dQ += dS K     (B, Hkv, R, D)
-    dk += ds.swapaxes(-1, -2) @ q                        # dK += dS^T Q   (B, Hkv, tk, D)
+    if vis is not None:                                  # 0 x NaN: P = 0 does not clear a NaN dP - delta
+        xp.copyto(ds, 0, where=~vis)
+    dq += _product(ds, k, vis, xp)                       # dQ += dS K     (B, Hkv, R, D)
+    dk += _product(ds.swapaxes(-1, -2), q, vis_t, xp)   # dK += dS^T Q   (B, Hkv, tk, D)
 
 
 def _backward_numpy(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, plan):
@@ -434,16 +500,19 @@ def _backward_numpy(dq, dk, dv, q, do, lse, delta, k, v, q_pos, k_pos, plan):
         q2 = _augment(q[b, h] * LOG2E, -lse[b, h] * LOG2E)   # [Q log2(e), -lse]   (c, G, D+1)
         do1 = _augment(do[b, h], -delta[b, h])               # [dO, -delta]        (c, G, D+1)
         k1, v1 = _augment(k[b, h], 1.0), _augment(v[b, h], 1.0)   # [K, 1], [V, 1]   (ck, D+1)
+        guard = not _all_finite(np, q[b, h], do1, k[b, h], v[b, h])   # NaN or inf: guard masked pairs
         for ks, tiles in columns:
             _backward_cols(dq[b, h], dk[b, h, ks], dv[b, h, ks], q[b, h], q2, do[b, h], do1,
-                           k[b, h, ks], k1[ks], v1[ks], q_pos, k_pos[ks], tiles)
+                           k[b, h, ks], k1[ks], v1[ks], q_pos, k_pos[ks], tiles, guard)
     _run_units(unit, heads, _BLAS.threads(len(heads)))
 
 
-def _backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles):
+def _backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard):
     """The backward of one key tile of one head over its query tiles.
     dq (c, G, D), dk, dv (tk, D): views, added to; q, do (c, G, D);
-    q2, do1 (c, G, D+1) = [Q log2(e), -lse], [dO, -delta]; k (tk, D); k1, v1 (tk, D+1)."""
+    q2, do1 (c, G, D+1) = [Q log2(e), -lse], [dO, -delta]; k (tk, D); k1, v1 (tk, D+1).
+    `guard`: the inputs may hold NaN or inf, which a masked pair must not let through.
+    P is exactly 0 where masked, even where lse is NaN: the mask sets S - lse to -inf."""
     tk, D = k.shape
     G = q.shape[1]
     dk_t, dv_t = np.zeros_like(dk), np.zeros_like(dv)   # (tk, D) kept in cache over the tiles
@@ -456,11 +525,15 @@ def _backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles):
         mask = visible(q_pos[qs], k_pos) if kind == MASKED else None
         _shifted_scores(p, q2[qs].reshape(R, D + 1), k1, mask)   # S - lse, base 2
         np.exp2(p, out=p)                                        # P = exp(S - lse)
-        dv_t += p.T @ do[qs].reshape(R, D)                       # dV += P^T dO
+        vis = _mask_rows(mask, R, np) if guard else None         # (R, tk) or None
+        vis_t = None if vis is None else vis.T
+        dv_t += _product(p.T, do[qs].reshape(R, D), vis_t, np)  # dV += P^T dO
         np.matmul(do1[qs].reshape(R, D + 1), v1.T, out=ds)       # dP - delta   (R, tk)
         np.multiply(p, ds, out=ds)                               # dS = P * (dP - delta)
-        dq[qs] += (ds @ k).reshape(tq, G, D)                     # dQ += dS K
-        dk_t += ds.T @ q[qs].reshape(R, D)                       # dK += dS^T Q
+        if vis is not None:                                      # 0 x NaN: P = 0 does not clear a NaN dP - delta
+            np.copyto(ds, 0, where=~vis)
+        dq[qs] += _product(ds, k, vis, np).reshape(tq, G, D)     # dQ += dS K
+        dk_t += _product(ds.T, q[qs].reshape(R, D), vis_t, np)  # dK += dS^T Q
     dk += dk_t
     dv += dv_t
 

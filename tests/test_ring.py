@@ -139,9 +139,74 @@ def test_scale_is_applied_once(case, scale):
 # -- NaN reaches the rows it should, and only those --------------------------
 #
 # DESIGN.md: "NaN in the inputs gives NaN in the rows it reaches, not elsewhere."
-# A NaN in query p of (batch b, head h) reaches the output row (b, p, h); a NaN
-# in key or value p of key/value head g reaches the rows (b, i, h) of every query
-# head h of g's group with key p visible to query i (pos_p <= pos_i, causal).
+# Every result row is a sum over (query, key) pairs with the key visible to the
+# query (pos_k <= pos_q, causal; every pair otherwise), and a masked pair is no
+# term of it: it contributes nothing, even when one of its values is NaN or inf
+# (0 x NaN is NaN, so neither the dense formula nor a masked tile may multiply
+# a masked weight by a value). A row is reached, and must hold a NaN, when a
+# term of its sum reads a non-finite input; every other row must be finite.
+# `nan_reach` gives the rows, from the terms each sum reads.
+
+def not_finite_rows(x):
+    """(B, S, H, D) -> (B, S, H) bool: the rows holding a NaN or inf."""
+    return ~np.isfinite(x).all(axis=-1)
+
+
+def nan_reach(case, bad):
+    """The rows that must hold a NaN (or inf); all others must be finite.
+
+    `bad`: the non-finite rows of the inputs, q, dout, out, lse (B, S, Hq) and
+    k, v (B, S, Hkv) (out and lse only for the backward, where they are inputs).
+    Returns {"lse", "out", "dq": (B, S, Hq), "dk", "dv": (B, S, Hkv)}.
+
+    The terms, for a visible pair (query row i, key j) of (batch b, query head
+    h, its key/value head g = h // G), positions 0..S-1 in the user's order:
+
+        s_ij  = q_i . k_j * scale           p_ij  = exp(s_ij - lse_i)
+        lse_i = log sum_j exp(s_ij)         out_i = sum_j p_ij v_j
+        ds_ij = p_ij (dO_i . v_j - dO_i . out_i)
+        dq_i  = sum_j ds_ij k_j             dk_j  = sum_{h of g} sum_i ds_ij q_i
+        dv_j  = sum_{h of g} sum_i p_ij dO_i
+
+    so, every sum over the visible pairs only (j <= i, causal):
+        lse_i  reached  iff q_i or some visible k_j is not finite
+        out_i  reached  iff lse_i is, or some visible v_j is not finite
+        dq_i   reached  iff one of q_i, lse_i, dO_i, out_i is not finite (and i
+                        sees a key), or some visible k_j or v_j is
+        dk_j   reached  iff a query row i of g's heads that sees j has one of
+                        q_i, lse_i, dO_i, out_i not finite, or k_j or v_j is
+                        (and j is seen)
+        dv_j   reached  iff a query row i of g's heads that sees j has one of
+                        q_i, lse_i, dO_i not finite, or k_j is (and j is seen);
+                        not v_j, not out_i: dv reads neither.
+    """
+    G = case.Hq // case.Hkv
+    vis = np.ones((case.S, case.S), bool)                    # (query i, key j), positions 0..S-1
+    if case.causal:
+        vis = np.tril(vis)
+
+    def per_query_head(x):                                   # (B, S, Hkv) -> (B, S, Hq)
+        return np.repeat(x, G, axis=2)
+
+    def some_visible_key(x):                                 # x (B, S_k, Hq) -> (B, S_q, Hq)
+        return (vis[None, :, :, None] & x[:, None, :, :]).any(axis=2)
+
+    def some_query_seeing(x):                                # x (B, S_q, Hq) -> (B, S_k, Hkv)
+        hit = (vis.T[None, :, :, None] & x[:, None, :, :]).any(axis=2)
+        return hit.reshape(case.B, case.S, case.Hkv, G).any(axis=-1)
+
+    k, v = per_query_head(bad["k"]), per_query_head(bad["v"])
+    sees_a_key = vis.any(axis=1)[None, :, None]              # query i sees some key
+    seen = vis.any(axis=0)[None, :, None]                    # key j is seen by some query
+    reach = {"lse": bad["q"] | some_visible_key(k)}
+    reach["out"] = reach["lse"] | some_visible_key(v)
+    if "out" in bad:
+        row = bad["q"] | bad["lse"] | bad["dout"] | bad["out"]
+        reach["dq"] = (row & sees_a_key) | some_visible_key(k | v)
+        reach["dk"] = some_query_seeing(row) | ((bad["k"] | bad["v"]) & seen)
+        reach["dv"] = some_query_seeing(bad["q"] | bad["lse"] | bad["dout"]) | (bad["k"] & seen)
+    return reach
+
 
 def reached_rows(case, source, b, p, head):
     """Boolean (B, S, Hq): the output rows a NaN at (b, p, head) of `source` reaches."""
@@ -169,13 +234,81 @@ def run_forward(case, backend, q, k, v):
     return ring_attention(q, k, v, **case.options())
 
 
-def assert_nan_exactly_in(rows, out, what):
-    """out (B, S, H, D): a row has a NaN where `rows` is True, and is finite elsewhere."""
-    has_nan = np.isnan(out).any(axis=-1)
+def run_backward(case, backend, q, k, v, out, lse, dout):
+    if backend == "dense":
+        return attention_backward(q, k, v, out, lse, dout, causal=case.causal, scale=case.scale)
+    return ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+
+
+def assert_nan_exactly_in(rows, out, what, nan=True):
+    """out (B, S, H, D): a row has a NaN (with nan=False: a NaN or inf) where
+    `rows` is True, and is finite elsewhere."""
+    hit = np.isnan(out).any(axis=-1) if nan else ~np.isfinite(out).all(axis=-1)
     finite = np.isfinite(out).all(axis=-1)
-    assert (has_nan[rows]).all(), f"{what}: NaN missing from rows it reaches"
+    missing = np.argwhere(rows & ~hit)
+    assert len(missing) == 0, f"{what}: NaN missing from rows it reaches, (b, s, h) = {missing.tolist()}"
     bad = np.argwhere(~rows & ~finite)
     assert len(bad) == 0, f"{what}: NaN or inf in rows it does not reach, (b, s, h) = {bad.tolist()}"
+
+
+def check_nan_reach(case, source, at, value=np.nan, backward=True):
+    """Put `value` at index `at` of input `source` (q, k, v or dout) and check
+    that dense and the ring give non-finite values in exactly the rows of
+    `nan_reach`: out and lse, then dq, dk, dv (both fed dense's out and lse)."""
+    q, k, v, dout = case.inputs()
+    {"q": q, "k": k, "v": v, "dout": dout}[source][at] = value
+    bad = {name: not_finite_rows(x) for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    want, nan = nan_reach(case, bad), np.isnan(value)
+    for backend in ("dense", "ring"):
+        out, lse = run_forward(case, backend, q, k, v)
+        assert_nan_exactly_in(want["out"], out, f"{backend} out, {value} in {source}", nan)
+        assert_nan_exactly_in(want["lse"], lse.transpose(0, 2, 1)[..., None],
+                              f"{backend} lse, {value} in {source}", nan)
+    if not backward:
+        return
+    out, lse = dense(case, q, k, v)
+    bad.update(out=not_finite_rows(out), lse=~np.isfinite(lse).transpose(0, 2, 1))
+    want = nan_reach(case, bad)
+    for backend in ("dense", "ring"):
+        grads = run_backward(case, backend, q, k, v, out, lse, dout)
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            assert_nan_exactly_in(want[name], g, f"{backend} {name}, {value} in {source}", nan)
+
+
+@pytest.mark.parametrize("source", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("tile_size", [1, 3, (2, 5), None])
+@pytest.mark.parametrize("n_devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_reaches_exactly_its_rows(layout, n_devices, tile_size, source):
+    # S = 6N: c = 6 tokens a device (3 a zigzag chunk), cut into masked tiles
+    # that hold keys some of their rows cannot see; the NaN sits away from the
+    # ends of the sequence, so that it has rows on both sides
+    S = 6 * n_devices
+    case = case_of(layout, n_devices, S, Hq=4, Hkv=2, D=3, tile_size=tile_size, B=2,
+                   seed=n_devices)
+    rng = np.random.default_rng([n_devices, len(source), S])
+    heads = case.Hq if source in ("q", "dout") else case.Hkv
+    at = (int(rng.integers(case.B)), int(rng.integers(1, S - 1)), int(rng.integers(heads)),
+          int(rng.integers(case.D)))
+    check_nan_reach(case, source, at)
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf])
+@pytest.mark.parametrize("tile_size", [3, None])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inf_in_v_reaches_exactly_its_rows(layout, tile_size, value):
+    # an inf value gives inf (or NaN) in the rows that see it: 0 x inf is NaN
+    # too, so a masked pair must not multiply it either
+    case = case_of(layout, n_devices=2, S=12, Hq=2, Hkv=1, tile_size=tile_size, B=2)
+    check_nan_reach(case, "v", (1, 7, 0, 2), value, backward=False)
+
+
+@given(cases(dtypes=(np.float64, np.float32)), st.sampled_from(["q", "k", "v", "dout"]),
+       st.integers(0, 2**32 - 1))
+def test_nan_anywhere_reaches_exactly_its_rows(case, source, seed):
+    rng = np.random.default_rng(seed)
+    shape = (case.B, case.S, case.Hq if source in ("q", "dout") else case.Hkv, case.D)
+    check_nan_reach(case, source, tuple(int(rng.integers(n)) for n in shape))
 
 
 @given(cases(dtypes=(np.float64, np.float32)), st.sampled_from(["q", "k"]), st.integers(0, 2**32 - 1))
@@ -185,20 +318,19 @@ def test_nan_in_q_or_k_reaches_only_its_rows(case, source, seed):
     assert_nan_exactly_in(rows, out, f"out, NaN in {source}")
 
 
+# The three hazards below, each once by hand: (a) `l > 0` is False for a NaN
+# row sum, which would read "no visible key" and give lse = -inf; (b) P V with
+# P = 0 at masked pairs: 0 x NaN = NaN, which would carry a NaN value to rows
+# that cannot see its key; (c) a NaN query row has lse = NaN, so exp(-inf - NaN)
+# would make its P NaN at masked pairs too, and dS = P (dP - delta) is 0 x NaN
+# there: dK, dV of keys it cannot see would become NaN.
 NAN_CASE = case_of("contiguous", n_devices=2, S=8, Hq=2, Hkv=1, tile_size=4, B=2)
-LSE_IS_MINUS_INF = ("the ring's finish_forward maps a NaN row sum l to 'no visible key' "
-                    "(l > 0 is False), so lse of a NaN row is -inf, not NaN")
-ZERO_TIMES_NAN = ("P V with P = 0 on masked entries: 0 * NaN = NaN, so a NaN value reaches "
-                  "rows that cannot see its key ({})")
-MASKED_P_IS_NAN = ("a NaN query row has lse = NaN, so its masked entries get P = exp(-inf - NaN) = NaN "
-                   "(and dS = 0 * (dP - NaN delta) = NaN): dK, dV of keys it cannot see become NaN ({})")
 
 
 @pytest.mark.parametrize("source", ["q", "k"])
-@pytest.mark.parametrize("backend", [
-    "dense", pytest.param("ring", marks=pytest.mark.xfail(strict=True, reason=LSE_IS_MINUS_INF))])
+@pytest.mark.parametrize("backend", ["dense", "ring"])
 def test_nan_reaches_lse_of_its_rows(backend, source):
-    # NaN at query 5 (or key 5): lse is NaN exactly in the rows reached
+    # (a) NaN at query 5 (or key 5): lse is NaN exactly in the rows reached
     (q, k, v, _) = NAN_CASE.inputs()
     {"q": q, "k": k}[source][1, 5, 0, 2] = np.nan
     rows = reached_rows(NAN_CASE, source, 1, 5, 0)
@@ -207,15 +339,13 @@ def test_nan_reaches_lse_of_its_rows(backend, source):
 
 
 @pytest.mark.parametrize("backend, tile_size", [
-    pytest.param("dense", None, marks=pytest.mark.xfail(
-        strict=True, reason=ZERO_TIMES_NAN.format("dense: every row before it"))),
-    pytest.param("ring", 4, marks=pytest.mark.xfail(
-        strict=True, reason=ZERO_TIMES_NAN.format("ring: rows of the same masked tile"))),
+    ("dense", None),                                   # every row before it
+    ("ring", 4),                                       # rows of the same masked tile
     ("ring", 1),                                       # 1x1 tiles: masked tiles are skipped
 ])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nan_in_v_reaches_only_its_rows(backend, tile_size, layout):
-    # NaN in value 5: rows 5.. see it; rows 0..4 must stay finite (query 4
+    # (b) NaN in value 5: rows 5.. see it; rows 0..4 must stay finite (query 4
     # shares a 4x4 tile with key 5 on contiguous and zigzag, and striped's
     # blocks have masked tiles in every round)
     case = case_of(layout, n_devices=2, S=8, Hq=2, Hkv=1, tile_size=tile_size, B=2)
@@ -237,21 +367,17 @@ def reached_by_query_in_backward(case, b, p, h):
 
 
 @pytest.mark.parametrize("backend, tile_size", [
-    pytest.param("dense", None, marks=pytest.mark.xfail(
-        strict=True, reason=MASKED_P_IS_NAN.format("dense backward: every key of its head"))),
-    pytest.param("ring", 4, marks=pytest.mark.xfail(
-        strict=True, reason=MASKED_P_IS_NAN.format("ring backward: keys of the same masked tile"))),
+    ("dense", None),                                   # every key of its head
+    ("ring", 4),                                       # keys of the same masked tile
     ("ring", 1),
 ])
 def test_nan_in_q_reaches_only_its_gradients(backend, tile_size):
+    # (c) NaN in query 5 (its out and lse NaN too): only its own gradients
     case = case_of("contiguous", n_devices=2, S=8, Hq=2, Hkv=1, tile_size=tile_size, B=2)
     q, k, v, dout = case.inputs()
     q[1, 5, 0, 2] = np.nan
     out, lse = dense(case, q, k, v)
-    if backend == "dense":
-        grads = attention_backward(q, k, v, out, lse, dout, causal=case.causal)
-    else:
-        grads = ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+    grads = run_backward(case, backend, q, k, v, out, lse, dout)
     for name, g, rows in zip(("dq", "dk", "dv"), grads, reached_by_query_in_backward(case, 1, 5, 0)):
         assert_nan_exactly_in(rows, g, f"{name}, NaN in q")
 
