@@ -29,7 +29,7 @@ with the same verbs); `mpi_comm` anything with Get_rank, Get_size, Isend, Irecv.
 
 from dataclasses import dataclass
 
-from mpi_impl.comm import TAG_STRIDE     # MPI tag = ring tag * TAG_STRIDE + index in the tuple
+from mpi_impl.comm import TAG_STRIDE, byte_view   # MPI tag = ring tag * TAG_STRIDE + index in the tuple
 
 TRANSFERS = ("auto", "cuda-aware", "staged")
 
@@ -81,7 +81,7 @@ class DeviceRing:
         else:
             outgoing = self._stage_out(arrays, tag)
             received = self._buffers(tag, "recv", arrays)
-        view = self._device.byte_view if self.transfer == "cuda-aware" else _host_bytes
+        view = self._device.byte_view if self.transfer == "cuda-aware" else byte_view
         requests = self._post(outgoing, received, tag, view)
         return _Shift(requests, outgoing, received, staged=self.transfer == "staged")
 
@@ -123,10 +123,3 @@ class DeviceRing:
             self._pinned[key] = have
         return have
 
-
-def _host_bytes(a):
-    """The bytes of a C-contiguous host array, as a view (never a copy: MPI
-    must write into the buffer itself)."""
-    if not a.flags.c_contiguous:
-        raise ValueError("ring buffers must be C-contiguous")
-    return a.reshape(-1).view("uint8")

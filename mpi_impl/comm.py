@@ -91,8 +91,8 @@ class RingComm:
         for i, (out, into) in enumerate(zip(arrays, received)):
             mpi_tag = tag * TAG_STRIDE + i
             # receive first, so a matching send never waits in an unexpected-message queue
-            requests.append(self.comm.Irecv([_bytes(into), MPI.BYTE], source=self.prev, tag=mpi_tag))
-            requests.append(self.comm.Isend([_bytes(out), MPI.BYTE], dest=self.next, tag=mpi_tag))
+            requests.append(self.comm.Irecv([byte_view(into), MPI.BYTE], source=self.prev, tag=mpi_tag))
+            requests.append(self.comm.Isend([byte_view(out), MPI.BYTE], dest=self.next, tag=mpi_tag))
         shift = Shift(tag, requests, arrays, received)
         self._in_flight.append(shift)
         return shift
@@ -136,7 +136,7 @@ def _address(a):
     return ("host", a.__array_interface__["data"][0])
 
 
-def _bytes(a):
+def byte_view(a):
     """The bytes of a C-contiguous array, as a view: MPI must read and write
     the array itself, never a copy."""
     if not a.flags.c_contiguous:
