@@ -15,18 +15,21 @@ import time
 
 import numpy as np
 
-from reference import positions, step
-from reference.ring import _prepare
+from reference import positions, steps
+from reference.ring import own_block
+from reference.step import ForwardAcc, Queries
 
 
-def per_tile_seconds(q_pos, k_pos, q, k, v, tile_size, repeats=3):
+def per_tile_seconds(step, q_pos, k_pos, x, tile_size, repeats=3):
     """Best CPU seconds per computed tile of one block, and the tiles computed."""
     best, tiles = float("inf"), 0
+    queries = Queries.prepare(x, x.shape[2], q_pos, x.shape[-1] ** -0.5)
+    own, other = own_block(x, x, q_pos, 0), own_block(x, x, k_pos, 1)
     for _ in range(repeats):
-        acc = step.ForwardAcc.zeros(q)
-        step.attend_block(acc, q, k, v, q_pos, q_pos, causal=True, tile_size=tile_size)  # own block first
+        acc = ForwardAcc.zeros(queries.q)
+        step.forward(acc, queries, own, causal=True, tile_size=tile_size)      # own block first
         start = time.thread_time()
-        counts = step.attend_block(acc, q, k, v, q_pos, k_pos, causal=True, tile_size=tile_size)
+        counts = step.forward(acc, queries, other, causal=True, tile_size=tile_size)
         best, tiles = min(best, time.thread_time() - start), counts.tiles_computed
     return best / tiles, tiles
 
@@ -38,19 +41,21 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=4, help="heads H (default %(default)s)")
     ap.add_argument("--head-dim", type=int, default=64, help="head dim D (default %(default)s)")
     ap.add_argument("--tile-size", type=int, default=256, help="tile size (default %(default)s)")
+    ap.add_argument("--step", default="auto", choices=steps.NAMES, help="step version (default %(default)s)")
     args = ap.parse_args(argv)
+    step = steps.get(args.step, xp=np)
     c = args.seq_len // args.n_devices
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, c, args.heads, args.head_dim), dtype=np.float32)   # (B, c, H, D)
-    q, k, v = _prepare(x, x, x, args.head_dim ** -0.5)
     striped, contiguous = (positions(args.seq_len, args.n_devices, name) for name in ("striped", "contiguous"))
     shapes = {"full (contiguous, j > k)": (contiguous[1], contiguous[0]),
               "triangle (striped, j > k)": (striped[1], striped[0]),
               "strict triangle (striped, j < k)": (striped[0], striped[1])}
-    print(f"S={args.seq_len} N={args.n_devices} c={c} H={args.heads} D={args.head_dim} tile={args.tile_size}")
+    print(f"S={args.seq_len} N={args.n_devices} c={c} H={args.heads} D={args.head_dim} tile={args.tile_size} "
+          f"step {step!r}")
     base = None
     for name, (q_pos, k_pos) in shapes.items():
-        seconds, tiles = per_tile_seconds(q_pos, k_pos, q, k, v, args.tile_size)
+        seconds, tiles = per_tile_seconds(step, q_pos, k_pos, x, args.tile_size)
         base = base or seconds
         print(f"{name:<34} {tiles:>5} tiles  {seconds * 1e3:7.3f} ms/tile  x{seconds / base:.2f}")
 

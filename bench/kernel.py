@@ -1,4 +1,4 @@
-"""Kernel efficiency and memory of one device: the tiled step against a plain matmul.
+"""Kernel efficiency and memory of one device: the step versions against a plain matmul.
 
 DESIGN.md's speed target for the per-device step (`reference/step.py`): at S = 8192,
 Hq = 8, D = 64, causal, float32, one device holding the whole sequence as one block
@@ -14,14 +14,15 @@ the same BLAS threads. What is timed is the tiled step (`attend_block`,
 `attend_block_backward`) as a ring round calls it; its O(S D) set-up and finish are not.
 The machine may be shared: every figure is the best of a few repeats, and the ratios are
 only as steady as the machine. Also measured: the same step at other S, D and tile sizes,
-the plain step (the array-module-generic one that CuPy runs) beside the NumPy one, what one
+every registered NumPy step version (`reference.steps`: v1 readable, v2, v3) side by side, what one
 tile's operations cost on one thread (what limits the ratio), and the peak memory of the
 single-device forward and backward against S, which grows linearly (no S x S array).
 
 Letters: S tokens, H heads, D head dim, T tile size (tq x tk).
 
-    python -m bench.kernel                 # quick: about 30 s on 2 idle cores
+    python -m bench.kernel                 # quick: about a minute on 2 idle cores
     python -m bench.kernel --full          # more sizes and repeats
+    python -m bench.kernel --step v2 --threads 1   # one version; checked against float64 first
     python -m bench.run --only kernel      # into BENCHMARKS.md
 """
 
@@ -39,8 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
-from reference import step
-from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs, tile_plan
+from reference import attention, attention_backward, steps
+from reference.heads import q_from_heads, rows_from_heads
+from reference.ring import own_block
+from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
+from reference.step_v3 import one_blas_thread
+from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs
 
 from . import RESULTS, markdown_table
 
@@ -61,7 +66,7 @@ class Sweep:
     tiles: tuple = (128, 256, 512, (512, 256), (256, 512))   # against T, at S = sweep_s
     sweep_s: int = 4096
     memory_seq_lens: tuple = (1024, 2048, 4096, 8192)
-    plain_s: int = 4096                            # the plain step, for comparison
+    plain_s: int = 4096                            # the other step versions, for comparison
 
 
 QUICK = Sweep()
@@ -91,69 +96,92 @@ def _best(fn, repeats):
     return best
 
 
+@dataclass
+class Problem:
+    """One device holding all S tokens as one block (q_pos = k_pos = 0 .. S-1),
+    in the step's own types, and the user-layout inputs for the float64 check."""
+    queries: object
+    block: object
+    user: tuple          # q, k, v, dout (1, S, H, D) float32
+
+    @property
+    def pos(self):
+        return self.queries.pos
+
+
 def problem(S, D, heads=HEADS, seed=0):
-    """Compute-layout inputs of one device holding all S tokens: q pre-scaled, k, v, dO, positions."""
     rng = np.random.default_rng(seed)
     q, k, v, do = (rng.standard_normal((1, S, heads, D), dtype=np.float32) for _ in range(4))
-    q_h = step.q_to_heads(q, heads) * np.float32(D ** -0.5)     # (1, H, S, 1, D)
-    return q_h, step.kv_to_heads(k), step.kv_to_heads(v), step.q_to_heads(do, heads), np.arange(S)
+    pos = np.arange(S)
+    return Problem(Queries.prepare(q, heads, pos, D ** -0.5), own_block(k, v, pos, 0), (q, k, v, do))
 
 
-def forward(q, k, v, pos, tile, plain=False):
-    """One single-device forward: (out, lse, seconds spent in the tiled step)."""
-    acc = step.ForwardAcc.zeros(q)
+def forward(step, pb, tile):
+    """One single-device forward: (out, lse, seconds spent in the step)."""
+    acc = ForwardAcc.zeros(pb.queries.q)
     t = time.perf_counter()
-    if plain:
-        plan, _ = tile_plan(pos, pos, tile, True)
-        step._forward_plain(acc, q, k, v, pos, pos, plan, np)
-    else:
-        step.attend_block(acc, q, k, v, pos, pos, causal=True, tile_size=tile)
+    step.forward(acc, pb.queries, pb.block, causal=True, tile_size=tile)
     seconds = time.perf_counter() - t
-    return (*step.finish_forward(acc), seconds)
+    return (*finish_forward(acc), seconds)
 
 
-def backward(q, k, v, do, out, lse, pos, tile, plain=False):
-    """One single-device backward: (dq, dk, dv, seconds spent in the tiled step)."""
-    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    delta = (do * out).sum(axis=-1)                                   # (1, H, S, 1)
+def backward(step, pb, out, lse, tile):
+    """One single-device backward: (dq, dk, dv, seconds spent in the step)."""
+    q, k, v, do = pb.user
+    rows = BackwardRows.prepare(q_from_heads(out), rows_from_heads(lse), do, k.shape[2], np.float32)
+    grads = Grads(np.zeros_like(pb.queries.q), np.zeros_like(pb.block.k), np.zeros_like(pb.block.v))
     t = time.perf_counter()
-    if plain:
-        plan, _ = tile_plan(pos, pos, tile, True)
-        step._backward_plain(dq, dk, dv, q, do, lse, delta, k, v, pos, pos, plan, np)
-    else:
-        step.attend_block_backward(dq, dk, dv, q, do, lse, delta, k, v, pos, pos,
-                                   causal=True, tile_size=tile)
-    return dq, dk, dv, time.perf_counter() - t
+    step.backward(grads, pb.queries, rows, pb.block, causal=True, tile_size=tile)
+    return grads.dq, grads.dk, grads.dv, time.perf_counter() - t
 
 
-def kernel_point(S, D, tile, repeats, rate, plain=False):
-    """One row: seconds in the tiled step (attend_block, attend_block_backward;
-    the O(S D) set-up and finish outside it) and fraction of the matmul rate."""
-    q, k, v, do, pos = problem(S, D)
-    out, lse, _ = forward(q, k, v, pos, tile, plain)                 # also warms up
-    t_f = min(forward(q, k, v, pos, tile, plain)[-1] for _ in range(repeats))
-    t_b = min(backward(q, k, v, do, out, lse, pos, tile, plain)[-1] for _ in range(repeats))
-    pairs = count_visible_pairs(pos, pos) * HEADS
+CHECK_ROWS = 32     # query rows checked against float64 dense attention (dense on those rows only)
+
+
+def check_error(pb, out, lse, dq, D):
+    """Largest error of out and of dQ on a sample of query rows against float64
+    dense attention, relative to the largest reference value."""
+    q, k, v, do = (x.astype(np.float64) for x in pb.user)
+    S = q.shape[1]
+    rows = np.unique(np.linspace(0, S - 1, CHECK_ROWS).astype(int))
+    ref_out, ref_lse = attention(q[:, rows], k, v, q_pos=rows, k_pos=np.arange(S))
+    ref_dq = attention_backward(q[:, rows], k, v, ref_out, ref_lse, do[:, rows],
+                                q_pos=rows, k_pos=np.arange(S))[0]
+    got_out, got_dq = q_from_heads(out)[:, rows], q_from_heads(dq)[:, rows] * np.float32(D ** -0.5)
+    errors = [np.abs(got_out - ref_out).max() / np.abs(ref_out).max(),
+              np.abs(got_dq - ref_dq).max() / np.abs(ref_dq).max()]
+    return max(float(e) if np.isfinite(e) else np.inf for e in errors)      # NaN counts as infinite
+
+
+def kernel_point(S, D, tile, repeats, rate, step):
+    """One row: seconds in the step (the O(S D) set-up and finish outside it),
+    fraction of the matmul rate, and the error against float64 on sampled rows."""
+    pb = problem(S, D)
+    out, lse, _ = forward(step, pb, tile)                            # also warms up
+    error = check_error(pb, out, lse, backward(step, pb, out, lse, tile)[0], D)
+    t_f = min(forward(step, pb, tile)[-1] for _ in range(repeats))
+    t_b = min(backward(step, pb, out, lse, tile)[-1] for _ in range(repeats))
+    pairs = count_visible_pairs(pb.pos, pb.pos) * HEADS
     flops_f, flops_b = 4 * D * pairs, 10 * D * pairs
-    return dict(S=S, D=D, tile=tile, plain=plain, fwd_s=t_f, bwd_s=t_b,
+    return dict(S=S, D=D, tile=tile, step=repr(step)[1:-1], fwd_s=t_f, bwd_s=t_b, error=error,
                 fwd=flops_f / t_f / rate, bwd=flops_b / t_b / rate,
                 fwd_gflops=flops_f / t_f / 1e9, bwd_gflops=flops_b / t_b / 1e9)
 
 
-def peak_memory(S, D=TARGET_D, tile=None):
+def peak_memory(S, step, D=TARGET_D, tile=None):
     """Peak bytes NumPy allocates during one single-device forward, and backward,
     beyond their inputs (tracemalloc sees NumPy's array buffers): the whole
     pass, accumulators and outputs included."""
-    q, k, v, do, pos = problem(S, D)
+    pb = problem(S, D)
     peaks = []
     for run in ("forward", "backward"):
         if run == "backward":
-            out, lse, _ = forward(q, k, v, pos, tile)
+            out, lse, _ = forward(step, pb, tile)
         tracemalloc.start()
         if run == "forward":
-            forward(q, k, v, pos, tile)
+            forward(step, pb, tile)
         else:
-            backward(q, k, v, do, out, lse, pos, tile)
+            backward(step, pb, out, lse, tile)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     return peaks
@@ -176,11 +204,20 @@ def tile_costs(T=256, D=TARGET_D, repeats=20):
            ("avoided: S - m (a pass)", lambda: np.subtract(s0, col, out=s)),
            ("avoided: exp instead of exp2", lambda: np.exp(s0, out=s)),
            ("avoided: rowsum(P) (a pass)", lambda: s0.sum(axis=1))]
-    with step._BLAS.one_thread():
+    with one_blas_thread():
         return [(name, _best(fn, repeats) / (T * T)) for name, fn in ops]
 
 
 # -- report -----------------------------------------------------------------
+
+def cpu_model():
+    """The CPU's model name (Linux), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
 
 def blas_name():
     try:
@@ -199,13 +236,14 @@ def _tile_label(t):
 
 
 def _rows(points):
-    return [[p["S"], p["D"], _tile_label(p["tile"]), "plain" if p["plain"] else "NumPy",
+    return [[p["S"], p["D"], _tile_label(p["tile"]), p["step"],
              f"{p['fwd_s']:.3f}", f"{p['fwd_gflops']:.0f}", f"{p['fwd']:.0%}",
-             f"{p['bwd_s']:.3f}", f"{p['bwd_gflops']:.0f}", f"{p['bwd']:.0%}"] for p in points]
+             f"{p['bwd_s']:.3f}", f"{p['bwd_gflops']:.0f}", f"{p['bwd']:.0%}", f"{p['error']:.1e}"]
+            for p in points]
 
 
 HEADERS = ["S", "D", "tile", "step", "fwd s", "fwd GFLOP/s", "fwd / matmul",
-           "bwd s", "bwd GFLOP/s", "bwd / matmul"]
+           "bwd s", "bwd GFLOP/s", "bwd / matmul", "error vs float64"]
 
 
 def plot(points, memory, results_dir):
@@ -214,7 +252,7 @@ def plot(points, memory, results_dir):
     import matplotlib.pyplot as plt
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    by_s = sorted((p for p in points if p["D"] == TARGET_D and p["tile"] is None and not p["plain"]),
+    by_s = sorted((p for p in points if p["D"] == TARGET_D and p["tile"] is None and p["step"] == points[0]["step"]),
                   key=lambda p: p["S"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, target, label in (("fwd", FORWARD_TARGET, "forward"), ("bwd", BACKWARD_TARGET, "backward")):
@@ -224,7 +262,7 @@ def plot(points, memory, results_dir):
     ax.set_xlabel("S (one device, causal)")
     ax.set_ylabel("useful FLOP/s / matmul FLOP/s")
     ax.set_ylim(0, 1)
-    ax.set_title(f"NumPy step, H={HEADS}, D={TARGET_D}, float32 (dotted: targets)")
+    ax.set_title(f"step {points[0]['step']}, H={HEADS}, D={TARGET_D}, float32 (dotted: targets)")
     ax.legend()
     fig.tight_layout()
     eff = results_dir / "kernel_efficiency.png"
@@ -248,57 +286,75 @@ def plot(points, memory, results_dir):
     return [eff, mem]
 
 
-def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None):
-    """Measure and return (markdown, [png paths])."""
+def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="auto", threads=None):
+    """Measure `step` (a name of reference.steps, with `threads` workers where
+    it takes them; default: one per core) and every other registered NumPy
+    step at one point. Returns (markdown, [png paths])."""
     sweep = sweep or (QUICK if quick else FULL)
     say = progress or (lambda msg: None)
+    threads = os.cpu_count() if threads is None else threads
+    main_step = _make_step(step, threads)
     say("matmul rate")
     rate = matmul_rate(sweep.repeats + 2, sweep.matmul_n)
     points = []
-    say(f"target point S={sweep.target_s}")
-    points.append(kernel_point(sweep.target_s, TARGET_D, None, sweep.repeats, rate))
+    say(f"target point S={sweep.target_s}, step {main_step!r}")
+    points.append(kernel_point(sweep.target_s, TARGET_D, None, sweep.repeats, rate, main_step))
     for S in sweep.seq_lens:
         if S != sweep.target_s:
             say(f"S={S}")
-            points.append(kernel_point(S, TARGET_D, None, sweep.repeats_other, rate))
+            points.append(kernel_point(S, TARGET_D, None, sweep.repeats_other, rate, main_step))
     for D in sweep.head_dims:
         if D != TARGET_D or sweep.sweep_s not in sweep.seq_lens:
             say(f"D={D}")
-            points.append(kernel_point(sweep.sweep_s, D, None, sweep.repeats_other, rate))
+            points.append(kernel_point(sweep.sweep_s, D, None, sweep.repeats_other, rate, main_step))
     for tile in sweep.tiles:
         if tile != DEFAULT_TILE_SIZE:
             say(f"tile {tile}")
-            points.append(kernel_point(sweep.sweep_s, TARGET_D, tile, sweep.repeats_other, rate))
-    say("plain step")
-    points.append(kernel_point(sweep.plain_s, TARGET_D, None, 1, rate, plain=True))
+            points.append(kernel_point(sweep.sweep_s, TARGET_D, tile, sweep.repeats_other, rate, main_step))
+    for name in numpy_steps():
+        other = _make_step(name, threads)
+        if other.name != main_step.name:
+            say(f"step {other!r}")
+            points.append(kernel_point(sweep.plain_s, TARGET_D, None, 1, rate, other))
     rate_after = matmul_rate(sweep.repeats, sweep.matmul_n)   # the machine may have changed meanwhile
     say("one tile's operations, one thread")
     costs = tile_costs()
     say("memory")
-    memory = [(S, *peak_memory(S)) for S in sweep.memory_seq_lens]
+    memory = [(S, *peak_memory(S, main_step)) for S in sweep.memory_seq_lens]
     pngs = plot(points, memory, results_dir)
-    return report(sweep, rate, rate_after, points, costs, memory, pngs), pngs
+    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step), pngs
 
 
-def report(sweep, rate, rate_after, points, costs, memory, pngs):
+def numpy_steps():
+    """The registered steps that compute with NumPy, in version order."""
+    return [name for name in steps.STEPS if name != "fused" and "numpy" in steps.get(name).array_modules]
+
+
+def _make_step(name, threads):
+    step = steps.get(name, xp=np)
+    return steps.get(step.name, workers=threads) if step.takes_workers else step
+
+
+def report(sweep, rate, rate_after, points, costs, memory, pngs, step):
     target = points[0]
-    workers = step._BLAS.threads(HEADS)
+    workers = getattr(step, "workers", 1)
     mode = {QUICK: "quick", FULL: "full"}.get(sweep, "custom")
     lines = [
         f"Made by `python -m bench.kernel{' --full' if mode == 'full' else ''}` ({mode} sizes) on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}: "
-        f"{os.cpu_count()} cores, {platform.machine()}, BLAS {blas_name()} with "
-        f"{workers} thread(s); the NumPy step runs {workers} worker thread(s) and holds BLAS to one "
-        f"meanwhile. numpy {np.__version__}. Best of {sweep.repeats} (target) or "
+        f"{os.cpu_count()} cores, {platform.machine()} ({cpu_model()}), BLAS {blas_name()}; "
+        f"step {step!r} (`--step {step.name} --threads {workers}`). numpy {np.__version__}. Best of {sweep.repeats} (target) or "
         f"{sweep.repeats_other} (others) repeats; the machine is shared, so timings are noisy "
         "and the ratios are what to read.",
         "",
         f"float32 matmul {sweep.matmul_n}x{sweep.matmul_n}: **{rate / 1e9:.0f} GFLOP/s** "
         f"(again after the sweep: {rate_after / 1e9:.0f} GFLOP/s). Useful FLOPs: 4 D (forward) and "
         f"10 D (backward) per visible pair per head; H = {HEADS}, causal, one device holding all S tokens. "
-        "Timed: the tiled step alone (`attend_block`, `attend_block_backward`), as a ring round "
-        "calls it; the O(S D) set-up (`ForwardAcc.zeros`, delta) and `finish_forward` are outside "
-        "the timer.",
+        "Timed: the step alone (`Step.forward`, `Step.backward`), as a ring round "
+        "calls it; the O(S D) set-up (`ForwardAcc.zeros`, `BackwardRows`) and `finish_forward` are outside "
+        "the timer. Before it is timed, each row's out and dQ are checked against float64 dense "
+        f"attention on {CHECK_ROWS} sampled query rows (last column: largest error over the "
+        "largest reference value).",
         "",
         f"**Target (S = {sweep.target_s}, D = {TARGET_D}, tile {_tile_label(None)}):** forward "
         f"{target['fwd']:.0%} of matmul (target {FORWARD_TARGET:.0%}: "
@@ -307,9 +363,10 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs):
         "",
         markdown_table(HEADERS, _rows(points), align="rrrl" + "r" * 6),
         "",
-        "\"plain\" is the step every array module runs (whole tiles of all heads, exp, row max, "
-        "rescaling); \"NumPy\" is the CPU arrangement of the same tiles (base 2, folded "
-        "columns, lazy max, worker threads; see `reference/step.py`).",
+        "Steps (`reference.steps`): v1 is the readable step every array module runs (whole tiles "
+        "of all heads, exp, row max, rescaling); v2 arranges the same tiles for a CPU (base 2, "
+        "folded columns, one head at a time); v3 adds the lazy max, taller products and worker "
+        "threads. The other versions are measured once, at the S of the last rows.",
         "",
         "What limits the ratio: one 256x256 tile (D = 64) on one thread, in nanoseconds per pair. "
         "The two products run at about the one-thread BLAS rate; what the step adds to them "
@@ -332,8 +389,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.kernel", description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="more sizes and repeats")
     ap.add_argument("--results", default=str(RESULTS), help="folder for the plots (default: bench/results)")
+    ap.add_argument("--step", default="auto", choices=steps.NAMES,
+                    help="the step measured at every point (default: %(default)s, the fastest for NumPy)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="worker threads of steps that take them (default: one per core)")
     args = ap.parse_args(argv)
-    text, pngs = run(quick=not args.full, results_dir=args.results,
+    text, pngs = run(quick=not args.full, results_dir=args.results, step=args.step, threads=args.threads,
                      progress=lambda msg: print(f"  kernel: {msg}", file=sys.stderr, flush=True))
     print(text)
     for png in pngs:

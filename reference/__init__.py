@@ -4,20 +4,22 @@ in a ring, and a cost model of their work.
     from reference import attention, ring_attention
     out, lse = ring_attention(q, k, v, n_devices=4, layout="striped")
 
-Modules, in reading order: `dense` (the formula), `layouts` (who holds which
-token), `tiles` (which tiles to skip), `step` (one device, one block),
-`ring` (one device's rounds, shared by every backend), `virtual` (N devices as
-threads), `trace`, `cost`, `tms`. ``python -m reference`` prints the per-device
-work of each layout.
+Modules, in reading order: `dense` (the formula, and `merge`), `layouts` (who
+holds which token), `tiles` (which tiles to skip), `heads` (the compute
+layout), `step` (one device, one block: the readable version 1 and the
+contract), `ring` (one device's rounds, shared by every backend), `virtual` (N
+devices as threads), `lockstep` (the same rounds in one loop), `steps` (the
+numbered step versions: `step_v2`, `step_v3`), `trace`, `cost`, `tms`.
+``python -m reference`` prints the per-device work of each layout.
 """
 
-from . import cost
-from .dense import attention, attention_backward
+from . import cost, lockstep, steps
+from .dense import attention, attention_backward, merge
 from .layouts import LAYOUTS, inverse_positions, positions, shard, unshard
 from .tiles import DEFAULT_TILE_SIZE
 from .trace import Trace
 from .virtual import ring_attention, ring_attention_backward
 
-__all__ = ["attention", "attention_backward", "ring_attention", "ring_attention_backward",
+__all__ = ["attention", "attention_backward", "merge", "ring_attention", "lockstep", "steps", "ring_attention_backward",
            "shard", "unshard", "positions", "inverse_positions", "LAYOUTS", "Trace", "cost",
            "DEFAULT_TILE_SIZE"]

@@ -11,9 +11,9 @@ from .tiles import tile_shape
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
 
-def check_qkv(q, k, v, *, seq_axis_name="S"):
-    """Check shapes and dtypes of q (B, S, Hq, D), k and v (B, S, Hkv, D).
-    Returns (B, S, Hq, Hkv, D)."""
+def check_qkv(q, k, v, *, seq_axis_name="S", same_length=True):
+    """Check shapes and dtypes of q (B, S, Hq, D), k and v (B, S, Hkv, D)
+    (k and v of any length when not `same_length`). Returns (B, S, Hq, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -26,13 +26,13 @@ def check_qkv(q, k, v, *, seq_axis_name="S"):
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     B, S, Hq, D = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (B, S, D):
-        raise ValueError(f"k and v must be (B, {seq_axis_name}, Hkv, D) = ({B}, {S}, Hkv, {D}) to match q, "
+    if (k.shape[0], k.shape[1] if same_length else S, k.shape[3]) != (B, S, D):
+        raise ValueError(f"k and v must be (B, {seq_axis_name}, Hkv, D) = ({B}, {S if same_length else 'Sk'}, Hkv, {D}) to match q, "
                          f"got {tuple(k.shape)}")
     Hkv = k.shape[2]
     if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    if min(B, S, Hq, D) < 1:
+    if min(B, S, Hq, D, k.shape[1]) < 1:
         raise ValueError(f"q must have no empty dimension, got shape {tuple(q.shape)}")
     return B, S, Hq, Hkv, D
 
@@ -49,6 +49,20 @@ def check_grads_inputs(q, out, lse, dout):
         raise ValueError(f"lse must be (B, Hq, S) = {(B, Hq, S)}, got {tuple(lse.shape)}")
     if np.dtype(lse.dtype).kind != "f":
         raise TypeError(f"lse must be a float array, got {lse.dtype}")
+
+
+def check_partial(name, out, lse, like=None):
+    """A partial result (out (B, S, Hq, D), lse (B, Hq, S)) for `merge`, shaped like `like`'s."""
+    for what, x, ndim in (("out", out, 4), ("lse", lse, 3)):
+        if not isinstance(x, np.ndarray) or x.dtype.kind != "f" or x.ndim != ndim:
+            raise TypeError(f"{what}_{name} must be a {ndim}-dimensional float NumPy array, "
+                            f"got {getattr(x, 'dtype', type(x).__name__)} {getattr(x, 'shape', '')}")
+    B, S, Hq, D = out.shape
+    if lse.shape != (B, Hq, S):
+        raise ValueError(f"lse_{name} must be (B, Hq, S) = {(B, Hq, S)} to match out_{name}, got {lse.shape}")
+    if like is not None and (out.shape, out.dtype) != (like[0].shape, like[0].dtype):
+        raise ValueError(f"out_{name} must match out_a's shape and dtype {like[0].shape} {like[0].dtype}, "
+                         f"got {out.shape} {out.dtype}")
 
 
 def check_options(*, layout, causal, scale, tile_size, head_dim):

@@ -1,30 +1,37 @@
 """The oracle's oracle: dense attention straight from the formula.
 
-    out = softmax(Q K^T * scale + C) V,   C = -inf where pos_k > pos_q (causal)
+    out = softmax(Q K^T * scale + C) V,   C = -inf where key k is not visible to query q
     lse = log sum_k exp(Q K^T * scale + C)
 
-and its gradients (the standard softmax backward):
+with visibility from positions (causal: pos_k <= pos_q), and its gradients
+(the standard softmax backward):
 
     P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,
     dS = P * (dP - rowsum(dO * out)),  dQ = dS K * scale,  dK = dS^T Q * scale
 
-Every product over (query, key) pairs above is a masked sum: it runs over the
-visible pairs only, so a masked pair contributes nothing, even when one of its
-values is NaN or inf (`_masked_sum`). NaN in an input then reaches exactly the
-rows whose sums read it.
+Given positions, it is the attention of any shard to any block: the
+per-device oracle of a ring. `merge` combines two such partial results over
+disjoint key sets, as the online softmax does block by block.
 
-It builds the whole (S, S) score matrix per head, so it is for checking, not
+Rows (DESIGN.md): a row with no visible key gets out = 0 and lse = -inf; a
+row whose visible scores are all -inf follows the formula (0 / 0: NaN). Every
+product over (query, key) pairs is a masked sum over the visible pairs only,
+so a masked pair contributes nothing, even when one of its values is NaN or
+inf (`_masked_sum`). NaN in an input then reaches exactly the rows whose sums
+read it.
+
+It builds the whole (Sq, Sk) score matrix per head, so it is for checking, not
 for long sequences. Grouped-query heads: query head h reads key/value head
 ``h // (Hq // Hkv)``.
 
-Shapes: q (B, S, Hq, D), k, v (B, S, Hkv, D), out like q, lse (B, Hq, S);
-inside, heads first: (B, Hq, S, D) and scores (B, Hq, S, S).
+Shapes: q (B, Sq, Hq, D), k, v (B, Sk, Hkv, D), out like q, lse (B, Hq, Sq);
+inside, heads first: (B, Hq, S, D) and scores (B, Hq, Sq, Sk).
 """
 
 import numpy as np
 
 from . import checks
-from .step import accumulate_dtype
+from .heads import accumulate_dtype
 
 
 def _heads_first(x, n_q_heads, dtype):
@@ -33,9 +40,21 @@ def _heads_first(x, n_q_heads, dtype):
     return x.transpose(0, 2, 1, 3).astype(dtype)
 
 
-def _visible(n, causal):
-    """(S, S) bool: key j is visible to query i (pos_j <= pos_i when causal)."""
-    return np.tril(np.ones((n, n), dtype=bool)) if causal else np.ones((n, n), dtype=bool)
+def _visible(q_pos, k_pos, causal):
+    """(Sq, Sk) bool: key j is visible to query i (pos_j <= pos_i when causal)."""
+    if not causal:
+        return np.ones((len(q_pos), len(k_pos)), dtype=bool)
+    return q_pos[:, None] >= k_pos[None, :]
+
+
+def _positions(name, pos, n):
+    """Positions as an int array of length n (default 0..n-1)."""
+    if pos is None:
+        return np.arange(n)
+    pos = np.asarray(pos)
+    if pos.shape != (n,) or pos.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be {n} integer positions, got {pos.dtype} array of shape {pos.shape}")
+    return pos
 
 
 def _scores(q, k, scale, visible):
@@ -60,41 +79,68 @@ def _masked_sum(w, x, visible):
     return out
 
 
-def attention(q, k, v, *, causal=True, scale=None):
-    """Dense attention. Returns (out like q, lse (B, Hq, S))."""
-    B, S, Hq, Hkv, D = checks.check_qkv(q, k, v)
+def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=None):
+    """Dense attention of q to k, v; positions default to 0..S-1.
+    Returns (out like q, lse (B, Hq, Sq))."""
+    B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
     scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
                                  tile_size=None, head_dim=D)
+    visible = _visible(_positions("q_pos", q_pos, Sq), _positions("k_pos", k_pos, k.shape[1]), causal)
     acc, dtype = accumulate_dtype(q.dtype), q.dtype
     q, k, v = (_heads_first(x, Hq, acc) for x in (q, k, v))      # (B, Hq, S, D)
-    visible = _visible(S, causal)                                  # (S, S)
-    s = _scores(q, k, scale, visible)                              # (B, Hq, S, S)
-    m = s.max(axis=-1, keepdims=True)
-    lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]   # (B, Hq, S)
-    p = np.exp(s - lse[..., None])
-    out = _masked_sum(p, v, visible)                               # P V   (B, Hq, S, D)
+    s = _scores(q, k, scale, visible)                              # (B, Hq, Sq, Sk)
+    # Hazard: a row with no visible key has max -inf, and -inf - -inf is NaN: shift it by 0.
+    seen = visible.any(axis=-1)[:, None]                           # (Sq, 1)
+    m = np.where(seen, s.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]   # (B, Hq, Sq)
+        p = np.exp(s - lse[..., None])
+    out = _masked_sum(p, v, visible)                               # P V   (B, Hq, Sq, D)
     return out.transpose(0, 2, 1, 3).astype(dtype), lse
 
 
-def attention_backward(q, k, v, out, lse, dout, *, causal=True, scale=None):
+def merge(a, b):
+    """The online-softmax merge of two partial results over disjoint key sets:
+    (out_a, lse_a), (out_b, lse_b) -> (out, lse), in the user layout
+    (out (B, S, Hq, D), lse (B, Hq, S)):
+
+        lse = log(exp(lse_a) + exp(lse_b))
+        out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+    A row that saw no key in one part (lse -inf) takes the other part as it
+    is; in neither, out = 0 and lse = -inf."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    checks.check_partial("a", out_a, lse_a)
+    checks.check_partial("b", out_b, lse_b, like=(out_a, lse_a))
+    acc = accumulate_dtype(out_a.dtype)
+    lse = np.logaddexp(lse_a, lse_b)                               # (B, Hq, S)
+    lse_safe = np.where(np.isneginf(lse), 0.0, lse)                # neither part saw a key: weights 0
+    w_a, w_b = (np.exp(x - lse_safe).transpose(0, 2, 1)[..., None] for x in (lse_a, lse_b))  # (B, S, Hq, 1)
+    out = w_a * out_a.astype(acc) + w_b * out_b.astype(acc)
+    return out.astype(out_a.dtype), lse
+
+
+def attention_backward(q, k, v, out, lse, dout, *, q_pos=None, k_pos=None, causal=True, scale=None):
     """Dense gradients (dq, dk, dv) of sum(out * dout), with q's, k's, v's shapes and dtype."""
-    B, S, Hq, Hkv, D = checks.check_qkv(q, k, v)
+    B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
     checks.check_grads_inputs(q, out, lse, dout)
     scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
                                  tile_size=None, head_dim=D)
+    Sk = k.shape[1]
+    visible = _visible(_positions("q_pos", q_pos, Sq), _positions("k_pos", k_pos, Sk), causal)
     acc, dtype = accumulate_dtype(q.dtype), q.dtype
     q, k, v, out, dout = (_heads_first(x, Hq, acc) for x in (q, k, v, out, dout))   # (B, Hq, S, D)
-    visible = _visible(S, causal)
-    p = np.exp(_scores(q, k, scale, visible) - lse.astype(acc)[..., None])   # (B, Hq, S, S)
+    with np.errstate(invalid="ignore"):                # NaN at masked pairs of rows without a key: not read
+        p = np.exp(_scores(q, k, scale, visible) - lse.astype(acc)[..., None])   # (B, Hq, Sq, Sk)
     dv = _masked_sum(p.swapaxes(-1, -2), dout, visible.T)          # P^T dO
     dp = dout @ v.swapaxes(-1, -2)                                  # dO V^T (read at visible pairs)
-    delta = (dout * out).sum(axis=-1)                               # (B, Hq, S)
+    delta = (dout * out).sum(axis=-1)                               # (B, Hq, Sq)
     ds = p * (dp - delta[..., None])
     dq = _masked_sum(ds, k, visible) * scale                        # dS K
     dk = _masked_sum(ds.swapaxes(-1, -2), q, visible.T) * scale     # dS^T Q
     # back to (B, S, H, D); a key/value head's gradient is the sum over the query heads that read it
     dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
     group = Hq // Hkv
-    dk = dk.reshape(B, S, Hkv, group, D).sum(axis=3)
-    dv = dv.reshape(B, S, Hkv, group, D).sum(axis=3)
+    dk = dk.reshape(B, Sk, Hkv, group, D).sum(axis=3)
+    dv = dv.reshape(B, Sk, Hkv, group, D).sum(axis=3)
     return dq.astype(dtype), dk.astype(dtype), dv.astype(dtype)

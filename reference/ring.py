@@ -13,6 +13,7 @@ the communication object differs. It has two verbs and two attributes:
 
 A buffer passed to `start_shift` must not be written until `finish_shift`
 returns; the loops below never write a block after sending it.
+`reference.lockstep` is the same algorithm with all devices in one loop.
 
 Shapes are the user layout (flash-attn): q (B, c, Hq, D), k, v (B, c, Hkv, D),
 lse (B, Hq, c), with ``c`` this device's tokens and ``q_pos``, ``k_pos`` their
@@ -20,13 +21,101 @@ global positions (NumPy int64, shape (c,)).
 """
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
-from . import step
+from . import steps
+from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
 from .layouts import array_module
+from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward, to_host
 
 KV, DKV = 1, 2            # tags of the two kinds of message in flight
+
+
+def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, step=None):
+    """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
+    `step`: a `reference.step.Step` or a name of `reference.steps` (None: "auto")."""
+    step, n, log = _step(step, q), comm.size, RoundLog(comm.size)
+    queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
+    block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
+    acc = ForwardAcc.zeros(queries.q)                                  # Out_j
+    for t in range(n):
+        # line 5: send the block on to device j+1 while computing (no send after the last round)
+        in_flight = comm.start_shift(block, KV) if t < n - 1 else None
+        # line 6: Out_j = AccumulateAttentionFragment(Q_j, K, V, Out_j)
+        with log.computing(t):
+            counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype),
+                                  causal=causal, tile_size=tile_size)
+        log.record(t, counts, block, sent=block if in_flight else ())
+        # line 7: receive the block of device j-1
+        if in_flight is not None:
+            with log.waiting(t):
+                block = KVBlock(*comm.finish_shift(in_flight))
+    out, lse = finish_forward(acc)                                     # O / l, m + log(l)
+    return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
+
+
+def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale, tile_size, step=None):
+    """Backward on this device. K, V and their gradients dK, dV travel the ring;
+    dQ stays home. After the last round one more hop brings every dK, dV back
+    to the device that owns those keys. Returns (dq, dk, dv) in the user
+    layout, and a RoundLog."""
+    step, n, log = _step(step, q, backward=True), comm.size, RoundLog(comm.size)
+    queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
+    acc = queries.q.dtype
+    rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)        # dO_j, lse_j, delta_j
+    dq = array_module(q).zeros_like(queries.q)                         # dQ_j stays home
+    block, grads_in_flight = own_block(k, v, k_pos, comm.rank), None
+    for t in range(n):
+        # send K, V on while computing (no send after the last round)
+        in_flight = comm.start_shift(block, KV) if t < n - 1 else None
+        # this round's share of the block's gradients
+        grads = Grads(dq, *new_kv_grads(block, acc))
+        with log.computing(t):
+            counts = step.backward(grads, queries, rows, as_dtype(block, acc),
+                                   causal=causal, tile_size=tile_size)
+        # add what the devices before us added to this block, and send it on (home, after the last round)
+        if grads_in_flight is not None:
+            with log.waiting(t):
+                dk_in, dv_in = comm.finish_shift(grads_in_flight)
+            grads.dk += dk_in
+            grads.dv += dv_in
+        grads_in_flight = comm.start_shift((grads.dk, grads.dv), DKV)
+        log.record(t, counts, block, sent=(block if in_flight else (), grads.dk, grads.dv))
+        if in_flight is not None:
+            with log.waiting(t):
+                block = KVBlock(*comm.finish_shift(in_flight))
+    with log.waiting(n - 1):
+        dk, dv = comm.finish_shift(grads_in_flight)                    # home again
+    dq *= acc.type(scale)
+    return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(k.dtype, copy=False),
+            kv_from_heads(dv).astype(v.dtype, copy=False), log)
+
+
+# -- pieces of the loops ---------------------------------------------------
+
+def _step(step, q, backward=False):
+    return steps.check_step("auto" if step is None else step, array_module(q), backward=backward)
+
+
+def own_block(k, v, k_pos, rank):
+    """This device's own K, V (compute layout, as they came: blocks travel in
+    the input dtype), with their positions and owner, as the block that travels."""
+    xp = array_module(k)
+    return KVBlock(kv_to_heads(k), kv_to_heads(v), xp.asarray(k_pos), xp.asarray(np.array([rank])))
+
+
+def as_dtype(block, dtype):
+    """The block with K, V in the accumulation dtype (float16 blocks travel as float16)."""
+    return block._replace(k=block.k.astype(dtype, copy=False), v=block.v.astype(dtype, copy=False))
+
+
+def new_kv_grads(block, dtype):
+    """Zeroed dK, dV for the block held: new arrays every round, since the last
+    round's are still being sent."""
+    xp = array_module(block.k)
+    return xp.zeros(block.k.shape, dtype), xp.zeros(block.v.shape, dtype)
 
 
 class RoundLog:
@@ -39,99 +128,32 @@ class RoundLog:
         for name in self.FIELDS:
             setattr(self, name, np.zeros(n_rounds, dtype=float if name.endswith("_s") else np.int64))
 
-    def record(self, t, source, counts):
-        self.source[t] = source
+    def record(self, t, counts, block, *, sent):
+        """The step's counts, the device `block` started on (read from the
+        block: it travels with it) and the bytes of `sent` (arrays)."""
+        self.source[t] = int(to_host(block.source)[0])
         self.tiles_computed[t] = counts.tiles_computed
         self.tiles_skipped[t] = counts.tiles_skipped
         self.pairs[t] = counts.pairs
+        self.bytes_sent[t] = _nbytes(sent)
 
-    def timed(self, t, field, fn, *args, **kwargs):
-        """Run fn, adding its wall time to `field` (and CPU time for compute)."""
+    @contextmanager
+    def computing(self, t):
+        """Wall and CPU time of the step in round t."""
         wall, cpu = time.perf_counter(), time.thread_time()
-        result = fn(*args, **kwargs)
-        getattr(self, field)[t] += time.perf_counter() - wall
-        if field == "compute_s":
-            self.compute_cpu_s[t] += time.thread_time() - cpu
-        return result
+        yield
+        self.compute_s[t] += time.perf_counter() - wall
+        self.compute_cpu_s[t] += time.thread_time() - cpu
 
-    def send(self, t, comm, arrays, tag):
-        self.bytes_sent[t] += sum(a.nbytes for a in arrays)
-        return comm.start_shift(arrays, tag)
-
-
-def _prepare(q, k, v, scale):
-    """Compute-layout copies: q pre-scaled in the accumulation dtype; k, v in
-    their own dtype (blocks travel as they came)."""
-    acc = step.accumulate_dtype(q.dtype)
-    # Hazard: q_to_heads returns a view of the caller's q when no transpose or
-    # cast is needed, so scale into a new array, never in place.
-    q_h = step.q_to_heads(q, k.shape[2], dtype=acc) * acc(scale)   # (B, Hkv, c, G, D)
-    return q_h, step.kv_to_heads(k), step.kv_to_heads(v)    # (B, Hkv, c, D)
+    @contextmanager
+    def waiting(self, t):
+        """Wall time spent waiting for a transfer in round t."""
+        wall = time.perf_counter()
+        yield
+        self.wait_s[t] += time.perf_counter() - wall
 
 
-def _as(x, dtype):
-    return x.astype(dtype, copy=False)
-
-
-def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, attend=None):
-    """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
-    `attend` is the block step: `step.attend_block` (None), or a kernel with its
-    contract (`gpu_impl.fused.attend_block`)."""
-    attend = attend or step.attend_block
-    xp, n = array_module(q), comm.size
-    q_h, k_h, v_h = _prepare(q, k, v, scale)
-    owner = np.array([comm.rank], dtype=np.int64)           # travels with the block
-    block = (k_h, v_h, xp.asarray(k_pos), xp.asarray(owner))
-    acc, log = step.ForwardAcc.zeros(q_h), RoundLog(n)
-    for t in range(n):
-        # Algorithm 1: send K_k, V_k on while attending to them; no send after the last round.
-        pending = log.send(t, comm, block, KV) if t < n - 1 else None
-        kb, vb, kpos, src = block
-        counts = log.timed(t, "compute_s", attend, acc, q_h, _as(kb, q_h.dtype),
-                           _as(vb, q_h.dtype), q_pos, _host(kpos), causal=causal, tile_size=tile_size)
-        log.record(t, int(_host(src)[0]), counts)
-        if pending is not None:
-            block = log.timed(t, "wait_s", comm.finish_shift, pending)
-    out_h, lse_h = step.finish_forward(acc)
-    return _as(step.q_from_heads(out_h), q.dtype), step.rows_from_heads(lse_h), log
-
-
-def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale, tile_size):
-    """Backward on this device. K, V and their gradient accumulators dK, dV
-    travel the ring; dQ stays home. After the last round one more hop brings
-    every dK, dV back to the device that owns those keys.
-    Returns (dq, dk, dv) in the user layout, and a RoundLog."""
-    xp, n = array_module(q), comm.size
-    q_h, k_h, v_h = _prepare(q, k, v, scale)
-    acc = q_h.dtype.type
-    hkv = k.shape[2]
-    do_h = step.q_to_heads(dout, hkv, dtype=acc)                                 # (B,Hkv,c,G,D)
-    delta = (do_h * step.q_to_heads(out, hkv, dtype=acc)).sum(axis=-1)          # (B,Hkv,c,G)
-    lse_h = _as(step.rows_to_heads(lse, hkv), acc)
-    dq = xp.zeros_like(q_h)
-    block = (k_h, v_h, xp.asarray(k_pos), xp.asarray(np.array([comm.rank], dtype=np.int64)))
-    log, grads_in_flight = RoundLog(n), None
-    for t in range(n):
-        pending = log.send(t, comm, block, KV) if t < n - 1 else None
-        kb, vb, kpos, src = block
-        dk, dv = xp.zeros(kb.shape, acc), xp.zeros(vb.shape, acc)
-        counts = log.timed(t, "compute_s", step.attend_block_backward, dq, dk, dv, q_h, do_h,
-                           lse_h, delta, _as(kb, acc), _as(vb, acc), q_pos, _host(kpos),
-                           causal=causal, tile_size=tile_size)
-        log.record(t, int(_host(src)[0]), counts)
-        if grads_in_flight is not None:       # what the devices before us added to this block
-            dk_in, dv_in = log.timed(t, "wait_s", comm.finish_shift, grads_in_flight)
-            dk += dk_in
-            dv += dv_in
-        grads_in_flight = log.send(t, comm, (dk, dv), DKV)
-        if pending is not None:
-            block = log.timed(t, "wait_s", comm.finish_shift, pending)
-    dk, dv = log.timed(n - 1, "wait_s", comm.finish_shift, grads_in_flight)   # home again
-    dq *= acc(scale)
-    return (_as(step.q_from_heads(dq), q.dtype), _as(step.kv_from_heads(dk), k.dtype),
-            _as(step.kv_from_heads(dv), v.dtype), log)
-
-
-def _host(x):
-    """A small array (positions, the owner) as NumPy, wherever it lives."""
-    return x.get() if hasattr(x, "get") else np.asarray(x)
+def _nbytes(x):
+    if isinstance(x, tuple):
+        return sum(_nbytes(a) for a in x)
+    return int(x.nbytes)

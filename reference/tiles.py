@@ -74,6 +74,15 @@ def visible(q_pos, k_pos, causal=True):
     return q_pos[:, None] >= k_pos[None, :]
 
 
+def any_visible(q_pos, k_pos, causal=True):
+    """(c,) bool: which queries can see at least one of the keys."""
+    if len(k_pos) == 0:
+        return np.zeros(len(q_pos), dtype=bool)
+    if not causal:
+        return np.ones(len(q_pos), dtype=bool)
+    return q_pos >= k_pos.min()
+
+
 def count_visible_pairs(q_pos, k_pos, causal=True):
     """Visible (query, key) pairs without building the mask: for each query, the
     number of keys at or before it."""

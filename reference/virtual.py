@@ -15,8 +15,8 @@ Shapes: q (B, S, Hq, D), k and v (B, S, Hkv, D), lse (B, Hq, S).
 import queue
 import threading
 
-from . import checks, ring
-from .layouts import check_layout, positions, shard, unshard
+from . import checks, ring, steps
+from .layouts import array_module, check_layout, positions, shard, unshard
 from .trace import Trace
 
 POLL_S = 0.05
@@ -75,22 +75,26 @@ def _secondary(e):
     return isinstance(e, RuntimeError) and str(e) == "another virtual device failed"
 
 
-def _validate(q, k, v, n_devices, layout, causal, scale, tile_size):
+def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, backward=False):
+    """Check every argument before any work; returns (scale, Step)."""
     B, S, Hq, Hkv, D = checks.check_qkv(q, k, v)
     check_layout(layout, S, n_devices)
-    return checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
+    scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
+    return scale, steps.check_step(step, array_module(q), backward=backward)
 
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
-                   tile_size=None, trace=False):
-    """Exact attention over N virtual devices. Returns (out, lse) or (out, lse, Trace)."""
-    scale = _validate(q, k, v, n_devices, layout, causal, scale, tile_size)
+                   tile_size=None, step=steps.DEFAULT, trace=False):
+    """Exact attention over N virtual devices. Returns (out, lse) or (out, lse, Trace).
+    `step`: a name of `reference.steps` ("v1", the readable step, by default;
+    "auto": the fastest for the arrays) or a `reference.step.Step`."""
+    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step)
     pos = positions(q.shape[1], n_devices, layout)
     qs, ks, vs = (shard(x, n_devices, layout) for x in (q, k, v))
 
     def device(j, comm):
         return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm,
-                                 causal=causal, scale=scale, tile_size=tile_size)
+                                 causal=causal, scale=scale, tile_size=tile_size, step=step)
 
     outs, lses, logs = zip(*run_devices(n_devices, device))
     out, lse = unshard(outs, layout, axis=1), unshard(lses, layout, axis=2)
@@ -98,9 +102,9 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
-                            scale=None, tile_size=None, trace=False):
+                            scale=None, tile_size=None, step=steps.DEFAULT, trace=False):
     """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace)."""
-    scale = _validate(q, k, v, n_devices, layout, causal, scale, tile_size)
+    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, backward=True)
     checks.check_grads_inputs(q, out, lse, dout)
     pos = positions(q.shape[1], n_devices, layout)
     qs, ks, vs, outs, douts = (shard(x, n_devices, layout) for x in (q, k, v, out, dout))
@@ -108,7 +112,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
 
     def device(j, comm):
         return ring.ring_backward(qs[j], ks[j], vs[j], outs[j], lses[j], douts[j], pos[j], pos[j],
-                                  comm, causal=causal, scale=scale, tile_size=tile_size)
+                                  comm, causal=causal, scale=scale, tile_size=tile_size, step=step)
 
     dqs, dks, dvs, logs = zip(*run_devices(n_devices, device))
     grads = tuple(unshard(g, layout, axis=1) for g in (dqs, dks, dvs))

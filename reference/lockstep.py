@@ -1,0 +1,73 @@
+"""Algorithm 1 in lockstep: every device in one loop per round, no threads.
+
+The same algorithm as `reference.ring` (which runs each device on its own
+thread, as MPI ranks and GPUs do), written for stepping through in a
+debugger: in round t device j holds the block that started on device
+``src = (j - t) mod N``, so indexing the blocks by `src` is the transfer.
+The step, the accumulators and the finishing are the ring's own, so the
+results are bit for bit those of `reference.ring_attention` (tests/test_ring.py).
+
+    out, lse = lockstep.ring_attention(q, k, v, n_devices=4, layout="striped")
+
+Shapes: q (B, S, Hq, D), k, v (B, S, Hkv, D), lse (B, Hq, S); per device the
+compute layout of `reference.heads`, c = S // N tokens.
+"""
+
+import numpy as np
+
+from . import steps
+from .heads import kv_from_heads, q_from_heads, rows_from_heads
+from .layouts import positions, shard, unshard
+from .ring import as_dtype, new_kv_grads, own_block
+from .step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
+from .virtual import _validate
+
+
+def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
+                   tile_size=None, step=steps.DEFAULT):
+    """Exact attention over N devices in lockstep. Returns (out, lse)."""
+    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step)
+    n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
+    qs, ks, vs = (shard(x, n, layout) for x in (q, k, v))
+    queries = [Queries.prepare(qs[j], Hkv, pos[j], scale) for j in range(n)]     # Q_j
+    blocks = [own_block(ks[j], vs[j], pos[j], j) for j in range(n)]              # K_j, V_j
+    accs = [ForwardAcc.zeros(queries[j].q) for j in range(n)]                     # Out_j
+    for t in range(n):                          # rounds
+        for j in range(n):                      # devices, "in parallel"
+            src = (j - t) % n                   # the block device j holds in round t
+            step.forward(accs[j], queries[j], as_dtype(blocks[src], queries[j].q.dtype),
+                         causal=causal, tile_size=tile_size)
+    outs, lses = zip(*(finish_forward(acc) for acc in accs))
+    out = [q_from_heads(o).astype(q.dtype, copy=False) for o in outs]
+    return unshard(out, layout, axis=1), unshard([rows_from_heads(x) for x in lses], layout, axis=2)
+
+
+def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
+                            scale=None, tile_size=None, step=steps.DEFAULT):
+    """Gradients (dq, dk, dv) over N devices in lockstep: dQ_j stays with
+    device j; block src's dK, dV collect every device's share as the block
+    passes, and are home after the last round."""
+    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, backward=True)
+    n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
+    qs, ks, vs, outs, douts = (shard(x, n, layout) for x in (q, k, v, out, dout))
+    lses = shard(lse, n, layout, axis=2)
+    queries = [Queries.prepare(qs[j], Hkv, pos[j], scale) for j in range(n)]
+    acc = queries[0].q.dtype
+    rows = [BackwardRows.prepare(outs[j], lses[j], douts[j], Hkv, acc) for j in range(n)]
+    blocks = [own_block(ks[j], vs[j], pos[j], j) for j in range(n)]
+    dq = [np.zeros_like(x.q) for x in queries]
+    dkv = [None] * n                            # block src's dK, dV so far
+    for t in range(n):
+        for j in range(n):
+            src = (j - t) % n
+            grads = Grads(dq[j], *new_kv_grads(blocks[src], acc))
+            step.backward(grads, queries[j], rows[j], as_dtype(blocks[src], acc),
+                          causal=causal, tile_size=tile_size)
+            if dkv[src] is not None:            # what the devices before j added (the ring's order)
+                grads.dk += dkv[src][0]
+                grads.dv += dkv[src][1]
+            dkv[src] = (grads.dk, grads.dv)
+    dq = [q_from_heads(x * acc.type(scale)).astype(q.dtype, copy=False) for x in dq]
+    dk = [kv_from_heads(x[0]).astype(k.dtype, copy=False) for x in dkv]
+    dv = [kv_from_heads(x[1]).astype(v.dtype, copy=False) for x in dkv]
+    return tuple(unshard(g, layout, axis=1) for g in (dq, dk, dv))
