@@ -119,40 +119,44 @@ def blas_table(blas):
 # -- 1. the block step on one GPU ----------------------------------------------
 
 def step_table(cupy, cfg, blas32):
-    """Plain step (two tile sizes) and fused kernel on one fully visible block pair."""
+    """The readable step (two tile sizes) and the fused kernel on one fully visible block pair."""
     from gpu_impl import fused
-    from reference import step
+    from reference import steps
+    from reference.step import ForwardAcc, KVBlock, Queries, finish_forward
     c, H, D = cfg["block"], cfg["heads"], cfg["head_dim"]
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s) for s in ((1, H, c, 1, D), (1, H, c, D), (1, H, c, D)))
     q_pos, k_pos = np.arange(c) + c, np.arange(c)            # every key before every query: all tiles FULL
     useful = 4 * D * c * c * H
 
-    def result(fn, dtype, tile):
-        acc = step.ForwardAcc.zeros(cupy.asarray(q, dtype=dtype))
-        args = [cupy.asarray(x * (D ** -0.5 if x is q else 1), dtype=dtype) for x in (q, k, v)]
-        fn(acc, *args, q_pos, k_pos, causal=True, tile_size=tile)
-        return cupy.asnumpy(step.finish_forward(acc)[0]), acc, args
+    def inputs(dtype):
+        return (Queries(cupy.asarray(q * D ** -0.5, dtype=dtype), q_pos),
+                KVBlock(cupy.asarray(k, dtype=dtype), cupy.asarray(v, dtype=dtype), k_pos, np.array([0])))
 
-    want = result(step.attend_block, np.float64, 1024)[0]
+    def run(step, queries, block, tile):
+        acc = ForwardAcc.zeros(queries.q)
+        step.forward(acc, queries, block, causal=True, tile_size=tile)
+        return acc
+
+    want = cupy.asnumpy(finish_forward(run(steps.get("v1"), *inputs(np.float64), 1024))[0])
     rows = []
-    for name, fn, tile in (("plain step, tile 256", step.attend_block, 256),
-                           ("plain step, tile 1024", step.attend_block, 1024),
-                           (f"fused v{fused.VERSION}, tile {fused.DEFAULT_TILE}", fused.attend_block, None)):
-        got, acc, args = result(fn, np.float32, tile)
-        seconds = timed(cupy, lambda: fn(step.ForwardAcc.zeros(args[0]), *args, q_pos, k_pos,
-                                        causal=True, tile_size=tile), repeat=3)
+    for name, step, tile in (("v1 (readable), tile 256", steps.get("v1"), 256),
+                             ("v1 (readable), tile 1024", steps.get("v1"), 1024),
+                             (f"fused v{fused.VERSION}, tile {fused.DEFAULT_TILE}", steps.get("fused"), None)):
+        queries, block = inputs(np.float32)
+        got = cupy.asnumpy(finish_forward(run(step, queries, block, tile))[0])
+        seconds = timed(cupy, lambda: run(step, queries, block, tile), repeat=3)
         rate = useful / seconds / 1e12
         rows.append([name, f"{np.abs(got - want).max():.1e}", f"{seconds * 1e3:.2f}", f"{rate:.2f}",
                      f"{rate / blas32:.0%}"])
     title = f"Block step, one GPU: {c} queries x {c} keys, H={H}, D={D}, float32, every tile visible"
     return title + "\n\n" + markdown_table(
-        ["kernel", "max error vs float64", "ms", "TFLOP/s (useful)", "of cuBLAS float32"], rows, "lrrrr")
+        ["step", "max error vs float64", "ms", "TFLOP/s (useful)", "of cuBLAS float32"], rows, "lrrrr")
 
 
 # -- 2. the ring under mpiexec -------------------------------------------------
 
-def ring_measure(cfg, transfer="auto", kernel="step"):
+def ring_measure(cfg, transfer="auto", step="auto"):
     """Launch the ring worker on cfg['ranks'] ranks; its JSON document."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +165,7 @@ def ring_measure(cfg, transfer="auto", kernel="step"):
                "-m", "mpi4py", "-m", "bench.gpu_bench", "--ring-worker", str(out),
                "--seq-len", str(cfg["seq_len"]), "--heads", str(cfg["heads"]), "--head-dim", str(cfg["head_dim"]),
                "--tile", str(cfg["tile"]), "--repeat", str(cfg["repeat"]), "--transfer", transfer,
-               "--kernel", kernel]
+               "--step", step]
         env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(WORKER_TIMEOUT_S))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S + 30)
         if proc.returncode != 0:
@@ -184,7 +188,7 @@ def ring_table(doc, cfg, blas32):
         rows.append([layout, f"{r['max_error']:.1e}", f"{r['seconds'] * 1e3:.1f}", f"{base / r['seconds']:.2f}",
                      f"{rate:.2f}", f"{rate / blas32:.0%}"])
     title = (f"Ring forward: N={n} ranks on {doc['gpus']} GPU(s), S={S}, B={cfg['batch']}, H={H}, D={D}, float32, "
-             f"causal, tile {cfg['tile']}, transfer {doc['transfer']}, kernel {doc['kernel']}, best of {cfg['repeat']}")
+             f"causal, tile {cfg['tile']}, transfer {doc['transfer']}, step {doc['step']}, best of {cfg['repeat']}")
     return title + "\n\n" + markdown_table(
         ["layout", "max error vs float64", "ms", "speed-up over contiguous", "TFLOP/s (useful)", "of cuBLAS float32"],
         rows, "lrrrrr")
@@ -203,12 +207,12 @@ def ring_worker(args):
     gpu_impl.use_local_device(comm)
     S, H, D = args.seq_len, args.heads, args.head_dim
     shape = (1, S, H, D)
-    doc = {"gpus": cupy.cuda.runtime.getDeviceCount(), "kernel": args.kernel,
+    doc = {"gpus": cupy.cuda.runtime.getDeviceCount(), "step": args.step,
            "transfer": gpu_impl.choose_transfer(args.transfer)[0], "layouts": {}}
     for layout in LAYOUTS:
         pos = positions(S, n, layout)[rank]
         q, k, v = (cupy.asarray(make_shard(args.seed, i, shape, pos, np.float32)) for i in range(3))
-        opts = dict(comm=comm, layout=layout, tile_size=args.tile, transfer=args.transfer, kernel=args.kernel)
+        opts = dict(comm=comm, layout=layout, tile_size=args.tile, transfer=args.transfer, step=args.step)
         times = []
         for _ in range(args.repeat + 1):                   # the first run compiles and warms the pool
             comm.Barrier()
@@ -334,7 +338,7 @@ def parse_args(argv=None):
     ap.add_argument("--tile", type=int, default=QUICK["tile"])
     ap.add_argument("--repeat", type=int, default=QUICK["repeat"])
     ap.add_argument("--transfer", default="auto")
-    ap.add_argument("--kernel", default="step")
+    ap.add_argument("--step", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 

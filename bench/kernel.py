@@ -163,7 +163,7 @@ def kernel_point(S, D, tile, repeats, rate, step):
     t_b = min(backward(step, pb, out, lse, tile)[-1] for _ in range(repeats))
     pairs = count_visible_pairs(pb.pos, pb.pos) * HEADS
     flops_f, flops_b = 4 * D * pairs, 10 * D * pairs
-    return dict(S=S, D=D, tile=tile, step=repr(step)[1:-1], fwd_s=t_f, bwd_s=t_b, error=error,
+    return dict(S=S, D=D, tile=tile, step=f"step {step.label}", fwd_s=t_f, bwd_s=t_b, error=error,
                 fwd=flops_f / t_f / rate, bwd=flops_b / t_b / rate,
                 fwd_gflops=flops_f / t_f / 1e9, bwd_gflops=flops_b / t_b / 1e9)
 

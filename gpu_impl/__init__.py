@@ -9,7 +9,7 @@ forward kernel beside the plain step (`fused`, `kernels/attend_block_v1.cu`).
     mpiexec -n 4 python -m mpi4py -m gpu_impl --layout all --check
 
     out, lse = gpu_impl.ring_attention(q, k, v, comm=MPI.COMM_WORLD, layout="striped",
-                                       transfer="auto", kernel="step")
+                                       transfer="auto", step="auto")
 
 Importing this package needs neither CuPy nor a GPU; calling it without them
 raises `GpuUnavailable` saying which is missing.
@@ -17,8 +17,8 @@ raises `GpuUnavailable` saying which is missing.
 
 from .api import ring_attention, ring_attention_backward, use_local_device
 from .device import GpuUnavailable, require_cupy
-from .fused import KERNELS
+from .fused import FusedStep
 from .transfer import TRANSFERS, choose_transfer
 
 __all__ = ["ring_attention", "ring_attention_backward", "use_local_device", "GpuUnavailable",
-           "require_cupy", "KERNELS", "TRANSFERS", "choose_transfer"]
+           "require_cupy", "FusedStep", "TRANSFERS", "choose_transfer"]

@@ -1,11 +1,11 @@
-"""The command line of gpu_impl: mpi_impl's, on GPUs, plus the transfer path and kernel.
+"""The command line of gpu_impl: mpi_impl's, on GPUs, plus the transfer path.
 
     mpiexec -n 4 python -m mpi4py -m gpu_impl --layout all --check
-    mpiexec -n 2 python -m mpi4py -m gpu_impl --seq-len 16384 --transfer cuda-aware --kernel fused
+    mpiexec -n 2 python -m mpi4py -m gpu_impl --seq-len 16384 --transfer cuda-aware --step fused --tile-size 32
 
 Same options and table as ``python -m mpi_impl`` (see `mpi_impl.cli`); each rank
 takes the GPU of its local rank, and the table's first line names the GPU,
-the transfer path used (and why) and the kernel. Without CuPy or a GPU it
+the transfer path used (and why); its step is `--step` (auto: v1 on CuPy; fused). Without CuPy or a GPU it
 says which is missing and exits with status 2.
 """
 
@@ -16,7 +16,6 @@ from mpi_impl import cli
 
 from . import api
 from .device import GpuUnavailable, require_cupy
-from .fused import KERNELS
 from .transfer import TRANSFERS, choose_transfer
 
 
@@ -26,8 +25,6 @@ def build_parser():
     ap.add_argument("--transfer", choices=TRANSFERS, default="auto",
                     help="how blocks move between GPUs: auto (= staged: mpi4py cannot ask MPI), "
                          "cuda-aware (device buffers to MPI), staged (through pinned host memory)")
-    ap.add_argument("--kernel", choices=KERNELS, default="step",
-                    help="forward block step: the reference's (step) or the fused CUDA kernel")
     return ap
 
 
@@ -39,11 +36,11 @@ def backend(args, comm):
     name = cupy.cuda.runtime.getDeviceProperties(index)["name"].decode()
     opts = dict(transfer=args.transfer)
     return cli.Backend(
-        name=f"gpu_impl on {name} (rank 0: GPU {index}), transfer {path} [{reason}], kernel {args.kernel}",
-        ring_attention=functools.partial(api.ring_attention, kernel=args.kernel, **opts),
+        name=f"gpu_impl on {name} (rank 0: GPU {index}), transfer {path} [{reason}]",
+        ring_attention=functools.partial(api.ring_attention, **opts),
         ring_attention_backward=functools.partial(api.ring_attention_backward, **opts),
         to_device=cupy.asarray, to_host=cupy.asnumpy,
-        synchronize=lambda: cupy.cuda.Device().synchronize())
+        synchronize=lambda: cupy.cuda.Device().synchronize(), array_module=cupy)
 
 
 def main(argv=None):

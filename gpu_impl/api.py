@@ -3,7 +3,7 @@
 The per-device loop is `reference.ring` (Algorithm 1) and the per-device step
 is `reference.step`, both run with CuPy as the array module; what is specific
 to GPUs is the communication object (`gpu_impl.transfer.DeviceRing`) and,
-optionally, the fused forward kernel (`gpu_impl.fused`).
+optionally, the fused forward kernel (`gpu_impl.fused`, ``step="fused"``).
 
     from mpi4py import MPI
     import cupy, gpu_impl, reference
@@ -19,7 +19,7 @@ Shapes (this rank's shard, in the layout's local order): q (B, c, Hq, D), k, v
 
 from mpi_impl import agree, gather_trace
 from mpi_impl.attention import TRACE_CHOICES
-from reference import checks, ring
+from reference import checks, ring, steps
 from reference.layouts import check_layout, positions
 from reference.tiles import tile_shape
 
@@ -38,35 +38,36 @@ def use_local_device(comm):
 
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
-                   transfer="auto", kernel="step", trace=False):
+                   transfer="auto", step="auto", trace=False):
     """Exact attention of this rank's query shard to every rank's keys.
 
     Returns (out, lse); with ``trace=True`` also the Trace of every rank
     (collective), with ``trace="rank"`` this rank's RoundLog (as mpi_impl).
-    Collective: every rank of `comm` must call it."""
+    `step`: "auto" (the readable step, v1, on CuPy), "v1", "fused" or a
+    `reference.step.Step`. Collective: every rank of `comm` must call it."""
     options = dict(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                   transfer=transfer, kernel=kernel, trace=trace)
-    cupy, scale = _agree(comm, (q, k, v), (), options, "forward")
+                   transfer=transfer, step=step, trace=trace)
+    cupy, scale, step = _agree(comm, (q, k, v), (), options, "forward")
     q_pos = positions(q.shape[1] * comm.Get_size(), comm.Get_size(), layout)[comm.Get_rank()]
     with CupyDevice(cupy, q.device.id) as device, _DupRing(comm, device, transfer) as ring_comm:
         out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, causal=causal,
-                                          scale=scale, tile_size=tile_size, **_step_for(kernel))
+                                          scale=scale, tile_size=tile_size, step=step)
         device.synchronize()
     return (out, lse) + _trace_result(log, comm, trace)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
-                            scale=None, tile_size=None, transfer="auto", trace=False):
-    """Gradients (dq, dk, dv) of this rank's shard with the plain step; K, V,
-    dK, dV travel the ring and dK, dV end on the rank that owns those keys.
-    ``trace`` as in `ring_attention`. Collective."""
+                            scale=None, tile_size=None, transfer="auto", step="auto", trace=False):
+    """Gradients (dq, dk, dv) of this rank's shard; K, V, dK, dV travel the
+    ring and dK, dV end on the rank that owns those keys. ``step`` (one with a
+    backward) and ``trace`` as in `ring_attention`. Collective."""
     options = dict(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                   transfer=transfer, kernel="step", trace=trace)
-    cupy, scale = _agree(comm, (q, k, v), (out, lse, dout), options, "backward")
+                   transfer=transfer, step=step, trace=trace)
+    cupy, scale, step = _agree(comm, (q, k, v), (out, lse, dout), options, "backward")
     q_pos = positions(q.shape[1] * comm.Get_size(), comm.Get_size(), layout)[comm.Get_rank()]
     with CupyDevice(cupy, q.device.id) as device, _DupRing(comm, device, transfer) as ring_comm:
         dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
-                                             causal=causal, scale=scale, tile_size=tile_size)
+                                             causal=causal, scale=scale, tile_size=tile_size, step=step)
         device.synchronize()
     return (dq, dk, dv) + _trace_result(log, comm, trace)
 
@@ -86,29 +87,22 @@ class _DupRing:
         self._dup.Free()
 
 
-def _step_for(kernel):
-    """Keyword arguments that make `reference.ring.ring_forward` use `kernel`."""
-    if kernel == "step":
-        return {}
-    return {"attend": fused.attend_block}
-
-
 def _agree(comm, qkv, grads, options, kind):
     """Every rank checks CuPy, the GPU and its inputs, then all agree
     (`mpi_impl.agree`: the same clear error on every rank, never a hang).
-    Returns (cupy, scale)."""
+    Returns (cupy, scale, Step)."""
     found = {}
 
     def describe():
         found["cupy"] = require_cupy()
-        return _describe(found["cupy"], comm, qkv, grads, kind=kind, **options)
+        return _describe(found["cupy"], comm, qkv, grads, kind=kind, found=found, **options)
 
     scale = agree(comm, describe)["scale"]
-    return found["cupy"], scale
+    return found["cupy"], scale, found["step"]
 
 
-def _describe(cupy, comm, qkv, grads, *, kind, layout, causal, scale, tile_size, transfer, kernel,
-              trace):
+def _describe(cupy, comm, qkv, grads, *, kind, layout, causal, scale, tile_size, transfer, step,
+              trace, found):
     """This rank's checks, before any communication; what every rank must agree on."""
     q, k, v = qkv
     names = ("q", "k", "v", "out", "lse", "dout")
@@ -128,19 +122,13 @@ def _describe(cupy, comm, qkv, grads, *, kind, layout, causal, scale, tile_size,
     path, _ = choose_transfer(transfer)
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                                  head_dim=D)
-    _check_kernel(kernel, q.dtype, tile_size, D)
+    found["step"] = chosen = steps.check_step(step, cupy, backward=kind == "backward")
+    if chosen.name == "fused":
+        fused.check_dtype(q.dtype)
+        fused.fused_tile(tile_size, D)
     return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype), layout=layout,
                 causal=bool(causal), scale=scale, tile_size=tile_shape(tile_size), transfer=path,
-                kernel=kernel, trace=trace)
-
-
-def _check_kernel(kernel, dtype, tile_size, head_dim):
-    if kernel not in fused.KERNELS:
-        raise ValueError(f"kernel must be one of {fused.KERNELS}, got {kernel!r}")
-    if kernel == "fused":
-        fused.check_dtype(dtype)
-        fused.fused_tile(tile_size, head_dim)
-        _step_for(kernel)
+                step=chosen.name, trace=trace)
 
 
 def _trace_result(log, comm, trace):

@@ -1,6 +1,6 @@
-"""The fused block step: `reference.step.attend_block`'s contract as one CUDA kernel.
+"""Step version "fused": the forward of `reference.step`'s contract as one CUDA kernel.
 
-The plain step (reference/step.py) runs each tile as a few CuPy array
+The readable step (reference/step.py, version 1) runs each tile as a few CuPy array
 operations, each a kernel reading and writing the scores through GPU memory.
 The fused kernel (kernels/attend_block_v1.cu) keeps each query row in
 registers and a tile's keys, values and scores in shared memory, and skips a tile that no
@@ -9,8 +9,12 @@ numbered like llm.c's dev/cuda versions; each is validated against the plain
 step (tests/test_gpu.py: on the GPU, and without one by compiling the same
 source for the CPU) before it is timed (bench/gpu_bench.py).
 
-    acc = reference.step.ForwardAcc.zeros(q)          # float32, compute layout
-    counts = attend_block(acc, q, k, v, q_pos, k_pos, causal=True, tile_size=None)
+    gpu_impl.ring_attention(q, k, v, comm=comm, step="fused")
+    reference.steps.get("fused").forward(acc, queries, block, causal=True, tile_size=None)
+
+The kernel skips the tiles no query can see by itself, from positions on the
+GPU; the counts the trace records are the plan's (`reference.step.Step`), for
+the same tile shape.
 
 Shapes (compute layout, float32): q (B, Hkv, c, G, D) pre-scaled, k, v
 (B, Hkv, ck, D), q_pos (c,), k_pos (ck,) NumPy int. A tile is TQ queries of
@@ -24,10 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.step import StepCounts
-from reference.tiles import count_visible_pairs, tile_plan, tile_shape
+from reference.step import Step
+from reference.tiles import tile_shape
 
-KERNELS = ("step", "fused")
 VERSION = 1
 SOURCE = Path(__file__).resolve().parent / "kernels" / f"attend_block_v{VERSION}.cu"
 DEFAULT_TILE = (64, 32)        # (TQ queries = threads, TK keys in shared memory)
@@ -50,7 +53,7 @@ def fused_tile(tile_size, head_dim):
     tq, tk = DEFAULT_TILE if tile_size is None else tile_shape(tile_size)
     shared = (2 * tk * head_dim + tk * tq) * 4 + tk * 8 + 8   # Ks, Vs, S (float32), k positions
     if tq > MAX_THREADS or shared > MAX_SHARED_BYTES:
-        raise ValueError(f"tile_size {(tq, tk)} does not fit kernel='fused' at head dim {head_dim}: "
+        raise ValueError(f"tile_size {(tq, tk)} does not fit step='fused' at head dim {head_dim}: "
                          f"at most {MAX_THREADS} queries and (2*TK*D + TK*TQ)*4 bytes of shared "
                          f"memory <= {MAX_SHARED_BYTES}")
     return tq, tk
@@ -59,8 +62,8 @@ def fused_tile(tile_size, head_dim):
 def check_dtype(dtype):
     """Version 1 computes in float32: float16 and float32 inputs only."""
     if np.dtype(dtype) not in (np.dtype(np.float16), np.dtype(np.float32)):
-        raise ValueError(f"kernel='fused' computes in float32 and takes float16 or float32 inputs, "
-                         f"got {np.dtype(dtype)}; use kernel='step' for float64")
+        raise ValueError(f"step='fused' computes in float32 and takes float16 or float32 inputs, "
+                         f"got {np.dtype(dtype)}; use step='v1' for float64")
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,22 +73,37 @@ def _kernel(head_dim, tq, tk):
     return module.get_function(f"attend_block_v{VERSION}")
 
 
-def attend_block(acc, q, k, v, q_pos, k_pos, *, causal, tile_size):
-    """Accumulate attention of `q` to one key/value block into `acc` (a
-    `reference.step.ForwardAcc`), like `reference.step.attend_block`.
-    Returns StepCounts for the kernel's tiles (TQ queries by TK keys)."""
+class FusedStep(Step):
+    """The forward of one block as one kernel launch (forward only)."""
+    name = "fused"
+    array_modules = ("cupy",)
+    has_backward = False
+
+    def tile(self, tile_size, head_dim):
+        return fused_tile(tile_size, head_dim)
+
+    def forward(self, acc, queries, block, *, causal, tile_size):
+        """Plan and count as every step does (the kernel skips the same tiles by
+        itself), then launch the kernel over the whole block."""
+        counts = super().forward(acc, queries, block, causal=causal, tile_size=tile_size)
+        if counts.tiles_computed:
+            launch_kernel(acc, queries, block, self.tile(tile_size, queries.q.shape[-1]), causal)
+        return counts
+
+    def forward_tiles(self, acc, queries, block, plan):
+        """Nothing per tile: `forward` runs every tile of the plan in one launch."""
+
+
+def launch_kernel(acc, queries, block, tile, causal):
+    """One launch: grid (query tiles, G, B * Hkv), TQ threads, one query row each."""
     import cupy
+    q, k, v = queries.q, block.k, block.v
     B, Hkv, c, G, D = q.shape
-    ck = k.shape[2]
     for name, x in (("q", q), ("k", k), ("v", v), ("acc.o", acc.o), ("acc.m", acc.m), ("acc.l", acc.l)):
         if x.dtype != np.float32 or not x.flags.c_contiguous:
-            raise ValueError(f"fused attend_block needs C-contiguous float32 {name}, got {x.dtype}")
-    tq, tk = fused_tile(tile_size, D)
-    plan, skipped = tile_plan(q_pos, k_pos, (tq, tk), causal)
-    counts = StepCounts(tiles_computed=len(plan), tiles_skipped=skipped,
-                        pairs=count_visible_pairs(q_pos, k_pos, causal))
+            raise ValueError(f"step 'fused' needs C-contiguous float32 {name}, got {x.dtype}")
+    tq, tk = tile
     grid = ((c + tq - 1) // tq, G, B * Hkv)
     _kernel(D, tq, tk)(grid, (tq,), (
-        q, k, v, cupy.asarray(q_pos, dtype=cupy.int64), cupy.asarray(k_pos, dtype=cupy.int64),
-        acc.o, acc.m, acc.l, np.int32(c), np.int32(ck), np.int32(G), np.int32(bool(causal))))
-    return counts
+        q, k, v, cupy.asarray(queries.pos, dtype=cupy.int64), cupy.asarray(block.pos, dtype=cupy.int64),
+        acc.o, acc.m, acc.l, np.int32(c), np.int32(k.shape[2]), np.int32(G), np.int32(bool(causal))))

@@ -23,8 +23,8 @@ Shapes (this rank's shard, in the layout's local order): q (B, c, Hq, D),
 k and v (B, c, Hkv, D), out like q, lse (B, Hq, c), with c = S // N.
 """
 
-from reference import checks, ring
-from reference.layouts import check_layout, positions
+from reference import checks, ring, steps
+from reference.layouts import array_module, check_layout, positions
 from reference.tiles import tile_shape
 from reference.trace import Trace
 
@@ -34,33 +34,39 @@ TRACE_CHOICES = (False, True, "rank")
 
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
-                   trace=False, make_ring=RingComm.on):
+                   step="auto", trace=False, make_ring=RingComm.on):
     """Exact attention of this rank's queries over every rank's keys.
 
     Returns (out, lse); with ``trace=True`` also the Trace of every rank
     (gathered, collective); with ``trace="rank"`` this rank's RoundLog.
+    `step`: a name of `reference.steps` ("auto": the fastest validated step for
+    the arrays) or a `reference.step.Step`.
     ``make_ring(comm)`` builds the communication object (another backend passes
     its own; one with a ``free()`` is freed after the ring).
     Collective: every rank of `comm` must call it."""
+    found = {}
     scale = agree(comm, lambda: describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,
-                                              tile_size=tile_size, trace=trace, kind="forward"))["scale"]
+                                              tile_size=tile_size, step=step, trace=trace, kind="forward",
+                                              found=found))["scale"]
     q_pos = this_rank_positions(q, comm, layout)
     ring_comm = make_ring(comm)
     out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, causal=causal,
-                                      scale=scale, tile_size=tile_size)
+                                      scale=scale, tile_size=tile_size, step=found["step"])
     _free(ring_comm)
     return (out, lse) + _trace_result(log, comm, trace)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
-                            scale=None, tile_size=None, trace=False, make_ring=RingComm.on):
+                            scale=None, tile_size=None, step="auto", trace=False, make_ring=RingComm.on):
     """Gradients (dq, dk, dv) of this rank's shard, from the forward's out and lse.
 
     K, V, dK, dV travel the ring; dQ stays home; dK, dV end on the rank that
-    owns those keys. ``trace`` and ``make_ring`` as in `ring_attention`. Collective."""
+    owns those keys. ``step``, ``trace`` and ``make_ring`` as in `ring_attention`. Collective."""
+    found = {}
+
     def describe():
         d = describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                          trace=trace, kind="backward")
+                          step=step, trace=trace, kind="backward", found=found)
         checks.check_grads_inputs(q, out, lse, dout)
         d.update(out=(tuple(out.shape), str(out.dtype)), lse=(tuple(lse.shape), str(lse.dtype)),
                  dout=(tuple(dout.shape), str(dout.dtype)))
@@ -70,7 +76,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
     q_pos = this_rank_positions(q, comm, layout)
     ring_comm = make_ring(comm)
     dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
-                                         causal=causal, scale=scale, tile_size=tile_size)
+                                         causal=causal, scale=scale, tile_size=tile_size, step=found["step"])
     _free(ring_comm)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
 
@@ -86,9 +92,11 @@ def _free(ring_comm):
         ring_comm.free()
 
 
-def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, trace=False, kind="forward"):
+def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, step="auto", trace=False,
+                  kind="forward", found=None):
     """Validate this rank's inputs (raising the reference's clear errors) and
-    return what every rank must agree on; pass it to `agree`."""
+    return what every rank must agree on; pass it to `agree`. The Step chosen
+    is put in ``found["step"]``."""
     if trace not in TRACE_CHOICES or isinstance(trace, int) and not isinstance(trace, bool):
         raise ValueError(f"trace must be one of {TRACE_CHOICES}, got {trace!r}")
     B, c, Hq, Hkv, D = checks.check_qkv(q, k, v, seq_axis_name="c")
@@ -96,9 +104,12 @@ def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, trace=Fals
     check_layout(layout, c * n, n)
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                                  head_dim=D)
+    chosen = steps.check_step(step, array_module(q), backward=kind == "backward")
+    if found is not None:
+        found["step"] = chosen
     return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
                 layout=layout, causal=bool(causal), scale=scale, tile_size=tile_shape(tile_size),
-                trace=trace)
+                step=chosen.name, trace=trace)
 
 
 def agree(comm, describe):

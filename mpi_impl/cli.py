@@ -46,7 +46,7 @@ from typing import Callable
 
 import numpy as np
 
-from reference import LAYOUTS, attention, attention_backward, cost, positions, unshard
+from reference import LAYOUTS, attention, attention_backward, cost, positions, steps, unshard
 from reference import ring_attention as reference_ring
 from reference import ring_attention_backward as reference_ring_backward
 from reference.trace import Trace
@@ -81,6 +81,7 @@ class Backend:
     to_device: Callable = _same
     to_host: Callable = _same
     synchronize: Callable = _nothing
+    array_module: object = np           # what `--step auto` chooses for
 
 
 NUMPY = Backend("numpy", ring_attention, ring_attention_backward)
@@ -110,6 +111,10 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
     ap.add_argument("--tile-size", type=int, default=128, help="tile side, queries and keys")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
+    ap.add_argument("--step", choices=steps.NAMES, default="auto",
+                    help="block step version (reference.steps): auto is the fastest validated one for the arrays")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="worker threads per rank, for steps that take them (v3)")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--backward", action="store_true", help="also run the backward pass")
     ap.add_argument("--check", action="store_true",
@@ -160,7 +165,7 @@ def main(argv=None, backend=NUMPY, parser=None):
 
 def check_args(args, n_ranks):
     """A message for options that cannot run on n_ranks, or None."""
-    for name in ("seq_len", "batch", "heads", "head_dim", "tile_size", "repeat"):
+    for name in ("seq_len", "batch", "heads", "head_dim", "tile_size", "repeat", "threads"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
@@ -170,6 +175,16 @@ def check_args(args, n_ranks):
         if args.seq_len % chunks:
             return f"--seq-len {args.seq_len} must be a multiple of {chunks} for {layout} on {n_ranks} ranks"
     return None
+
+
+def make_steps(args, backend):
+    """(forward Step, backward Step) for --step and --threads: a step without a
+    backward (the fused kernel) leaves the backward to "auto"."""
+    forward = steps.get(args.step, xp=backend.array_module)
+    if args.threads > 1 and forward.takes_workers:
+        forward = steps.get(forward.name, workers=args.threads)
+    backward = forward if forward.has_backward else steps.get("auto", xp=backend.array_module)
+    return forward, backward
 
 
 def _layouts(args):
@@ -219,12 +234,14 @@ def time_passes(args, layout, backend, comm):
     pos = positions(args.seq_len, n, layout)[rank]
     q, k, v, dout = (backend.to_device(x) for x in inputs(args, pos))
     opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size)
+    fwd_step, bwd_step = make_steps(args, backend)
     comm.Barrier()
     start = time.perf_counter()
-    out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", **opts)
+    out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", step=fwd_step, **opts)
     grads = bwd_log = None
     if args.backward:
-        *grads, bwd_log = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank", **opts)
+        *grads, bwd_log = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank",
+                                                          step=bwd_step, **opts)
     backend.synchronize()
     wall = comm.allreduce(time.perf_counter() - start, op=_max())
     return wall, out, lse, grads, fwd_log, bwd_log
@@ -311,9 +328,10 @@ def format_table(rows, args, n_ranks, backend_name="numpy"):
     """layout | max error | critical path | wall | speedups measured | predicted."""
     base = next((r for r in rows if r.layout == "contiguous"), None)
     passes = "forward+backward" if args.backward else "forward"
+    ran = steps_ran(rows)
     lines = [f"{backend_name}: N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
-             f"{'causal' if args.causal else 'not causal'}, {passes}, best of {args.repeat}",
+             f"{'causal' if args.causal else 'not causal'}, {passes}, best of {args.repeat}, {ran}",
              f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'speedup':>8} "
              f"{'crit. speedup':>13} {'predicted':>9} {'wait/compute':>12}",
              "-" * 89]
@@ -326,6 +344,14 @@ def format_table(rows, args, n_ranks, backend_name="numpy"):
     lines.append("crit. path: sum over rounds of the busiest rank's CPU time in the step; "
                  "speedups: contiguous / layout; predicted: reference.cost, tiles")
     return "\n".join(lines)
+
+
+def steps_ran(rows):
+    """'step v3 (1 worker)' or 'forward step fused, backward step v1': read from the traces."""
+    ran = {kind: t.step for r in rows[:1] for kind, t in r.traces.items()}
+    if len(set(ran.values())) == 1:
+        return f"step {ran['forward']}"
+    return ", ".join(f"{kind} step {name}" for kind, name in ran.items())
 
 
 def write_trace(path, rows, args, n_ranks):

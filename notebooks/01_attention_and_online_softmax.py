@@ -36,8 +36,12 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-from reference import attention
-from reference import step
+import inspect
+
+from reference import attention, merge, steps
+from reference.heads import q_from_heads, rows_from_heads
+from reference.ring import own_block
+from reference.step import ForwardAcc, Queries, finish_forward, forward_tile
 from reference.tiles import visible
 
 rng = np.random.default_rng(0)
@@ -121,54 +125,91 @@ l = l_a * np.exp(m_a - m) + l_b * np.exp(m_b - m)
 assert np.isclose(m + np.log(l), np.log(np.exp(row).sum()))   # merged lse == full lse
 
 # %% [markdown]
-# Now the project's own per-device step, `reference.step`, on whole blocks. It works in a
-# *compute layout* `(B, Hkv, c, G, D)` (query heads grouped under their key/value head),
-# so we convert with its helpers. Queries are pre-scaled, as the ring does.
+# The same merge on whole outputs: `reference.merge` combines two partial results, each
+# the attention of the queries to one block of keys, into the attention to both. Dense
+# attention takes the positions of its queries and keys, so it gives the partial result
+# of any block: this is the per-device oracle of a ring. We split the 16 keys into two
+# blocks, positions `0..7` and `8..15`:
 #
-# - `ForwardAcc.zeros(q)`: the empty running state (`m = -inf`, `l = 0`, `O = 0`);
-# - `attend_block(acc, q, k, v, q_pos, k_pos, ...)`: merge one key/value block;
-# - `finish_forward(acc)`: `out = O / l`, `lse = m + log l`.
-#
-# We split the 16 keys into two blocks, positions `0..7` and `8..15`, and merge them in
-# the "wrong" order (later keys first) to show the order does not matter.
+# $$\mathrm{lse} = \log(e^{\mathrm{lse}_a} + e^{\mathrm{lse}_b}), \qquad
+# \mathrm{out} = e^{\mathrm{lse}_a - \mathrm{lse}}\,\mathrm{out}_a + e^{\mathrm{lse}_b - \mathrm{lse}}\,\mathrm{out}_b$$
 
 # %%
-q_h = step.q_to_heads(q, n_kv_heads=H) * scale          # (B, Hkv, S, G, D), pre-scaled
-k_h, v_h = step.kv_to_heads(k), step.kv_to_heads(v)     # (B, Hkv, S, D)
-first, second = slice(0, 8), slice(8, 16)               # two key blocks
+print(inspect.getsource(merge))
 
-acc = step.ForwardAcc.zeros(q_h)
-for keys in (second, first):
-    step.attend_block(acc, q_h, k_h[:, :, keys], v_h[:, :, keys], pos, pos[keys],
-                      causal=True, tile_size=4)
-out_h, lse_h = step.finish_forward(acc)
-merged_out, merged_lse = step.q_from_heads(out_h), step.rows_from_heads(lse_h)
+# %%
+first, second = slice(0, 8), slice(8, 16)               # two key blocks
+part = {name: attention(q, k[:, keys], v[:, keys], q_pos=pos, k_pos=pos[keys])
+        for name, keys in (("first", first), ("second", second))}
+merged_out, merged_lse = merge(part["second"], part["first"])   # in the "wrong" order: it does not matter
 
 print("max |merged - dense| out:", np.abs(merged_out - out).max(), " lse:", np.abs(merged_lse - lse).max())
 assert np.allclose(merged_out, out, rtol=0, atol=1e-12)
 assert np.allclose(merged_lse, lse, rtol=0, atol=1e-12)
 
 # %% [markdown]
-# ## A row with no visible key
+# ## The step that does it, tile by tile
 #
-# Look at the state after the first merge only (keys `8..15`). Queries `0..7` see none of
-# those keys: every score in their row is `-inf`, so their running max is still `-inf`.
-# The naive update would compute `exp(-inf - (-inf)) = exp(nan)`. The step guards against
-# this (see `reference/step.py`): such a row stays at `m = -inf, l = 0, O = 0`, with no NaN,
-# and the next block merges into it as if it were empty.
+# On a device the merge happens inside the per-device step, `reference.step` (Algorithm 1's
+# `AccumulateAttentionFragment`), one tile of queries by keys at a time. This is its
+# readable version (version 1; faster ones, `reference.steps`, are checked against it).
+# Here is the update of one tile, the formulas above line by line:
+
+# %%
+print(inspect.getsource(forward_tile))
+
+# %% [markdown]
+# The step works in a *compute layout* `(B, Hkv, c, G, D)` (query heads grouped under their
+# key/value head). Its inputs are small named types:
+#
+# - `Queries.prepare(q, ...)`: this device's queries `Q_j`, pre-scaled, with their positions;
+# - `own_block(k, v, k_pos, rank)`: a key/value block `K_k, V_k` with its positions;
+# - `ForwardAcc.zeros(...)`: the empty running state (`m = -inf`, `l = 0`, `O = 0`);
+# - `step.forward(acc, queries, block, ...)`: merge one block; `finish_forward(acc)`:
+#   `out = O / l`, `lse = m + log l`.
+
+# %%
+step = steps.get("v1")                                  # the readable step
+queries = Queries.prepare(q, n_kv_heads=H, q_pos=pos, scale=scale)   # Q_j: (B, Hkv, S, G, D)
+
+
+def block(keys):
+    """The key/value block holding the keys at positions `keys`."""
+    return own_block(k[:, keys], v[:, keys], pos[keys], rank=0)
+
+
+acc = ForwardAcc.zeros(queries.q)
+for keys in (second, first):
+    step.forward(acc, queries, block(keys), causal=True, tile_size=4)
+out_h, lse_h = finish_forward(acc)
+assert np.allclose(q_from_heads(out_h), out, rtol=0, atol=1e-12)
+assert np.allclose(rows_from_heads(lse_h), lse, rtol=0, atol=1e-12)
+
+# %% [markdown]
+# ## The running max, and a row with no visible key
+#
+# Look at the state after the first block only (keys `8..15`). `m` is each query's running
+# max: the largest score it has seen so far, over the keys it may see. Queries `0..7` see
+# none of those keys: their running max is still `-inf`. The naive update would compute
+# `exp(-inf - (-inf)) = exp(nan)`. The step guards against this (the hazard comment in
+# `forward_tile` above): such a row stays at `m = -inf, l = 0, O = 0`, with no NaN, and the
+# next block merges into it as if it were empty.
 #
 # With striping (notebook 2), in every round after the first some device holds a block from
 # a device after it, and its first query sees none of that block's keys: on the ring this
 # case is not a corner, it happens every round.
 
 # %%
-acc = step.ForwardAcc.zeros(q_h)
-step.attend_block(acc, q_h, k_h[:, :, second], v_h[:, :, second], pos, pos[second],
-                  causal=True, tile_size=4)
-m_rows = step.rows_from_heads(acc.m)[0, 0]               # (S,) running max per query
-l_rows = step.rows_from_heads(acc.l)[0, 0]
+acc = ForwardAcc.zeros(queries.q)
+step.forward(acc, queries, block(second), causal=True, tile_size=4)
+m_rows = rows_from_heads(acc.m)[0, 0]                    # (S,) running max per query
+l_rows = rows_from_heads(acc.l)[0, 0]
 print("m after block 8..15:", np.round(m_rows, 2))
 
+seen_scores = np.where(visible(pos, pos[second]), scores[:, second], -np.inf)   # (S, 8) what each row may see
+true_max = seen_scores.max(axis=1)
+print("true max of the visible scores:", np.round(true_max, 2))
+assert np.allclose(m_rows[8:], true_max[8:], rtol=0, atol=1e-12)  # m is the max, not just some shift
 assert np.isneginf(m_rows[:8]).all() and (l_rows[:8] == 0).all()    # queries 0..7 saw nothing
 assert np.isfinite(m_rows[8:]).all() and (l_rows[8:] > 0).all()
 assert not np.isnan(acc.o).any() and not np.isnan(acc.l).any()
@@ -179,32 +220,36 @@ assert not np.isnan(acc.o).any() and not np.isnan(acc.l).any()
 # block makes them exactly right:
 
 # %%
-only_second_out, only_second_lse = step.finish_forward(acc)
-empty_rows = step.rows_from_heads(only_second_lse)[0, 0, :8]
+only_second_out, only_second_lse = finish_forward(acc)
+empty_rows = rows_from_heads(only_second_lse)[0, 0, :8]
 assert np.isneginf(empty_rows).all()
-assert (step.q_from_heads(only_second_out)[0, :8] == 0).all()
+assert (q_from_heads(only_second_out)[0, :8] == 0).all()
 assert not np.isnan(only_second_out).any()
 
-step.attend_block(acc, q_h, k_h[:, :, first], v_h[:, :, first], pos, pos[first],
-                  causal=True, tile_size=4)
-out_h, lse_h = step.finish_forward(acc)
-assert np.allclose(step.q_from_heads(out_h), out, rtol=0, atol=1e-12)
-assert np.allclose(step.rows_from_heads(lse_h), lse, rtol=0, atol=1e-12)
+step.forward(acc, queries, block(first), causal=True, tile_size=4)
+out_h, lse_h = finish_forward(acc)
+assert np.allclose(q_from_heads(out_h), out, rtol=0, atol=1e-12)
+assert np.allclose(rows_from_heads(lse_h), lse, rtol=0, atol=1e-12)
+
+# %% [markdown]
+# A row with no visible key and a row whose visible scores are all `-inf` are different
+# things: the first has nothing to average (`out = 0`, `lse = -inf`); the second has keys
+# whose weights are `exp(-inf) = 0` and sum to 0, so the formula gives `0 / 0 = NaN`, and the
+# step follows the formula, as dense attention does.
 
 # %% [markdown]
 # ## Picture: the running state, block by block
 #
-# Each query's `lse` after zero, one and two blocks, against the dense `lse`. After the
+# Each query's `lse` after one and two blocks, against the dense `lse`. After the
 # first block (keys `8..15`) only the second half has a value; after the second block the
 # curves coincide.
 
 # %%
-acc = step.ForwardAcc.zeros(q_h)
+acc = ForwardAcc.zeros(queries.q)
 partial = []
 for keys in (second, first):
-    step.attend_block(acc, q_h, k_h[:, :, keys], v_h[:, :, keys], pos, pos[keys],
-                      causal=True, tile_size=4)
-    partial.append(step.rows_from_heads(step.finish_forward(acc)[1])[0, 0])
+    step.forward(acc, queries, block(keys), causal=True, tile_size=4)
+    partial.append(rows_from_heads(finish_forward(acc)[1])[0, 0])
 
 plt.figure(figsize=(6, 3))
 plt.plot(pos, lse[0, 0], "k-", lw=3, alpha=0.3, label="dense lse")

@@ -42,7 +42,9 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-from reference import LAYOUTS, Trace, attention, cost, positions, ring_attention, shard, unshard
+import inspect
+
+from reference import LAYOUTS, Trace, attention, cost, lockstep, positions, ring_attention, shard, unshard
 from reference import ring
 from reference.virtual import run_devices
 
@@ -53,6 +55,39 @@ rng = np.random.default_rng(0)
 q = rng.standard_normal((B, S, HQ, D))                        # (B, S, Hq, D)
 k, v = (rng.standard_normal((B, S, HKV, D)) for _ in range(2))   # (B, S, Hkv, D)
 dense_out, dense_lse = attention(q, k, v)
+
+# %% [markdown]
+# ## Algorithm 1 in lockstep
+#
+# First the algorithm with every device in one loop per round, no threads and no messages:
+# in round `t` device `j` holds the block that started on device `src = (j - t) mod N`, so
+# indexing the blocks by `src` *is* the transfer. This is `reference.lockstep`, short
+# enough to step through in a debugger:
+
+# %%
+print(inspect.getsource(lockstep.ring_attention))
+
+# %%
+lock_out, lock_lse = lockstep.ring_attention(q, k, v, n_devices=N, layout="striped", tile_size=T)
+assert np.allclose(lock_out, dense_out, rtol=0, atol=1e-12)
+assert np.allclose(lock_lse, dense_lse, rtol=0, atol=1e-12)
+
+# %% [markdown]
+# Real devices do not run in lockstep: each runs its own loop and waits only for the block
+# it needs next. `reference.ring.ring_forward` is that loop for **one** device, line by
+# line the paper's (line 5: send the block on while computing; line 6: accumulate; line 7:
+# receive the next block):
+
+# %%
+print(inspect.getsource(ring.ring_forward))
+
+# %% [markdown]
+# Run on N threads (`reference.ring_attention`), it gives the lockstep's answer bit for
+# bit: the same step, on the same blocks, in the same order on every device.
+
+# %%
+threaded_out, threaded_lse = ring_attention(q, k, v, n_devices=N, layout="striped", tile_size=T)
+assert (threaded_out == lock_out).all() and (threaded_lse == lock_lse).all()
 
 # %% [markdown]
 # ## Watching the blocks travel

@@ -36,7 +36,8 @@ KV, DKV = 1, 2            # tags of the two kinds of message in flight
 def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, step=None):
     """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
     `step`: a `reference.step.Step` or a name of `reference.steps` (None: "auto")."""
-    step, n, log = _step(step, q), comm.size, RoundLog(comm.size)
+    step, n = _step(step, q), comm.size
+    log = RoundLog(n, step.label)
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
     acc = ForwardAcc.zeros(queries.q)                                  # Out_j
@@ -61,7 +62,8 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale,
     dQ stays home. After the last round one more hop brings every dK, dV back
     to the device that owns those keys. Returns (dq, dk, dv) in the user
     layout, and a RoundLog."""
-    step, n, log = _step(step, q, backward=True), comm.size, RoundLog(comm.size)
+    step, n = _step(step, q, backward=True), comm.size
+    log = RoundLog(n, step.label)
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     acc = queries.q.dtype
     rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)        # dO_j, lse_j, delta_j
@@ -124,9 +126,10 @@ class RoundLog:
     FIELDS = ("source", "tiles_computed", "tiles_skipped", "pairs", "bytes_sent",
               "compute_s", "compute_cpu_s", "wait_s")
 
-    def __init__(self, n_rounds):
+    def __init__(self, n_rounds, step=""):
         for name in self.FIELDS:
             setattr(self, name, np.zeros(n_rounds, dtype=float if name.endswith("_s") else np.int64))
+        self.step = step            # the step version that ran
 
     def record(self, t, counts, block, *, sent):
         """The step's counts, the device `block` started on (read from the

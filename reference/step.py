@@ -171,8 +171,13 @@ class Step:
     def backward_tiles(self, grads, queries, rows, block, plan):
         raise NotImplementedError
 
+    @property
+    def label(self):
+        """The version and its options, as tables print it."""
+        return self.name
+
     def __repr__(self):
-        return f"<step {self.name}>"
+        return f"<step {self.label}>"
 
 
 def _count(plan, skipped, q_pos, k_pos):

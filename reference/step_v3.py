@@ -51,8 +51,9 @@ class LazyThreadedStep(ExactBase2Step):
             raise ValueError(f"workers must be a positive int, got {workers!r}")
         self.workers = int(workers)
 
-    def __repr__(self):
-        return f"<step {self.name}, {self.workers} worker{'s' if self.workers > 1 else ''}>"
+    @property
+    def label(self):
+        return f"{self.name}, {self.workers} worker{'s' if self.workers > 1 else ''}"
 
     # -- forward ----------------------------------------------------------
 

@@ -8,12 +8,13 @@ Fields (all shape (N rounds, N devices)):
   bytes_sent      bytes this device put on the ring in round t
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
                   seconds spent waiting for a transfer (zero where not timed)
+and `step`, the step version that ran (e.g. "v3, 2 workers").
 
 `Trace.table()` prints the per-device work; `Trace.from_logs` builds one from
 the per-device `RoundLog`s that `reference.ring` returns.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,19 +31,20 @@ class Trace:
     compute_s: np.ndarray
     compute_cpu_s: np.ndarray
     wait_s: np.ndarray
+    step: str = ""
 
     @classmethod
     def from_logs(cls, logs):
         """One RoundLog per device (in rank order) -> Trace with [t, j] arrays."""
         return cls(**{name: np.stack([getattr(log, name) for log in logs], axis=1)
-                      for name in RoundLog.FIELDS})
+                      for name in RoundLog.FIELDS}, step=logs[0].step)
 
     @classmethod
     def from_dict(cls, d):
-        return cls(**{f.name: np.asarray(d[f.name]) for f in fields(cls)})
+        return cls(**{name: np.asarray(d[name]) for name in RoundLog.FIELDS}, step=d.get("step", ""))
 
     def to_dict(self):
-        return {f.name: getattr(self, f.name).tolist() for f in fields(self)}
+        return {**{name: getattr(self, name).tolist() for name in RoundLog.FIELDS}, "step": self.step}
 
     @property
     def n_devices(self):

@@ -217,3 +217,63 @@ def test_trace_round_trips_and_prints():
     table = trace.table("contiguous")
     assert "dev3" in table
     assert f"critical path (sum of busiest): {trace.critical_path('pairs')} pairs" in table
+
+
+# -- counts held to a brute force that shares nothing with reference.tiles ------
+
+def brute_force_counts(q_pos, k_pos, tile_size, causal):
+    """(tiles with a visible pair, tiles without, their area, visible pairs) by
+    cutting the mask, built here from the pair rule, into tiles one by one."""
+    tq, tk = tile_size if isinstance(tile_size, tuple) else (tile_size, tile_size)
+    mask = (q_pos[:, None] >= k_pos[None, :]) if causal else np.ones((len(q_pos), len(k_pos)), bool)
+    computed = skipped = area = 0
+    for i in range(0, len(q_pos), tq):
+        for j in range(0, len(k_pos), tk):
+            tile = mask[i:i + tq, j:j + tk]
+            if tile.any():
+                computed, area = computed + 1, area + tile.size
+            else:
+                skipped += 1
+    return computed, skipped, area, int(mask.sum())
+
+
+@given(rings(), st.booleans())
+def test_trace_and_prediction_equal_a_brute_force_count(ring, backward):
+    layout, S, N, tile_size, causal = ring
+    tile = 256 if tile_size is None else tile_size
+    trace, _ = run_traced(layout, S, N, tile_size, causal, backward)
+    predicted = cost.predict(S, N, layout, tile_size, causal)
+    pos = positions(S, N, layout)
+    for t in range(N):
+        for j in range(N):
+            computed, skipped, area, pairs = brute_force_counts(pos[j], pos[(j - t) % N], tile, causal)
+            assert (trace.tiles_computed[t, j], trace.tiles_skipped[t, j], trace.pairs[t, j]) == \
+                   (computed, skipped, pairs), (t, j)
+            assert (predicted.tiles_computed[t, j], predicted.tile_area[t, j]) == (computed, area), (t, j)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_partial_tiles_count_by_their_real_area(layout):
+    # tiles of 1000 on blocks of c = 2048: the last tile of each side is 48 long
+    S, N, tile = 4096, 2, 1000
+    predicted = cost.predict(S, N, layout, tile)
+    pos = positions(S, N, layout)
+    for t in range(N):
+        for j in range(N):
+            _, _, area, _ = brute_force_counts(pos[j], pos[(j - t) % N], tile, True)
+            assert predicted.tile_area[t, j] == area, (t, j)
+
+
+def test_trace_table_reads_computed_out_of_total():
+    # striped, S=64, N=4, tiles of 4: the README's table; every cell "pairs computed/total"
+    trace, _ = run_traced("striped", 64, 4, 4, True)
+    lines = trace.table().splitlines()
+    rows = [line for line in lines if line.strip()[:1].isdigit()]
+    assert len(rows) == 4
+    for t, line in enumerate(rows):
+        cells = line.split("|")[1].split()
+        pairs, fractions = cells[0::2], cells[1::2]
+        assert [int(p) for p in pairs] == trace.pairs[t].tolist()
+        computed, total = zip(*(map(int, f.split("/")) for f in fractions))
+        assert list(computed) == trace.tiles_computed[t].tolist()
+        assert list(total) == (trace.tiles_computed[t] + trace.tiles_skipped[t]).tolist() == [16] * 4

@@ -167,3 +167,78 @@ def test_dtypes_follow_the_conventions(dtype, lse_dtype):
     # the same (rounded) inputs in float64: only accumulation and final rounding differ
     assert_close(out, ref_out, dtype, "out")
     assert_close(lse, ref_lse, dtype, "lse")
+
+
+# -- positions: attention of any shard to any block, and the merge -----------
+
+def loop_with_positions(q, k, v, q_pos, k_pos, scale):
+    """The causal loop over the pairs pos_k <= pos_q; a row with no visible key: out 0, lse -inf."""
+    B, Sq, Hq, D = q.shape
+    group = Hq // k.shape[2]
+    out, lse = np.zeros(q.shape), np.full((B, Hq, Sq), -np.inf)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(Sq):
+                keys = [j for j in range(k.shape[1]) if k_pos[j] <= q_pos[i]]
+                if not keys:
+                    continue
+                s = {j: scale * float(q[b, i, h] @ k[b, j, h // group]) for j in keys}
+                m = max(s.values())
+                l = sum(math.exp(x - m) for x in s.values())
+                lse[b, h, i] = m + math.log(l)
+                out[b, i, h] = sum(math.exp(s[j] - m) / l * v[b, j, h // group] for j in keys)
+    return out, lse
+
+
+def test_attention_with_positions_equals_the_loop():
+    # queries at striped positions of device 1 (N=4, S=16) against device 2's keys:
+    # query 1 sees no key (2 > 1), the others see some
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 4, h, 3)) for h in (4, 2, 2))
+    q_pos, k_pos = np.array([1, 5, 9, 13]), np.array([2, 6, 10, 14])
+    out, lse = attention(q, k, v, q_pos=q_pos, k_pos=k_pos)
+    want_out, want_lse = loop_with_positions(q, k, v, q_pos, k_pos, 3 ** -0.5)
+    np.testing.assert_allclose(out, want_out, rtol=LOOP_TOL, atol=LOOP_TOL)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    assert np.isneginf(lse[:, :, 0]).all() and (out[:, 0] == 0).all()
+    np.testing.assert_allclose(lse[:, :, 1:], want_lse[:, :, 1:], rtol=LOOP_TOL)
+
+
+def test_merge_of_two_key_sets_is_attention_over_both():
+    # keys at positions 0..11 split in two interleaved halves; queries at 0..11:
+    # query 0 sees no key of the odd half; merging the halves gives dense over all
+    from reference import merge
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 12, h, 4)) for h in (2, 1, 1))
+    pos = np.arange(12)
+    even, odd = pos[::2], pos[1::2]
+    a = attention(q, k[:, even], v[:, even], q_pos=pos, k_pos=even)
+    b = attention(q, k[:, odd], v[:, odd], q_pos=pos, k_pos=odd)
+    assert np.isneginf(b[1][:, :, 0]).all()
+    out, lse = merge(a, b)
+    want_out, want_lse = attention(q, k, v)
+    assert_close(out, want_out, np.float64, "out")
+    assert_close(lse, want_lse, np.float64, "lse")
+    none = attention(q[:, :2], k[:, 5:7], v[:, 5:7], q_pos=pos[:2], k_pos=pos[5:7])   # neither sees a key
+    out, lse = merge(none, none)
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+def test_merge_rejects_mismatched_parts():
+    from reference import merge
+    out, lse = np.zeros((1, 4, 2, 3)), np.zeros((1, 2, 4))
+    with pytest.raises(ValueError, match="lse_b must be"):
+        merge((out, lse), (out, lse[:, :1]))
+    with pytest.raises(TypeError, match="out_a must be"):
+        merge((out.tolist(), lse), (out, lse))
+
+
+def test_backward_with_positions_gives_the_rows_of_the_full_gradient():
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal((1, 10, h, 3)) for h in (2, 2, 2, 2))
+    out, lse = attention(q, k, v)
+    dq = attention_backward(q, k, v, out, lse, dout)[0]
+    rows = np.array([2, 5, 9])
+    dq_rows = attention_backward(q[:, rows], k, v, out[:, rows], lse[:, :, rows], dout[:, rows],
+                                 q_pos=rows, k_pos=np.arange(10))[0]
+    np.testing.assert_allclose(dq_rows, dq[:, rows], rtol=1e-12, atol=1e-12)

@@ -107,8 +107,16 @@ def test_heads_not_grouped(shape_q, shape_kv, match):
     raises_everywhere(forward_calls(*arrays(shape_q, shape_kv)), ValueError, match)
 
 
+def test_keys_of_another_length_are_an_error_for_the_ring_only():
+    # the dense oracle attends any queries to any keys (tests/test_dense.py); the ring needs S of each
+    q, k, v = arrays((B, S, 2, D), (B, S, 2, D))
+    with pytest.raises(ValueError, match=r"k and v must be \(B, S, Hkv, D\) = \(1, 8, Hkv, 4\) to match q"):
+        ring_attention(q, k[:, :4], v[:, :4], n_devices=2)
+    with pytest.raises(ValueError, match=r"k_pos must be 4 integer positions"):
+        attention(q, k[:, :4], v[:, :4], k_pos=np.arange(8))
+
+
 @pytest.mark.parametrize("change, match", [
-    (lambda q, k, v: (q, k[:, :4], v[:, :4]), r"k and v must be \(B, S, Hkv, D\) = \(1, 8, Hkv, 4\) to match q"),
     (lambda q, k, v: (q, k[..., :3], v[..., :3]), r"k and v must be .* to match q"),
     (lambda q, k, v: (q, np.concatenate([k, k]), np.concatenate([v, v])), r"k and v must be .* to match q"),
     (lambda q, k, v: (q, k, v[:, :4]), r"k and v must have the same shape"),

@@ -43,7 +43,10 @@ from conftest import Case, assert_close, cases
 from gpu_impl import fused
 from gpu_impl.device import GpuUnavailable, NumpyDevice, device_for_local_rank
 from gpu_impl.transfer import DeviceRing, choose_transfer
-from reference import attention, attention_backward, cost, ring, step
+from reference import attention, attention_backward, cost, ring
+from reference.ring import own_block
+from reference.step import ForwardAcc, Queries, ReadableStep, finish_forward
+from reference.tiles import any_visible
 from reference.layouts import positions, shard, unshard
 from reference.virtual import run_devices
 
@@ -260,11 +263,12 @@ def test_non_contiguous_blocks():
 
 def virtual_ring_results(case):
     """out, lse, dq, dk, dv of the oracle (reference.virtual: the same ring and step
-    over VirtualRing), in natural token order."""
+    over VirtualRing, with the step the NumPy path chooses), in natural token order."""
     import reference
     q, k, v, dout = case.inputs()
-    out, lse = reference.ring_attention(q, k, v, **case.options())
-    return (out, lse) + reference.ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+    out, lse = reference.ring_attention(q, k, v, step="auto", **case.options())
+    return (out, lse) + reference.ring_attention_backward(q, k, v, out, lse, dout, step="auto",
+                                                          **case.options())
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -377,25 +381,26 @@ class ThreadComm(FakeComm):
         pass
 
 
-@pytest.mark.parametrize("transfer, kernel", [("auto", "step"), ("cuda-aware", "step"), ("staged", "fused")])
-def test_public_functions_end_to_end_with_numpy_dressed_as_cupy(monkeypatch, transfer, kernel):
+@pytest.mark.parametrize("transfer, step_name", [("auto", "auto"), ("cuda-aware", "v1"), ("staged", "fused")])
+def test_public_functions_end_to_end_with_numpy_dressed_as_cupy(monkeypatch, transfer, step_name):
     """gpu_impl.ring_attention and ring_attention_backward, everything but the GPU:
     the collective checks, CupyDevice's streams and copies, DeviceRing, the
     trace; 3 ranks as threads, results equal to the dense reference. With
-    kernel='fused' the ring must call the fused step (here the plain step in
-    its place, counted: CUDA cannot run on NumPy)."""
+    step='fused' the ring must launch the fused kernel (here the readable step
+    in its place, counted: CUDA cannot run on NumPy)."""
     import threading
+    from reference.step import ReadableStep
     cupy, cupyx = fake_cupy_module()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
     calls = []
 
-    def stand_in_for_fused(*args, **kwargs):
+    def stand_in_for_the_kernel(acc, queries, block, tile, causal):
         calls.append(1)
-        return step.attend_block(*args, **kwargs)
-    monkeypatch.setattr(fused, "attend_block", stand_in_for_fused)
+        ReadableStep().forward(acc, queries, block, causal=causal, tile_size=tile)
+    monkeypatch.setattr(fused, "launch_kernel", stand_in_for_the_kernel)
     n, layout = 3, "striped"
-    dtype = np.float32 if kernel == "fused" else np.float64
+    dtype = np.float32 if step_name == "fused" else np.float64
     case = Case(layout=layout, n_devices=n, B=1, S=12, Hq=4, Hkv=2, D=4, tile_size=2, causal=True,
                 scale=None, dtype=dtype, kind="gaussian", seed=3)
     q, k, v, dout = case.inputs()
@@ -408,7 +413,7 @@ def test_public_functions_end_to_end_with_numpy_dressed_as_cupy(monkeypatch, tra
         comm = ThreadComm(j, n, boxes, [], gathered, barrier)
         qj, kj, vj, dj = (s[j] for s in shards)
         o, l, trace = gpu_impl.ring_attention(qj, kj, vj, comm=comm, layout=layout, tile_size=2,
-                                              transfer=transfer, kernel=kernel, trace=True)
+                                              transfer=transfer, step=step_name, trace=True)
         grads = gpu_impl.ring_attention_backward(qj, kj, vj, o, l, dj, comm=comm, layout=layout,
                                                  tile_size=2, transfer=transfer)
         return (o, l) + grads, trace
@@ -420,7 +425,7 @@ def test_public_functions_end_to_end_with_numpy_dressed_as_cupy(monkeypatch, tra
         assert_close(got, w, dtype, what=name)
     trace = results[0][1]
     np.testing.assert_array_equal(trace.pairs, cost.predict(12, n, layout, 2).pairs)
-    assert len(calls) == (n * n if kernel == "fused" else 0)        # N rounds on each of N ranks
+    assert len(calls) == (n * n if step_name == "fused" else 0)        # N rounds on each of N ranks
 
 
 # -- real MPI ranks: the batch worker ------------------------------------------------
@@ -583,14 +588,15 @@ def test_fused_kernel_emulated_on_cpu_matches_plain_step(emulated_kernels, head_
     q, k, v, _ = case.inputs()
     pos = positions(case.S, case.n_devices, case.layout)
     scale = np.float32(case.scale if case.scale is not None else case.D ** -0.5)
-    q_h = step.q_to_heads(shard(q, case.n_devices, case.layout)[0], case.Hkv) * scale
-    accs = step.ForwardAcc.zeros(q_h), step.ForwardAcc.zeros(q_h)
+    queries = Queries.prepare(shard(q, case.n_devices, case.layout)[0], case.Hkv, pos[0], scale)
+    accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
     for j in range(case.n_devices):
-        kj, vj = (step.kv_to_heads(shard(x, case.n_devices, case.layout)[j]) for x in (k, v))
-        step.attend_block(accs[0], q_h, kj, vj, pos[0], pos[j], causal=case.causal, tile_size=tile)
-        emulated_attend_block(emulated_kernels[head_dim, tile], accs[1], q_h, kj, vj, pos[0], pos[j],
-                              causal=case.causal, tile=tile)
-    (o0, l0), (o1, l1) = (step.finish_forward(a) for a in accs)
+        block = own_block(*(shard(x, case.n_devices, case.layout)[j] for x in (k, v)), pos[j], j)
+        ReadableStep().forward(accs[0], queries, block, causal=case.causal, tile_size=tile)
+        accs[1].seen |= any_visible(queries.pos, pos[j], case.causal)      # what Step.forward notes
+        emulated_attend_block(emulated_kernels[head_dim, tile], accs[1], queries.q, block.k, block.v,
+                              pos[0], pos[j], causal=case.causal, tile=tile)
+    (o0, l0), (o1, l1) = (finish_forward(a) for a in accs)
     assert not np.isnan(o1).any() and not np.isnan(l1).any()
     assert_close(o1, o0, np.float32, f"out of {case}", factor=case.tolerance_factor)
     assert_close(l1, l0, np.float32, f"lse of {case}", factor=case.tolerance_factor)
@@ -598,20 +604,22 @@ def test_fused_kernel_emulated_on_cpu_matches_plain_step(emulated_kernels, head_
 
 def test_fused_options_are_checked():
     assert fused.fused_tile(None, 64) == fused.DEFAULT_TILE
-    with pytest.raises(ValueError, match="does not fit kernel='fused'"):
+    with pytest.raises(ValueError, match="does not fit step='fused'"):
         fused.fused_tile(256, 128)                          # 2 * 256 * 128 * 4 bytes of shared memory
     with pytest.raises(ValueError, match="tile_size must be"):
         fused.fused_tile(0, 64)
-    with pytest.raises(ValueError, match="use kernel='step' for float64"):
+    with pytest.raises(ValueError, match="use step='v1' for float64"):
         fused.check_dtype(np.float64)
     fused.check_dtype(np.float16)
 
 
-def test_fused_kernel_plugs_into_the_ring_through_attend():
-    """kernel='fused' hands the fused step to reference.ring.ring_forward."""
-    from gpu_impl import api
-    assert api._step_for("fused") == {"attend": fused.attend_block}
-    assert api._step_for("step") == {}
+def test_fused_kernel_is_a_registered_forward_only_step():
+    """step='fused' names the fused kernel's Step, which has no backward."""
+    from reference import steps
+    step = steps.get("fused")
+    assert isinstance(step, fused.FusedStep) and not step.has_backward
+    with pytest.raises(ValueError, match="computes with cupy"):
+        steps.check_step("fused", np)
 
 
 # -- make gpu-check and the benchmark, without a GPU ----------------------------------
@@ -647,7 +655,7 @@ def test_gpu_bench_reference_formula_and_table():
     from bench import gpu_bench
     gpu_bench.check_dense_gpu(NumpyAsCupy())
     cfg = dict(gpu_bench.QUICK, seq_len=1024, heads=2, head_dim=4, ranks=4)
-    doc = {"gpus": 1, "transfer": "staged", "kernel": "step",
+    doc = {"gpus": 1, "transfer": "staged", "step": "auto",
            "layouts": {"contiguous": {"seconds": 0.004, "max_error": 1e-7},
                        "striped": {"seconds": 0.002, "max_error": 2e-7}}}
     table = gpu_bench.ring_table(doc, cfg, blas32=10.0)
@@ -679,23 +687,22 @@ def test_gpu_ring_matches_reference(n, transfer, tmp_path):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_devices=4, dtypes=(np.float32,)))
 def test_fused_step_matches_plain_step(case):
-    """The fused kernel against the plain step (reference/step.py on CuPy), block
-    after block as in the ring's rounds: the same out, lse and counts."""
+    """The fused kernel against the readable step (reference/step.py on CuPy),
+    block after block as in the ring's rounds: the same out and lse. (Both
+    steps' tile counts come from the same plan, so they are not compared.)"""
     import cupy
-    from reference import step
+    from reference import steps
     q, k, v, _ = case.inputs()
     pos = positions(case.S, case.n_devices, case.layout)
     scale = case.scale if case.scale is not None else case.D ** -0.5
-    q_h = cupy.asarray(step.q_to_heads(shard(q, case.n_devices, case.layout)[0], case.Hkv)) * np.float32(scale)
+    queries = Queries.prepare(cupy.asarray(shard(q, case.n_devices, case.layout)[0]), case.Hkv, pos[0], scale)
     tile = fused.fused_tile(case.tile_size if case.tile_size else None, case.D)
-    accs = step.ForwardAcc.zeros(q_h), step.ForwardAcc.zeros(q_h)
+    accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
     for j in range(case.n_devices):                          # the blocks of every rank, in ring order
-        kj, vj = (cupy.asarray(step.kv_to_heads(shard(x, case.n_devices, case.layout)[j])) for x in (k, v))
-        plain = step.attend_block(accs[0], q_h, kj, vj, pos[0], pos[j], causal=case.causal, tile_size=tile)
-        mine = fused.attend_block(accs[1], q_h, kj, vj, pos[0], pos[j], causal=case.causal, tile_size=tile)
-        assert (mine.tiles_computed, mine.tiles_skipped, mine.pairs) == \
-               (plain.tiles_computed, plain.tiles_skipped, plain.pairs)
-    (o0, l0), (o1, l1) = (step.finish_forward(a) for a in accs)
+        block = own_block(*(cupy.asarray(shard(x, case.n_devices, case.layout)[j]) for x in (k, v)), pos[j], j)
+        steps.get("v1").forward(accs[0], queries, block, causal=case.causal, tile_size=tile)
+        steps.get("fused").forward(accs[1], queries, block, causal=case.causal, tile_size=tile)
+    (o0, l0), (o1, l1) = (finish_forward(a) for a in accs)
     assert_close(cupy.asnumpy(o1), cupy.asnumpy(o0), np.float32, "out", factor=case.tolerance_factor)
     assert_close(cupy.asnumpy(l1), cupy.asnumpy(l0), np.float32, "lse", factor=case.tolerance_factor)
 
@@ -705,7 +712,7 @@ def test_fused_step_matches_plain_step(case):
 def test_gpu_ring_with_fused_kernel_matches_reference(tmp_path):
     batch = draw_cases(2, CASES_PER_LAUNCH, dtypes=(np.float32, np.float16))
     batch = [c for c in batch if fused_fits(c)]
-    results = run_batch(2, batch, tmp_path, "--device", "cupy", "--transfer", "staged", "--kernel", "fused")
+    results = run_batch(2, batch, tmp_path, "--device", "cupy", "--transfer", "staged", "--step", "fused")
     assert_batch(batch, results)
 
 
@@ -739,10 +746,10 @@ def test_gpu_rejects_numpy_and_float64_fused():
     with pytest.raises(TypeError, match="must be a CuPy array"):
         gpu_impl.ring_attention(q, q, q, comm=OneRank())
     qd = cupy.zeros((1, 4, 2, 8), np.float64)
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        gpu_impl.ring_attention(qd, qd, qd, comm=OneRank(), kernel="cublas")
+    with pytest.raises(ValueError, match="step must be one of"):
+        gpu_impl.ring_attention(qd, qd, qd, comm=OneRank(), step="cublas")
     with pytest.raises(ValueError, match="float64"):
-        gpu_impl.ring_attention(qd, qd, qd, comm=OneRank(), kernel="fused")
+        gpu_impl.ring_attention(qd, qd, qd, comm=OneRank(), step="fused")
 
 
 @needs_gpu

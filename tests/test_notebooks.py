@@ -104,7 +104,7 @@ def test_the_checks_catch_a_redefinition():
               "class Watched:\n    def start_shift(self, arrays, tag):\n        pass\n"
               "def helper():\n    pass\n")
     assert defined_functions(source) & exported_names() == {"positions", "shard"}
-    assert {"positions", "shard", "ring_attention", "Trace", "predict", "attend_block",
+    assert {"positions", "shard", "ring_attention", "Trace", "predict", "forward_tile",
             "ForwardAcc", "finish_forward", "RingComm"} <= exported_names()
     assert public_names("__all__ = ['a']\ndef b(): pass\ndef _c(): pass\nD = 1\n") == {"a", "b", "D"}
 

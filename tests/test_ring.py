@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import Case, assert_close, assert_finite, cases
-from reference import (LAYOUTS, attention, attention_backward, positions, ring, ring_attention,
+from reference import (LAYOUTS, attention, attention_backward, lockstep, positions, ring, ring_attention,
                        ring_attention_backward, shard, unshard)
 from reference.tiles import visible
 from reference.virtual import run_devices
@@ -55,6 +55,56 @@ def test_forward_equals_dense(case):
 @given(cases())
 def test_backward_equals_dense(case):
     check_backward(case)
+
+
+# -- the lockstep form of Algorithm 1, and the tuned steps on the ring -----
+
+@given(cases(), st.sampled_from(["v1", "v3"]))
+def test_lockstep_equals_the_threaded_ring_bit_for_bit(case, step):
+    # the same step in the same order on every device: not close, equal
+    q, k, v, dout = case.inputs()
+    out, lse = ring_attention(q, k, v, step=step, **case.options())
+    lock_out, lock_lse = lockstep.ring_attention(q, k, v, step=step, **case.options())
+    np.testing.assert_array_equal(lock_out, out)
+    np.testing.assert_array_equal(lock_lse, lse)
+    grads = ring_attention_backward(q, k, v, out, lse, dout, step=step, **case.options())
+    lock_grads = lockstep.ring_attention_backward(q, k, v, out, lse, dout, step=step, **case.options())
+    for name, a, b in zip(("dq", "dk", "dv"), lock_grads, grads):
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@given(cases(dtypes=(np.float64, np.float32)), st.sampled_from(["v2", "v3", "auto"]))
+def test_the_ring_with_a_tuned_step_equals_dense(case, step):
+    q, k, v, dout = case.inputs()
+    out, lse = ring_attention(q, k, v, step=step, **case.options())
+    ref_out, ref_lse = dense(case, q, k, v)
+    assert_close(out, ref_out, case.dtype, "out", case.tolerance_factor)
+    assert_close(lse, ref_lse, case.dtype, "lse", case.tolerance_factor)
+    grads = ring_attention_backward(q, k, v, ref_out, ref_lse, dout, step=step, **case.options())
+    expected = attention_backward(q, k, v, ref_out, ref_lse, dout, causal=case.causal, scale=case.scale)
+    for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+        assert_close(g, e, case.dtype, name, case.grad_tolerance_factor)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_backend_follows_the_all_minus_inf_rule(layout):
+    # a query whose visible scores are all -inf: dense gives NaN, and so must
+    # every step on the ring (not out = 0, lse = -inf, which is for rows with
+    # no visible key at all)
+    q = np.ones((1, 8, 1, 1))
+    q[:, 5] = np.inf
+    k, v = -np.ones((1, 8, 1, 1)), np.ones((1, 8, 1, 1))
+    with np.errstate(invalid="ignore"):
+        ref = attention(q, k, v)
+        assert np.isnan(ref[0][:, 5]).all() and np.isnan(ref[1][:, :, 5]).all()
+        for step in ("v1", "v2", "v3"):
+            for run in (ring_attention, lockstep.ring_attention):
+                got = run(q, k, v, n_devices=2, layout=layout, tile_size=2, step=step)
+                for name, g, e in zip(("out", "lse"), got, ref):
+                    what = f"{name}, {step}, {run.__module__}"
+                    np.testing.assert_array_equal(np.isnan(g), np.isnan(e), err_msg=what)
+                    assert_close(g[~np.isnan(e)], e[~np.isnan(e)], np.float64, what)
 
 
 # -- chosen cases, so that each hazard is met whatever hypothesis draws ------

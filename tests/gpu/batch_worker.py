@@ -1,7 +1,7 @@
 """Run a batch of attention cases through gpu_impl's transfers on MPI ranks; rank 0 writes the results.
 
     mpiexec -n N python -m mpi4py tests/gpu/batch_worker.py CASES.json INPUTS.npz RESULTS.npz \
-        --device numpy|cupy --transfer staged|cuda-aware [--kernel step|fused] [--managed]
+        --device numpy|cupy --transfer staged|cuda-aware [--step auto|v1|fused] [--managed]
 
 The file formats are tests/mpi/batch_worker.py's: CASES.json lists {"id",
 "layout", "causal", "scale", "tile_size"}, INPUTS.npz holds "<id>/q", "k", "v",
@@ -74,11 +74,11 @@ def run_numpy(q, k, v, dout, opts, comm, transfer, events):
     return (out, lse, dq, dk, dv), log
 
 
-def run_cupy(q, k, v, dout, opts, comm, transfer, kernel):
+def run_cupy(q, k, v, dout, opts, comm, transfer, step):
     import cupy
     import gpu_impl
     q, k, v, dout = (cupy.asarray(x) for x in (q, k, v, dout))
-    out, lse, log = gpu_impl.ring_attention(q, k, v, comm=comm, transfer=transfer, kernel=kernel,
+    out, lse, log = gpu_impl.ring_attention(q, k, v, comm=comm, transfer=transfer, step=step,
                                             trace="rank", **opts)
     grads = gpu_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=comm, transfer=transfer, **opts)
     return tuple(cupy.asnumpy(x) for x in (out, lse) + grads), log
@@ -92,7 +92,7 @@ def run_case(case, data, comm, args, events):
     if args.device == "numpy":
         results, log = run_numpy(q, k, v, dout, opts, comm, args.transfer, events)
     else:
-        results, log = run_cupy(q, k, v, dout, opts, comm, args.transfer, args.kernel)
+        results, log = run_cupy(q, k, v, dout, opts, comm, args.transfer, args.step)
     gathered, logs = comm.gather(results), comm.gather(log)
     if rank != 0:
         return {}
@@ -108,7 +108,7 @@ def main(argv=None):
     ap.add_argument("cases"), ap.add_argument("inputs"), ap.add_argument("results")
     ap.add_argument("--device", choices=("numpy", "cupy"), required=True)
     ap.add_argument("--transfer", default="auto")
-    ap.add_argument("--kernel", default="step")
+    ap.add_argument("--step", default="auto")
     ap.add_argument("--managed", action="store_true",
                     help="CuPy arrays in managed memory, which any MPI can read: tests the "
                          "cuda-aware path where the MPI library is not CUDA-aware")

@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpi_impl import ring_attention
-from reference import step
+from reference.step import ReadableStep
 
 FAILING_RANK = 1
 
@@ -26,16 +26,17 @@ def inputs(c, hq=2, hkv=2):
     return tuple(rng.standard_normal((1, c, h, 4)) for h in (hq, hkv, hkv))
 
 
-def inject_failure(round_to_fail=0):
-    """Make this rank's step raise in the given round (the other ranks wait for it)."""
-    real, calls = step.attend_block, []
+class FailingStep(ReadableStep):
+    """The readable step, raising in the given round on this rank (the other ranks wait for it)."""
 
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > round_to_fail:
-            raise RuntimeError(f"injected failure on rank {FAILING_RANK} in round {round_to_fail}")
-        return real(*args, **kwargs)
-    step.attend_block = failing
+    def __init__(self, round_to_fail=0):
+        self.round_to_fail, self.calls = round_to_fail, 0
+
+    def forward_tiles(self, *args):
+        self.calls += 1
+        if self.calls > self.round_to_fail:
+            raise RuntimeError(f"injected failure on rank {FAILING_RANK} in round {self.round_to_fail}")
+        return super().forward_tiles(*args)
 
 
 def main(mode):
@@ -45,9 +46,8 @@ def main(mode):
     if mode == "shapes" and rank == FAILING_RANK:
         c = 5                                   # one token more than the others
     q, k, v = inputs(c, hq=3 if mode == "bad-input" and rank == FAILING_RANK else 2)
-    if mode == "raise" and rank == FAILING_RANK:
-        inject_failure()
-    ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=2)
+    step = FailingStep() if mode == "raise" and rank == FAILING_RANK else "v1"
+    ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=2, step=step)
     print(f"rank {rank}: finished without error", flush=True)
 
 

@@ -1,0 +1,119 @@
+"""What only step version 3 (reference/step_v3.py) has: the lazy max (kept
+for ordinary scores, redone exactly when a tile would overflow, off for huge
+values) and worker threads (results bit for bit the same on 1, 2 or 3).
+Its agreement with dense is tests/test_step.py's, with every other version.
+
+    .venv/bin/python -m pytest tests/test_step_v3.py -q
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from conftest import LARGE_LOGITS_FACTOR, assert_close
+from reference import attention, step_v2, steps
+from reference.step_v3 import forward_units
+from reference.tiles import tile_plan
+from test_step import check_against_dense, perm_blocks, problem, step_backward, step_forward
+
+
+@pytest.fixture
+def exact_tiles(monkeypatch):
+    """Counts the exact (not lazy) tiles: version 3 falls back to version 2's."""
+    calls = []                                         # list.append: safe from the worker threads
+    exact = step_v2.exact_tile
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return exact(*args, **kwargs)
+    monkeypatch.setattr(step_v2, "exact_tile", counting)
+    return calls
+
+
+def n_blocks(S, tile_size, n_heads, G=1):
+    """How many blocks the version 3 forward runs for one device holding 0..S-1, causal."""
+    pos = np.arange(S)
+    units = forward_units(tile_plan(pos, pos, tile_size)[0], S, G)
+    return n_heads * sum(len(blocks) for _, blocks in units)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_lazy_max_is_raised_when_scores_grow(dtype, exact_tiles):
+    # scores grow by about 100 along the keys: each new key tile's P would
+    # exceed SUM_LIMIT under the old shift, so the tile is redone exactly
+    S, H, D = 256, 2, 16
+    q, k, v, dout = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=3)
+    q[..., 0] = 10
+    k[..., 0] = np.linspace(0, 40, S)[None, :, None]
+    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
+    check_against_dense(steps.get("v3"), q, k, v, dout, [np.arange(S)], tile_size=32, large_logits=True)
+    assert len(exact_tiles) > 2 * H                    # more than the first tile of each unit
+
+
+def test_lazy_max_is_kept_for_gaussian_scores(exact_tiles):
+    # the counterpart: ordinary scores never come near SUM_LIMIT, so only a
+    # row's first tile (no shift yet) is exact; all others are lazy
+    S, H = 256, 2
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, dtype=np.float32)
+    step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
+    assert len(exact_tiles) == H < n_blocks(S, 32, H)  # one unit of 256 rows per head
+
+
+def test_a_sum_that_overflows_is_redone(exact_tiles):
+    # the second half of the keys scores 200 more than the first: under the
+    # shift of the first half, exp2 overflows float32 to inf (2**288), the row
+    # sum is inf, and the tile is redone; no warning escapes, the answer is dense's
+    S, H, D = 64, 2, 8
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=4)
+    q[..., 0] = 1.0
+    k[..., 0] = np.where(np.arange(S) < S // 2, 0.0, 200.0 * D ** 0.5)[None, :, None]
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    first, second = np.arange(S // 2), np.arange(S // 2, S)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse, _ = step_forward(steps.get("v3"), q, k, v, [first, second], tile_size=8)
+    ref_out, ref_lse = attention(q, k, v)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert_close(out, ref_out, np.float32, "out", LARGE_LOGITS_FACTOR)
+    assert_close(lse, ref_lse, np.float32, "lse", LARGE_LOGITS_FACTOR)
+    # two exact tiles a head: the first (no shift yet) and the overflowing one;
+    # scores like the first block's would give one (the gaussian test above)
+    assert len(exact_tiles) == 2 * H
+
+
+def test_lazy_shift_is_off_for_huge_values(exact_tiles):
+    # |V| of 1e25: O under a lazy shift could overflow, so every block is exact
+    S, H = 64, 2
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, dtype=np.float32)
+    v = v * np.float32(1e25)
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=8)
+    ref_out, ref_lse = attention(q, k, v)
+    assert len(exact_tiles) == n_blocks(S, 8, H)
+    assert np.isfinite(out).all()
+    assert_close(out / 1e25, ref_out / 1e25, np.float32, "out")
+    assert_close(lse, ref_lse, np.float32, "lse")
+
+
+def test_results_do_not_depend_on_the_worker_count():
+    # a unit owns the rows it writes, so 1, 2 or 3 workers give the same bits
+    q, k, v, dout = problem(B=2, S=96, Hq=6, Hkv=3, D=8, seed=5)
+    out, lse = attention(q, k, v)
+    blocks = perm_blocks(96, 3)
+    results = []
+    for workers in (1, 2, 3):
+        step = steps.get("v3", workers=workers)
+        o, l, _ = step_forward(step, q, k, v, blocks, tile_size=(5, 7))
+        results.append((o, l) + step_backward(step, q, k, v, out, lse, dout, blocks, tile_size=(5, 7)))
+    for other in results[1:]:
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[0], other):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} differs between worker counts")
+
+
+def test_workers_are_explicit():
+    assert steps.get("v3").workers == 1                # no environment variable decides
+    assert steps.get("v3", workers=3).workers == 3
+    with pytest.raises(ValueError, match="workers must be a positive int"):
+        steps.get("v3", workers=0)
+    with pytest.raises(ValueError, match="runs on the calling thread"):
+        steps.get("v1", workers=2)
