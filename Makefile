@@ -4,6 +4,7 @@
 #   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
 #   make gpu-check   GPU tests and benchmark table (on a machine with a CUDA 13 GPU)
+#   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,7 +12,7 @@ PY     := $(VENV)/bin/python
 RANKS  ?= 4
 export MPIEXEC_TIMEOUT ?= 600
 
-.PHONY: demo test notebooks bench gpu-check clean
+.PHONY: demo test notebooks bench gpu-check wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ bench: $(VENV)/.installed
 
 gpu-check: $(VENV)/.installed
 	bash scripts/gpu_check.sh
+
+wheel-check: $(VENV)/.installed
+	PYTHON=$(PY) bash scripts/wheel_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

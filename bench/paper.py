@@ -1,7 +1,7 @@
 """The paper's Theoretical Maximum Speedup (TMS), recomputed beside its printed tables.
 
 Paper section 4: for every configuration of Tables 3, 4, 5 and Appendix A.1-A.3
-(typed in `bench/paper_tms.csv` with their table numbers) recompute TMS with
+(typed in `reference/data/paper_tms.csv` with their table numbers) recompute TMS with
 `reference.cost.theoretical_max_speedup` and print it beside the paper's TMS and
 the paper's measured end-to-end speed-up, table by table, with the largest
 difference. A recomputed value within 0.005 of the printed one rounds to it.
@@ -126,7 +126,7 @@ def run(quick=True, *, results_dir=RESULTS):
     parts = [
         "Paper section 4's Theoretical Maximum Speedup (TMS) of Striped over Ring Attention, "
         "recomputed by `reference.cost` for every configuration the paper prints "
-        "(`bench/paper_tms.csv`), beside the printed TMS and the paper's measured "
+        "(`reference/data/paper_tms.csv`), beside the printed TMS and the paper's measured "
         "end-to-end training speed-up. Difference = recomputed - printed.",
         ASSUMPTIONS,
         f"**{len(rows)} rows; {within} within {PRINTED} of the printed TMS; largest difference "

@@ -173,7 +173,7 @@ for name, tile, saved in [("TPU", (2048, 2048), 0.25), ("A100", (2048, 4096), 0.
 # attention and the rest of the model (projections, MLP, LM head), assuming perfect
 # overlap and element-exact skipping. `reference.tms` derives the formula (its docstring
 # lists where each constant comes from) and recomputes every TMS the paper prints
-# (Tables 3, 4, 5 and Appendix A), typed in `bench/paper_tms.csv`.
+# (Tables 3, 4, 5 and Appendix A), typed in `reference/data/paper_tms.csv`.
 #
 # Its attention term is the critical path in visible pairs, the same count the cost model
 # makes from positions:

@@ -4,7 +4,7 @@ Idea: time one training step as the FLOPs on the critical path (communication fu
 overlapped, non-matmul work free), once with Ring Attention's busiest device and once
 with Striped Attention's, and take the ratio. Implements the paper's section 4
 ("Theoretical Maximum Speedup") and reproduces every TMS in its Tables 3, 4, 5 and
-Appendix A.1-A.3 (typed in `bench/paper_tms.csv`) to within rounding (largest
+Appendix A.1-A.3 (typed in `reference/data/paper_tms.csv`) to within rounding (largest
 residual 0.00497 over 190 rows).
 
 Letters: N devices in the ring (sequence parallelism), S = n_seq tokens,
@@ -56,7 +56,7 @@ MODELS = {
 # Cost of one attention FLOP in units of one bf16 matmul FLOP (paper section 4).
 HARDWARE = {"a100": 2, "tpuv3": 1, "tpuv4": 1}
 
-PAPER_CSV = Path(__file__).resolve().parents[1] / "bench" / "paper_tms.csv"
+PAPER_CSV = Path(__file__).resolve().parent / "data" / "paper_tms.csv"   # package data
 
 
 def critical_path_pairs(seq_parallel, c):
@@ -90,7 +90,7 @@ def theoretical_max_speedup(model, seq_parallel, n_seq, hardware, model_parallel
 
 
 def paper_rows(path=PAPER_CSV):
-    """Rows of bench/paper_tms.csv, typed, each with `tms_recomputed` added."""
+    """Rows of reference/data/paper_tms.csv, typed, each with `tms_recomputed` added."""
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(line for line in fh if not line.startswith("#")))
     for r in rows:

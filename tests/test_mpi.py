@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conftest import Case, assert_close, cases
-from reference import attention, attention_backward, cost
+from reference import attention, attention_backward, cost, positions
 
 pytest.importorskip("mpi4py")
 
@@ -204,9 +204,10 @@ def test_cli_check_all_layouts(tmp_path):
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
             if line.split() and line.split()[0] in ("contiguous", "striped", "zigzag")}
     assert list(rows) == ["contiguous", "striped", "zigzag"], proc.stdout
+    assert "step v3, 1 worker" in proc.stdout.splitlines()[0]        # auto on NumPy arrays, named
     for layout, cells in rows.items():
         assert float(cells[1]) <= 1e-10, f"{layout}: max error {cells[1]}"
-        predicted = cost.speedup(S, n, layout, tile, "tiles")
+        predicted = brute_force_critical_path(S, n, "contiguous", tile) / brute_force_critical_path(S, n, layout, tile)
         assert float(cells[6]) == pytest.approx(predicted, abs=0.005), f"{layout}: predicted {cells[6]}"
     doc = json.loads(trace_path.read_text())
     assert doc["n_ranks"] == n
@@ -234,3 +235,12 @@ def test_cli_runs_another_backend():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "stand-in (direct): N=3 ranks" in proc.stdout, proc.stdout
     assert proc.stdout.count("built 8 rings") == 3, proc.stdout
+
+
+def brute_force_critical_path(S, n, layout, tile):
+    """Sum over rounds of the busiest rank's tile area, counted from the mask
+    (tests/test_cost.py), not by reference.cost, which the command line uses."""
+    from test_cost import brute_force_counts
+    pos = positions(S, n, layout)
+    return sum(max(brute_force_counts(pos[j], pos[(j - t) % n], tile, True)[2] for j in range(n))
+               for t in range(n))
