@@ -67,15 +67,17 @@ class ExactBase2Step(ReadableStep):
         for qr, ks, kind in blocks:
             rows = slice(qr.start * G, qr.stop * G)      # the block's rows of the run
             s = buf[:(rows.stop - rows.start) * len(head.k1[ks])].reshape(-1, len(head.k1[ks]))   # (rows, tk)
-            mask = visible(q_pos[qr], k_pos[ks]) if kind == MASKED else None
-            m2[rows] = self.update(ol[rows], m2[rows], q2[rows], s, head, ks, mask, inc[rows])
+            tile_pos = (q_pos[qr], k_pos[ks]) if kind == MASKED else None    # positions make the mask
+            m2[rows] = self.update(ol[rows], m2[rows], q2[rows], s, head, ks, tile_pos, inc[rows])
         o[...] = ol[:, :D].reshape(tq, G, D)
         l[...] = ol[:, D].reshape(tq, G)
         # converting m to base e and back rounds it: write only the rows that moved
         m[...] = np.where(m2 == m2_in, m.reshape(R), m2 / LOG2E).reshape(tq, G)
 
-    def update(self, ol, m2, q2, s, head, ks, mask, inc):
-        """One exact tile: scores into `s`, then `exact_tile`. Returns the new m2."""
+    def update(self, ol, m2, q2, s, head, ks, tile_pos, inc):
+        """One exact tile: scores into `s`, then `exact_tile`. `tile_pos`: the
+        (query, key) positions of a masked tile, None for a full one. Returns the new m2."""
+        mask = None if tile_pos is None else visible(*tile_pos)
         shifted_scores(s, q2, head.k1[ks], mask)
         vis = mask_rows(mask, len(s), np) if head.guard else None
         return exact_tile(ol, m2, q2, s, head.v1[ks], inc, vis)
@@ -97,8 +99,12 @@ class ExactBase2Step(ReadableStep):
         k1, v1 = augment(k, 1.0), augment(block.v[b, h], 1.0)   # [K, 1], [V, 1]   (ck, D+1)
         guard = not all_finite(np, q, do1, k, block.v[b, h])    # NaN or inf: guard masked pairs
         for ks, tiles in columns:
-            backward_cols(grads.dq[b, h], grads.dk[b, h, ks], grads.dv[b, h, ks], q, q2, do, do1,
+            self.backward_cols(grads.dq[b, h], grads.dk[b, h, ks], grads.dv[b, h, ks], q, q2, do, do1,
                           k[ks], k1[ks], v1[ks], queries.pos, block.pos[ks], tiles, guard)
+
+
+    def backward_cols(self, *args):
+        backward_cols(*args)
 
 
 class Head:

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .step_v2 import ExactBase2Step, by_tile, exp2_visible, shifted_scores
-from .tiles import FULL, MASKED
+from .tiles import FULL, MASKED, visible
 
 SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
 V_LIMIT = 2.0 ** 64     # above this |V|, O could overflow under a lazy shift: stay exact
@@ -80,16 +80,17 @@ class LazyThreadedStep(ExactBase2Step):
         head.lazy = max(v.max(initial=0.0), -v.min(initial=0.0)) <= V_LIMIT   # False for NaN
         return head
 
-    def update(self, ol, m2, q2, s, head, ks, mask, inc):
+    def update(self, ol, m2, q2, s, head, ks, tile_pos, inc):
         """A lazy tile with the current shift if it stays in range, else an exact one."""
         if head.lazy and np.isfinite(m2).all():
+            mask = None if tile_pos is None else visible(*tile_pos)
             shifted_scores(s, q2, head.k1[ks], None)     # S - m, base 2   (rows, tk)
             exp2_visible(s, mask)                        # P, 0 where masked; may overflow to inf
             np.matmul(s, head.v1[ks], out=inc)           # [P V, rowsum(P)]   (rows, D+1)
             if inc[:, -1].max() <= SUM_LIMIT:            # False for inf and NaN too
                 ol += inc
                 return m2
-        return super().update(ol, m2, q2, s, head, ks, mask, inc)
+        return super().update(ol, m2, q2, s, head, ks, tile_pos, inc)
 
     # -- backward ---------------------------------------------------------
 

@@ -13,6 +13,7 @@ Adding a version adds one line to `STEPS`.
 | ``v1`` | reference/step.py | the formulas, whole tiles, any array module (the default of `reference`) |
 | ``v2`` | reference/step_v2.py | NumPy: base 2, folded columns, mask after exp2, one head at a time |
 | ``v3`` | reference/step_v3.py | NumPy: lazy max, taller products, worker threads |
+| ``v4`` | reference/step_v4.py | NumPy: masked tiles in sub-tiles (a diagonal tile costs a full one) |
 | ``fused`` | gpu_impl/fused.py | CuPy: the forward as one CUDA kernel (forward only) |
 """
 
@@ -25,6 +26,7 @@ STEPS = {
     "v1": "reference.step:ReadableStep",
     "v2": "reference.step_v2:ExactBase2Step",
     "v3": "reference.step_v3:LazyThreadedStep",
+    "v4": "reference.step_v4:SubTiledStep",
     "fused": "gpu_impl.fused:FusedStep",
 }
 ALIASES = {"readable": "v1"}

@@ -254,3 +254,32 @@ def test_kernel_check_catches_a_wrong_step():
 
     point = kernel.kernel_point(256, 16, 64, 1, 1e9, DropsATile())
     assert point["error"] > 1e-2
+
+
+# -- the scale section, on tiny sizes ---------------------------------------
+
+def test_scale_section_smoke():
+    """Two ranks, 512 tokens: the table row, and the sampled check far below float32's tolerance."""
+    from bench import scale
+    text, _ = scale.run(seq_lens=(512,), ranks=2, tile=64, matmul_n=256)
+    row = next(line for line in text.splitlines() if line.startswith("| 512 "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "2" and float(cells[-1]) < 1e-5, row
+
+
+def test_scale_check_sees_a_wrong_row():
+    """The sampled check is a real comparison: one wrong value of dq shows."""
+    import numpy as np
+    from bench import scale
+    from mpi_impl.cli import make_shard
+    from reference import attention, attention_backward
+    S = 64
+    rows, everything = np.array([3, 40]), np.arange(S)
+    q, k, v, dout = (make_shard(scale.SEED, i, (1, S, 1, scale.HEAD_DIM), everything, np.float32).astype(np.float64)
+                     for i in range(4))
+    out, lse = attention(q[:, rows], k, v, q_pos=rows, k_pos=everything)
+    dq = attention_backward(q[:, rows], k, v, out, lse, dout[:, rows], q_pos=rows, k_pos=everything)[0]
+    found = [(rows[:1], out[:, :1], lse[:, :, :1], dq[:, :1]), (rows[1:], out[:, 1:], lse[:, :, 1:], dq[:, 1:])]
+    assert scale.check(found, rows, S) < 1e-12
+    dq[0, 1, 0, 5] += 1e-3
+    assert scale.check(found, rows, S) > 1e-4

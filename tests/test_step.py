@@ -22,16 +22,18 @@ from reference import attention, attention_backward, steps
 from reference.heads import kv_from_heads, q_from_heads, rows_from_heads
 from reference.ring import own_block
 from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward, masked_product
+from reference.step_v4 import SubTiledStep
 
-# every registered step that computes with NumPy, and v3 with worker threads
-STEPS = [name for name in steps.STEPS if name != "fused"] + ["v3 with 2 workers"]
+# every registered step that computes with NumPy, v3 with worker threads, and
+# v4 with sub-tiles small enough to cut these small tiles
+OPTIONS = {"v3 with 2 workers": lambda: steps.get("v3", workers=2),
+           "v4 with sub-tiles of 3": lambda: SubTiledStep(workers=2, sub=3)}
+STEPS = [name for name in steps.STEPS if name != "fused"] + list(OPTIONS)
 
 
 @pytest.fixture(params=STEPS)
 def step(request):
-    if request.param == "v3 with 2 workers":
-        return steps.get("v3", workers=2)
-    return steps.get(request.param)
+    return OPTIONS[request.param]() if request.param in OPTIONS else steps.get(request.param)
 
 
 def perm_blocks(S, n_blocks, seed=0):
