@@ -47,7 +47,7 @@ from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forw
 from reference.step_v3 import one_blas_thread
 from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs
 
-from . import RESULTS, markdown_table
+from . import RESULTS, markdown_table, torch_compare
 
 FORWARD_TARGET, BACKWARD_TARGET = 0.65, 0.50
 HEADS, TARGET_S, TARGET_D = 8, 8192, 64
@@ -317,12 +317,16 @@ def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="aut
             say(f"step {other!r}")
             points.append(kernel_point(sweep.plain_s, TARGET_D, None, 1, rate, other))
     rate_after = matmul_rate(sweep.repeats, sweep.matmul_n)   # the machine may have changed meanwhile
+    versus = None
+    if torch_compare.available():
+        say("torch's scaled_dot_product_attention, in its own process")
+        versus = torch_compare.measure(sweep.target_s, HEADS, TARGET_D, threads, sweep.repeats)
     say("one tile's operations, one thread")
     costs = tile_costs()
     say("memory")
     memory = [(S, *peak_memory(S, main_step)) for S in sweep.memory_seq_lens]
     pngs = plot(points, memory, results_dir)
-    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step), pngs
+    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step, versus), pngs
 
 
 def numpy_steps():
@@ -335,7 +339,7 @@ def _make_step(name, threads):
     return steps.get(step.name, workers=threads) if step.takes_workers else step
 
 
-def report(sweep, rate, rate_after, points, costs, memory, pngs, step):
+def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=None):
     target = points[0]
     workers = getattr(step, "workers", 1)
     mode = {QUICK: "quick", FULL: "full"}.get(sweep, "custom")
@@ -361,7 +365,9 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step):
         f"{'met' if target['fwd'] >= FORWARD_TARGET else 'NOT met'}), backward {target['bwd']:.0%} "
         f"(target {BACKWARD_TARGET:.0%}: {'met' if target['bwd'] >= BACKWARD_TARGET else 'NOT met'}).",
         "",
-        markdown_table(HEADERS, _rows(points), align="rrrl" + "r" * 6),
+        markdown_table(HEADERS, _rows(points), align="rrrl" + "r" * 7),
+        "",
+        _versus_torch(target, versus),
         "",
         "Steps (`reference.steps`): v1 is the readable step every array module runs (whole tiles "
         "of all heads, exp, row max, rescaling); v2 arranges the same tiles for a CPU (base 2, "
@@ -383,6 +389,18 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step):
                          f"{S * S * 4 * HEADS / 2**20:.0f}"] for S, f, b in memory], align="rrrrr"),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _versus_torch(target, versus):
+    if versus is None:
+        return ("torch is not installed, so the comparison with its CPU attention was not run "
+                "(`pip install -e '.[compare]'`).")
+    return (f"Against torch {versus['version']}'s `scaled_dot_product_attention` (causal, float32, the same "
+            f"shapes and threads, in its own process, best of the same repeats): forward "
+            f"{target['fwd_s']:.3f} s vs {versus['fwd_s']:.3f} s (**{target['fwd_s'] / versus['fwd_s']:.2f}x** "
+            f"torch's time), backward {target['bwd_s']:.3f} s vs {versus['bwd_s']:.3f} s "
+            f"(**{target['bwd_s'] / versus['bwd_s']:.2f}x**). Ours is the step alone; torch's includes its "
+            "own set-up.")
 
 
 def main(argv=None):

@@ -37,6 +37,7 @@ SECTIONS = {
     "predicted": ("bench.predicted", "Predicted speed-up (cost model)"),
     "kernel": ("bench.kernel", "Kernel efficiency and memory of one device"),
     "mpi": ("bench.mpi_scaling", "Measured speed-up with MPI processes"),
+    "virtual": ("bench.virtual_ring", "Virtual devices: wall time against the total tile count"),
     "scale": ("bench.scale", "Long sequences on MPI ranks"),
     "gpu": ("bench.gpu_bench", "GPU"),
 }

@@ -1,0 +1,93 @@
+"""N virtual devices on one machine: wall time against the total tile count.
+
+With more virtual devices than cores (8 threads on 2 cores), the devices take
+turns on the cores, so the wall time of a ring tracks the total work of all
+devices, not the critical path. Striped computes more tiles in total than
+contiguous (its triangular blocks are cut by the diagonal into more computed
+tiles), so here the striped-over-contiguous ratio of wall times should follow
+the ratio of total tile area that `reference.cost` predicts (about 0.90 at
+S = 8192, N = 8, tiles of 128), if a tile costs the same whatever block it is
+in. A step whose masked tiles cost more than full ones falls short of it.
+
+    python -m bench.virtual_ring                  # S = 8192, N = 8, tiles of 128, every NumPy step
+    python -m bench.run --only virtual
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+from reference import LAYOUTS, cost, ring_attention, ring_attention_backward, steps
+
+from . import RESULTS, markdown_table
+
+QUICK = dict(seq_len=8192, n_devices=8, tile=128, heads=4, head_dim=64, repeats=2, steps=("v3", "v4"))
+FULL = dict(QUICK, repeats=3, steps=("v1", "v2", "v3", "v4"))
+
+
+def total_tile_area(S, N, layout, tile):
+    """Sum over rounds and devices of the computed tiles' area (forward; the backward visits the same)."""
+    return int(cost.predict(S, N, layout, tile).tile_area.sum())
+
+
+def wall(step, layout, cfg, inputs):
+    """Best wall time of forward + backward over the repeats."""
+    q, k, v, dout = inputs
+    opts = dict(n_devices=cfg["n_devices"], layout=layout, tile_size=cfg["tile"], step=step)
+    best = float("inf")
+    for _ in range(cfg["repeats"]):
+        start = time.perf_counter()
+        out, lse = ring_attention(q, k, v, **opts)
+        ring_attention_backward(q, k, v, out, lse, dout, **opts)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run(quick=True, *, results_dir=RESULTS, progress=None, **overrides):
+    from .kernel import blas_name, cpu_model
+    cfg = dict(QUICK if quick else FULL, **overrides)
+    say = progress or (lambda msg: print(f"  virtual: {msg}", file=sys.stderr, flush=True))
+    S, N, tile = cfg["seq_len"], cfg["n_devices"], cfg["tile"]
+    rng = np.random.default_rng(0)
+    inputs = tuple(rng.standard_normal((1, S, cfg["heads"], cfg["head_dim"]), dtype=np.float32) for _ in range(4))
+    area = {layout: total_tile_area(S, N, layout, tile) for layout in LAYOUTS}
+    rows = []
+    for name in cfg["steps"]:
+        step = steps.get(name)
+        times = {}
+        for layout in LAYOUTS:
+            say(f"step {step.label}, {layout}")
+            times[layout] = wall(step, layout, cfg, inputs)
+        for layout in ("striped", "zigzag"):
+            measured = times["contiguous"] / times[layout]
+            predicted = area["contiguous"] / area[layout]
+            rows.append([step.label, layout, f"{times['contiguous']:.2f}", f"{times[layout]:.2f}",
+                         f"{measured:.2f}", f"{predicted:.2f}", f"{measured / predicted:.0%}"])
+    text = "\n".join([
+        f"Made by `python -m bench.virtual_ring` on {os.cpu_count()} cores ({cpu_model()}), BLAS {blas_name()}: "
+        f"S = {S}, N = {N} virtual devices (threads), tiles of {tile}, H = {cfg['heads']}, D = {cfg['head_dim']}, "
+        f"float32, forward + backward, best of {cfg['repeats']}. Predicted: total tile area of contiguous over "
+        "the layout's (`reference.cost`); the target is the measured ratio within 5% of it.",
+        "",
+        markdown_table(["step", "layout", "contiguous s", "layout s", "measured contiguous / layout",
+                        "predicted (total tile area)", "measured / predicted"], rows, "llrrrrr"),
+    ])
+    return text + "\n", []
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.virtual_ring", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--full", action="store_true", help="every NumPy step, more repeats")
+    ap.add_argument("--seq-len", type=int, default=QUICK["seq_len"], help="tokens S (default %(default)s)")
+    ap.add_argument("--n-devices", type=int, default=QUICK["n_devices"], help="virtual devices (default %(default)s)")
+    ap.add_argument("--tile", type=int, default=QUICK["tile"], help="tile size (default %(default)s)")
+    args = ap.parse_args(argv)
+    text, _ = run(quick=not args.full, seq_len=args.seq_len, n_devices=args.n_devices, tile=args.tile)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
