@@ -74,9 +74,9 @@ assert np.allclose(lock_lse, dense_lse, rtol=0, atol=1e-12)
 
 # %% [markdown]
 # Real devices do not run in lockstep: each runs its own loop and waits only for the block
-# it needs next. `reference.ring.ring_forward` is that loop for **one** device, line by
-# line the paper's (line 5: send the block on while computing; line 6: accumulate; line 7:
-# receive the next block):
+# it needs next. `reference.ring.ring_forward` is that loop for **one** device, with the
+# paper's lines as comments: the send is started before the compute, so that the two
+# overlap, and the receive is waited for after it:
 
 # %%
 print(inspect.getsource(ring.ring_forward))

@@ -41,19 +41,21 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, step=
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
     acc = ForwardAcc.zeros(queries.q)                                  # Out_j
-    for t in range(n):
-        # line 5: send the block on to device j+1 while computing (no send after the last round)
+    for t in range(n):                         # "for i = 0 to N-1", this device being j
+        # "send K_k, V_k to device (j + 1) mod N": started first, so that it
+        # overlaps the compute; nothing is sent after the last round
         in_flight = comm.start_shift(block, KV) if t < n - 1 else None
-        # line 6: Out_j = AccumulateAttentionFragment(Q_j, K, V, Out_j)
+        # "Out_j <- AccumulateAttentionFragment(Out_j, Q_j, K_k, V_k, Mask)",
+        # the mask made from the positions that travel with the block
         with log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype),
                                   causal=causal, tile_size=tile_size)
-        log.record(t, counts, block, sent=block if in_flight else ())
-        # line 7: receive the block of device j-1
+        log.record(t, counts, block, sent=block if in_flight is not None else ())
+        # "receive K_(k-1), V_(k-1) from device (j - 1) mod N"
         if in_flight is not None:
             with log.waiting(t):
                 block = KVBlock(*comm.finish_shift(in_flight))
-    out, lse = finish_forward(acc)                                     # O / l, m + log(l)
+    out, lse = finish_forward(acc)             # "normalize(Out_j)": O / l, m + log(l)
     return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
 
 
@@ -70,7 +72,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale,
     dq = array_module(q).zeros_like(queries.q)                         # dQ_j stays home
     block, grads_in_flight = own_block(k, v, k_pos, comm.rank), None
     for t in range(n):
-        # send K, V on while computing (no send after the last round)
+        # send K_k, V_k on while computing (nothing after the last round)
         in_flight = comm.start_shift(block, KV) if t < n - 1 else None
         # this round's share of the block's gradients
         grads = Grads(dq, *new_kv_grads(block, acc))
@@ -84,7 +86,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale,
             grads.dk += dk_in
             grads.dv += dv_in
         grads_in_flight = comm.start_shift((grads.dk, grads.dv), DKV)
-        log.record(t, counts, block, sent=(block if in_flight else (), grads.dk, grads.dv))
+        log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
         if in_flight is not None:
             with log.waiting(t):
                 block = KVBlock(*comm.finish_shift(in_flight))

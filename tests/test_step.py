@@ -111,15 +111,18 @@ def test_step_equals_dense(step, causal, tile_size, dtype):
     check_against_dense(step, q, k, v, dout, perm_blocks(40, 3), causal, tile_size)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_step_with_large_logits(step, dtype):
-    # scores grow by about 100 along the keys: each key tile's scores dwarf the last's
-    S, H, D = 256, 2, 16
+def growing_scores(dtype, S=256, H=2, D=16):
+    """Scores that grow by about 100 along the keys: each key tile's dwarf the last's."""
     q, k, v, dout = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=3)
     q[..., 0] = 10
     k[..., 0] = np.linspace(0, 40, S)[None, :, None]
-    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
-    check_against_dense(step, q, k, v, dout, [np.arange(S)], tile_size=32, large_logits=True)
+    return tuple(x.astype(dtype) for x in (q, k, v, dout))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_step_with_large_logits(step, dtype):
+    q, k, v, dout = growing_scores(dtype)
+    check_against_dense(step, q, k, v, dout, [np.arange(256)], tile_size=32, large_logits=True)
 
 
 @pytest.mark.parametrize("tile_size", [(7, 5), 1])

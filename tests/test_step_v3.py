@@ -15,7 +15,7 @@ from conftest import LARGE_LOGITS_FACTOR, assert_close
 from reference import attention, step_v2, steps
 from reference.step_v3 import forward_units
 from reference.tiles import tile_plan
-from test_step import check_against_dense, perm_blocks, problem, step_backward, step_forward
+from test_step import check_against_dense, growing_scores, perm_blocks, problem, step_backward, step_forward
 
 
 @pytest.fixture
@@ -42,12 +42,9 @@ def n_blocks(S, tile_size, n_heads, G=1):
 def test_lazy_max_is_raised_when_scores_grow(dtype, exact_tiles):
     # scores grow by about 100 along the keys: each new key tile's P would
     # exceed SUM_LIMIT under the old shift, so the tile is redone exactly
-    S, H, D = 256, 2, 16
-    q, k, v, dout = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=3)
-    q[..., 0] = 10
-    k[..., 0] = np.linspace(0, 40, S)[None, :, None]
-    q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
-    check_against_dense(steps.get("v3"), q, k, v, dout, [np.arange(S)], tile_size=32, large_logits=True)
+    H = 2
+    q, k, v, dout = growing_scores(dtype, H=H)
+    check_against_dense(steps.get("v3"), q, k, v, dout, [np.arange(256)], tile_size=32, large_logits=True)
     assert len(exact_tiles) > 2 * H                    # more than the first tile of each unit
 
 
