@@ -21,9 +21,10 @@ Backward, per tile, with ``delta = rowsum(dO * out)`` computed once:
 
 The contract (what a new kernel implements; `reference.steps` registers it):
 a `Step` subclass with ``forward_tiles(acc, queries, block, plan)`` and
-``backward_tiles(grads, queries, rows, block, plan)``. `Step.forward` and
-`Step.backward` do the rest once for every version: plan the tiles from
-positions, note which rows can see a key, count the work for the trace.
+``backward_tiles(grads, queries, rows, block, plan)`` (called with a plan of
+at least one tile). `Step.forward` and `Step.backward` do the rest once for
+every version: plan the tiles from positions, note which rows can see a key,
+count the work for the trace.
 Faster versions sit beside this one (`step_v2`, `step_v3`,
 `gpu_impl.fused`), each checked against it (tests/test_step.py).
 
@@ -40,7 +41,7 @@ Shapes: the compute layout of `reference.heads`: q (B, Hkv, c, G, D), k, v
 ``(B, Hkv, R, D)``, R = tq * G rows ordered query-major.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -100,10 +101,13 @@ class ForwardAcc:
 
 @dataclass
 class BackwardRows:
-    """What the backward needs of this device's query rows, fixed over the rounds."""
+    """What the backward needs of this device's query rows, fixed over the
+    rounds (for the same `Queries`). A step may keep what it derives from them
+    once in `cache` and reuse it every round."""
     do: object           # (B, Hkv, c, G, D) dO
     lse: object          # (B, Hkv, c, G), 0 where -inf (a row with no visible key)
     delta: object        # (B, Hkv, c, G) rowsum(dO * out)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def prepare(cls, out, lse, dout, n_kv_heads, dtype):
@@ -155,14 +159,16 @@ class Step:
         block = block._replace(pos=to_host(block.pos))
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), causal)
         acc.seen |= any_visible(queries.pos, block.pos, causal)
-        self.forward_tiles(acc, queries, block, plan)
+        if plan:                                         # a block no query sees costs nothing more
+            self.forward_tiles(acc, queries, block, plan)
         return _count(plan, skipped, queries.pos, block.pos)
 
     def backward(self, grads, queries, rows, block, *, causal, tile_size):
         """Add this block's share to `grads` (dQ, and the block's dK, dV). Returns StepCounts."""
         block = block._replace(pos=to_host(block.pos))
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), causal)
-        self.backward_tiles(grads, queries, rows, block, plan)
+        if plan:
+            self.backward_tiles(grads, queries, rows, block, plan)
         return _count(plan, skipped, queries.pos, block.pos)
 
     def forward_tiles(self, acc, queries, block, plan):
