@@ -18,7 +18,7 @@ Modes run with ``-m mpi4py`` (an exception on one rank aborts the job):
                    round 2 (RingComm directly): a real MPI error on a transfer
   subcomm          on 4 ranks, the ring on world ranks 1..3: a disagreement, then
                    sub-communicator rank 1 raises in round 0
-  slow             rank 1 sleeps 1 s in round 0 of the forward and the backward:
+  slow             rank 1 sleeps 0.5 s in round 0 of the forward and the backward:
                    the job must finish with the right answer ("rank 0: correct")
 
 The first three run without ``-m mpi4py`` on purpose: the agreement check alone
@@ -75,7 +75,7 @@ def sleep_once():
     def fault():
         if not done:
             done.append(1)
-            time.sleep(1.0)
+            time.sleep(0.5)
     return fault
 
 
