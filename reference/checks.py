@@ -21,8 +21,6 @@ def _conversion(name, x):
     library = _library(x)
     if library == "torch":
         return f"{name}.detach().cpu().numpy()"
-    if library == "cupy":
-        return f"cupy.asnumpy({name}), or gpu_impl for arrays on a GPU"
     if library in ("jax", "jaxlib", "tensorflow"):
         return f"np.asarray({name})"
     return f"np.asarray({name}, dtype=np.float32)"
