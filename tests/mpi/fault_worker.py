@@ -96,8 +96,11 @@ def in_ring_fault(mode, comm):
             raise RuntimeError(f"injected failure on rank {FAILING_RANK} before the ring")
     out, lse = ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=2)
     ring_attention_backward(q, k, v, out, lse, q, comm=comm, layout="contiguous", tile_size=2)
-    if mode == "after" and rank == FAILING_RANK:
-        raise RuntimeError(f"injected failure on rank {FAILING_RANK} after the ring")
+    print(f"rank {rank}: ring done", flush=True)
+    if mode == "after":
+        comm.Barrier()          # every rank has said so before rank 1 ends the job
+        if rank == FAILING_RANK:
+            raise RuntimeError(f"injected failure on rank {FAILING_RANK} after the ring")
 
 
 def truncate(comm):
