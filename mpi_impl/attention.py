@@ -28,7 +28,7 @@ from reference.layouts import array_module, check_layout, positions
 from reference.tiles import tile_shape
 from reference.trace import Trace
 
-from .comm import RingComm
+from .comm import RingComm, communicator_name, named_rank
 
 TRACE_CHOICES = (False, True, "rank")
 
@@ -50,8 +50,9 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
                                               found=found))["scale"]
     q_pos = this_rank_positions(q, comm, layout)
     ring_comm = make_ring(comm)
-    out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, causal=causal,
-                                      scale=scale, tile_size=tile_size, step=found["step"])
+    with named_rank(comm):
+        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, causal=causal,
+                                          scale=scale, tile_size=tile_size, step=found["step"])
     _free(ring_comm)
     return (out, lse) + _trace_result(log, comm, trace)
 
@@ -75,8 +76,10 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
     scale = agree(comm, describe)["scale"]
     q_pos = this_rank_positions(q, comm, layout)
     ring_comm = make_ring(comm)
-    dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
-                                         causal=causal, scale=scale, tile_size=tile_size, step=found["step"])
+    with named_rank(comm):
+        dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
+                                             causal=causal, scale=scale, tile_size=tile_size,
+                                             step=found["step"])
     _free(ring_comm)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
 
@@ -128,11 +131,12 @@ def agree(comm, describe):
         if error is not None:
             raise error
         r, (kind, message) = failed[0]
-        raise _ERRORS.get(kind, RuntimeError)(f"rank {r} failed its input check: {kind}: {message}")
+        raise _ERRORS.get(kind, RuntimeError)(
+            f"rank {r}{communicator_name(comm)} failed its input check: {kind}: {message}")
     for key, value in mine.items():
         values = [d[key] for d, _ in everyone]
         if any(x != value for x in values):
-            raise ValueError(f"ranks disagree on {key}: "
+            raise ValueError(f"ranks{communicator_name(comm)} disagree on {key}: "
                              + ", ".join(f"rank {r} {x!r}" for r, x in enumerate(values)))
     return mine
 

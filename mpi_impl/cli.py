@@ -95,6 +95,7 @@ class Row:
     critical_cpu_s: float
     predicted: float
     error: float = float("nan")
+    errors: dict = field(default_factory=dict)       # --check: "out", "lse", "dq", ... -> scaled error
     wait_fraction: float = float("nan")
     traces: dict = field(default_factory=dict)       # "forward"/"backward" -> Trace
     peak_rss_kb: list = field(default_factory=list)  # per rank, over the whole process so far
@@ -148,19 +149,44 @@ def main(argv=None, backend=NUMPY, parser=None):
             parser.print_usage(sys.stderr)
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
-    rows = run(args, backend, comm)
-    if comm.Get_rank() != 0:
-        return 0
+    try:
+        rows = run(args, backend, comm)
+        status = report(rows, args, comm, backend) if comm.Get_rank() == 0 else 0
+    except Exception:           # noqa: BLE001 - printed with this rank's name, then the job ends
+        abort_job(comm)
+        raise                   # where Abort returns (a stand-in communicator)
+    # every rank exits with rank 0's verdict: a failed check fails the job
+    # whichever rank's exit status the launcher passes on
+    return comm.bcast(status, root=0)
+
+
+def report(rows, args, comm, backend):
+    """Rank 0: print the table, write the trace and the plot; the exit status
+    (1 if --check found an error above the tolerance, or NaN)."""
     print(format_table(rows, args, comm.Get_size(), backend.name))
     if args.trace_out:
         write_trace(args.trace_out, rows, args, comm.Get_size())
     if args.plot:
         plot_timeline(args.plot, rows, f"S={args.seq_len}, N={comm.Get_size()}, tile={args.tile_size}")
-    failed = [r.layout for r in rows if args.check and not r.error <= CHECK_TOL[args.dtype]]
+    tol = CHECK_TOL[args.dtype]
+    failed = [r for r in rows if args.check and not r.error <= tol]     # NaN is not <= tol: it fails
     if failed:
-        print(f"CHECK FAILED: {', '.join(failed)} above {CHECK_TOL[args.dtype]:g}", file=sys.stderr)
+        print("CHECK FAILED: " + ", ".join(
+            f"{r.layout} ({', '.join(f'{name} {e:.1e}' for name, e in r.errors.items() if not e <= tol)})"
+            for r in failed) + f" above {tol:g}", file=sys.stderr)
         return 1
     return 0
+
+
+def abort_job(comm):
+    """End every rank because this one failed, saying which rank and why. Run
+    without ``-m mpi4py``, the other ranks would otherwise wait for it forever."""
+    import traceback
+    from .comm import rank_name
+    print(f"{rank_name(comm)} of {comm.Get_size()} failed; ending the job:", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+    comm.Abort(1)
 
 
 def check_args(args, n_ranks):
@@ -266,11 +292,12 @@ def run_layout(args, layout, backend, comm):
     traces = {"forward": gather_trace(fwd_log, comm)}
     if bwd_log is not None:
         traces["backward"] = gather_trace(bwd_log, comm)
-    error = check(args, layout, comm, backend, out, lse, grads) if args.check else float("nan")
+    errors = check_errors(args, layout, comm, backend, out, lse, grads) if args.check else {}
+    error = _largest(errors.values())
     rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if rank != 0:
         return None
-    return Row(layout=layout, wall_s=wall, error=error, traces=traces, peak_rss_kb=rss,
+    return Row(layout=layout, wall_s=wall, error=error, errors=errors, traces=traces, peak_rss_kb=rss,
                critical_cpu_s=sum(t.critical_path("compute_cpu_s") for t in traces.values()),
                wait_fraction=_wait_fraction(traces.values()),
                predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal))
@@ -290,11 +317,24 @@ def _wait_fraction(traces):
 
 def check(args, layout, comm, backend, out, lse, grads):
     """Largest error of out, lse (and dq, dk, dv) against the dense reference,
-    scaled by max(1, |reference|); computed on rank 0, NaN elsewhere."""
+    scaled by max(1, |reference|), NaN if any is NaN; computed on rank 0, NaN elsewhere."""
+    return _largest(check_errors(args, layout, comm, backend, out, lse, grads).values())
+
+
+def _largest(errors):
+    """The largest error; NaN if any is NaN, or if there is none (Python's max
+    would skip a NaN that is not first, and pass a NaN result)."""
+    errors = list(errors)
+    return float(np.max(errors)) if errors else float("nan")
+
+
+def check_errors(args, layout, comm, backend, out, lse, grads):
+    """{"out", "lse" (and "dq", "dk", "dv"): error against the reference} on rank 0
+    (see `check`), {} elsewhere."""
     mine = [backend.to_host(x) for x in (out, lse, *(grads or ()))]
     gathered = comm.gather(mine)
     if comm.Get_rank() != 0:
-        return float("nan")
+        return {}
     axes = [1, 2, 1, 1, 1]                   # sequence axis of out, lse, dq, dk, dv
     got = [unshard([g[i] for g in gathered], layout, axis=axes[i]) for i in range(len(mine))]
     full = np.arange(args.seq_len)
@@ -304,7 +344,9 @@ def check(args, layout, comm, backend, out, lse, grads):
     want = [ref_out, ref_lse]
     if grads is not None:
         want += backward(q, k, v, ref_out, ref_lse, dout, causal=args.causal)
-    return max(_scaled_error(a, b) for a, b in zip(got, want))
+    names = ("out", "lse", "dq", "dk", "dv")[:len(want)]
+    # a result the backend did not return counts as wrong, never as checked
+    return {name: _scaled_error(got[i], want[i]) if i < len(got) else float("inf") for i, name in enumerate(names)}
 
 
 def _reference(seq_len):
@@ -318,7 +360,11 @@ def _reference(seq_len):
 
 
 def _scaled_error(actual, expected):
+    """max |actual - expected| / max(1, max |expected|); NaN anywhere gives NaN,
+    and a wrong shape gives inf (never a broadcast)."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if actual.shape != expected.shape:
+        return float("inf")
     return float(np.abs(actual - expected).max() / max(1.0, np.abs(expected).max()))
 
 

@@ -18,7 +18,13 @@ Hazards it handles:
 - messages of different kinds (K/V blocks and dK/dV accumulators) are in flight
   at once: each array of a shift has its own MPI tag, ``tag * TAG_STRIDE + index``,
   on a communicator of its own (`RingComm.on` duplicates the caller's), so it
-  never matches another kind's or the application's messages.
+  never matches another kind's or the application's messages;
+- a transfer that fails (a neighbour that exited, a message larger than its
+  buffer) raises `RingError` naming this rank, the neighbour, the round and
+  the transfer, instead of MPI's bare error code. Ranks are those of the
+  communicator the ring runs on: on a sub-communicator the message says so
+  ("rank 1 of the 3-rank communicator (world rank 2)"). `named_rank` puts the
+  rank in front of any other error raised inside the ring.
 
 MPI moves the data only inside MPI calls unless the library has an asynchronous
 progress thread; a transfer that did not progress during the step finishes in
@@ -33,12 +39,21 @@ writes device memory).
         print(ring.rank, ring.finish_shift(ring.start_shift((np.full(3, ring.rank),), 1)))"
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from reference import ring
 from reference.layouts import array_module
 
 TAG_STRIDE = 16     # MPI tag = ring tag * TAG_STRIDE + index of the array in the tuple
 N_BUFFER_SETS = 2   # receive buffer sets per tag: one arriving, one held by the caller
+# what each ring tag carries, for error messages
+TRANSFERS = {getattr(ring, "KV", 1): "K/V block", getattr(ring, "DKV", 2): "dK/dV block"}
+
+
+class RingError(RuntimeError):
+    """A transfer of the ring failed; the message names this rank, the
+    neighbour, the round and the transfer."""
 
 
 @dataclass
@@ -46,9 +61,10 @@ class Shift:
     """One shift in flight: its requests, what is being sent (kept alive until
     the sends complete) and the buffers the data arrives in."""
     tag: int
-    requests: list
+    requests: list      # [Irecv of array 0, Isend of array 0, Irecv of array 1, ...]
     sent: tuple
     received: tuple
+    round: int = 0      # how many shifts with this tag this RingComm started before this one
 
 
 @dataclass
@@ -68,6 +84,7 @@ class RingComm:
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self._pools = {}            # tag -> _Pool
         self._in_flight = []        # Shifts started and not finished
+        self._started = {}          # tag -> shifts started: the round, in the ring's loops
         self.buffer_sets_allocated = 0
 
     @classmethod
@@ -83,29 +100,51 @@ class RingComm:
         """Post the receive of the previous rank's arrays and the send of
         `arrays` to the next rank. `arrays` must not be written until
         `finish_shift` returns."""
-        from mpi4py import MPI
         arrays = tuple(arrays)
         _ready_for_mpi(arrays)
         received = self._take_receive_buffers(arrays, tag)
-        requests = []
+        shift = Shift(tag, [], arrays, received, round=self._started.get(tag, 0))
+        self._started[tag] = shift.round + 1
         for i, (out, into) in enumerate(zip(arrays, received)):
-            mpi_tag = tag * TAG_STRIDE + i
-            # receive first, so a matching send never waits in an unexpected-message queue
-            requests.append(self.comm.Irecv([byte_view(into), MPI.BYTE], source=self.prev, tag=mpi_tag))
-            requests.append(self.comm.Isend([byte_view(out), MPI.BYTE], dest=self.next, tag=mpi_tag))
-        shift = Shift(tag, requests, arrays, received)
+            mpi_tag, out_bytes, into_bytes = tag * TAG_STRIDE + i, byte_view(out), byte_view(into)
+            # receive first, so a matching send never waits in an unexpected-message queue;
+            # uint8 views carry their MPI type (bytes) themselves, so this module needs
+            # no mpi4py import and runs on the tests' stand-in communicators too
+            with self._naming_failure(shift, 2 * i):
+                shift.requests.append(self.comm.Irecv(into_bytes, source=self.prev, tag=mpi_tag))
+            with self._naming_failure(shift, 2 * i + 1):
+                shift.requests.append(self.comm.Isend(out_bytes, dest=self.next, tag=mpi_tag))
         self._in_flight.append(shift)
         return shift
 
     def finish_shift(self, shift):
         """Wait for the shift's sends and receives; return the arrays that arrived.
         They stay valid until the second `start_shift` after this one with the same tag."""
-        from mpi4py import MPI
-        MPI.Request.Waitall(shift.requests)
+        # One request at a time (the same as a Waitall: every one must complete),
+        # so that a failure is pinned on its transfer.
+        for index, request in enumerate(shift.requests):
+            with self._naming_failure(shift, index):
+                request.Wait()
         self._in_flight.remove(shift)
         pool = self._pools[shift.tag]
         pool.held = next(i for i, s in enumerate(pool.sets) if s is shift.received)
         return shift.received
+
+    @contextmanager
+    def _naming_failure(self, shift, index):
+        """Turn an MPI error of request `index` of `shift` into a RingError that
+        says who failed to move what, in which round."""
+        try:
+            yield
+        except Exception as e:      # noqa: BLE001 - mpi4py.MPI.Exception, re-raised with names
+            receiving, array = index % 2 == 0, index // 2
+            peer = rank_name(self.comm, self.prev if receiving else self.next)
+            what = TRANSFERS.get(shift.tag, f"tag {shift.tag} message")
+            raise RingError(
+                f"{rank_name(self.comm)}: round {shift.round}: "
+                f"{'receiving' if receiving else 'sending'} the {what} (array {array} of {len(shift.sent)}) "
+                f"{'from' if receiving else 'to'} {peer} failed: "
+                f"{'MPI error' if type(e).__module__.startswith('mpi4py') else type(e).__name__}: {e}") from e
 
     def _take_receive_buffers(self, arrays, tag):
         """A free receive buffer set shaped like `arrays` (see the module's hazards)."""
@@ -152,3 +191,56 @@ def _ready_for_mpi(arrays):
     xp = array_module(arrays[0])
     if xp.__name__ == "cupy":
         xp.cuda.get_current_stream().synchronize()
+
+
+def rank_name(mpi_comm, rank=None):
+    """'rank 1' on the world communicator (or a duplicate of it); on a smaller
+    one 'rank 1 of the 3-rank communicator (world rank 2)', since MPI numbers
+    ranks per communicator. `rank` defaults to the caller's."""
+    rank = mpi_comm.Get_rank() if rank is None else rank
+    world = _world_rank(mpi_comm, rank)
+    if world is None or (world == rank and mpi_comm.Get_size() == _world_size()):
+        return f"rank {rank}"
+    return f"rank {rank} of the {mpi_comm.Get_size()}-rank communicator (world rank {world})"
+
+
+def communicator_name(mpi_comm):
+    """'' on the world communicator, ' of the 3-rank communicator' on a smaller one."""
+    name = rank_name(mpi_comm, 0)
+    return f" of the {mpi_comm.Get_size()}-rank communicator" if " of the " in name else ""
+
+
+def _world_rank(mpi_comm, rank):
+    """`rank` of `mpi_comm` as a rank of MPI.COMM_WORLD, or None for a communicator
+    that is not mpi4py's (the tests' stand-ins)."""
+    if not type(mpi_comm).__module__.startswith("mpi4py"):    # and never import (initialize) MPI for one
+        return None
+    from mpi4py import MPI
+    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return MPI.Group.Translate_ranks(group, [rank], world)[0]
+    finally:
+        group.Free()
+        world.Free()
+
+
+def _world_size():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()
+
+
+@contextmanager
+def named_rank(mpi_comm):
+    """An exception raised inside carries this rank's name at the start of its
+    message (the launcher's line naming the failed rank is sometimes lost),
+    keeping its type and traceback."""
+    try:
+        yield
+    except Exception as e:
+        name = rank_name(mpi_comm)
+        if not isinstance(e, RingError) and not str(e).startswith(name):
+            if len(e.args) == 1 and isinstance(e.args[0], str):
+                e.args = (f"{name}: {e.args[0]}",)
+            if not str(e).startswith(name) and hasattr(e, "add_note"):   # a message built otherwise
+                e.add_note(f"raised on {name}")
+        raise

@@ -11,12 +11,36 @@ from .tiles import tile_shape
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
 
+def _library(x):
+    """The top-level package of x's type: 'numpy', 'cupy', 'torch', 'builtins', ..."""
+    return type(x).__module__.split(".")[0]
+
+
+def _conversion(name, x):
+    """How to turn `x` into a NumPy array, for an error message."""
+    library = _library(x)
+    if library == "torch":
+        return f"{name}.detach().cpu().numpy()"
+    if library in ("jax", "jaxlib", "tensorflow"):
+        return f"np.asarray({name})"
+    return f"np.asarray({name}, dtype=np.float32)"
+
+
+def check_array(name, x):
+    """A NumPy array, or a CuPy array (the GPU backend runs the same code on
+    them); anything else, a torch tensor or a list, gets a TypeError naming
+    the argument and the conversion to make."""
+    if isinstance(x, np.ndarray) or _library(x) == "cupy" and hasattr(x, "shape") and hasattr(x, "dtype"):
+        return
+    what = f"{type(x).__module__}.{type(x).__name__}" if _library(x) != "builtins" else type(x).__name__
+    raise TypeError(f"{name} must be a NumPy array, got {what}; convert it with {_conversion(name, x)}")
+
+
 def check_qkv(q, k, v, *, seq_axis_name="S", same_length=True):
     """Check shapes and dtypes of q (B, S, Hq, D), k and v (B, S, Hkv, D)
     (k and v of any length when not `same_length`). Returns (B, S, Hq, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        check_array(name, x)
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions (B, {seq_axis_name}, H, D), got shape {tuple(x.shape)}")
         if np.dtype(x.dtype) not in [np.dtype(t) for t in FLOAT_DTYPES]:
@@ -40,6 +64,8 @@ def check_qkv(q, k, v, *, seq_axis_name="S", same_length=True):
 def check_grads_inputs(q, out, lse, dout):
     """out and dout like q; lse (B, Hq, S) in float."""
     B, S, Hq, D = q.shape
+    for name, x in (("out", out), ("lse", lse), ("dout", dout)):
+        check_array(name, x)
     for name, x in (("out", out), ("dout", dout)):
         if tuple(x.shape) != tuple(q.shape):
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}")

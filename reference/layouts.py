@@ -43,6 +43,8 @@ def positions(seq_len, n_devices, layout):
     chunk r followed by chunk ``2N-1-r``.
     The inverse permutation is `inverse_positions`.
     """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
+        raise TypeError(f"seq_len must be an int, got {seq_len!r}")
     check_layout(layout, seq_len, n_devices)
     tokens = np.arange(seq_len, dtype=np.int64)
     if layout == "contiguous":
@@ -67,6 +69,8 @@ def inverse_positions(seq_len, n_devices, layout):
 
 def shard(x, n_devices, layout, axis=1):
     """Cut `x` (natural token order along `axis`) into the N shards of `layout`."""
+    _check_sharded_array("x", x)
+    axis = _check_axis(axis, x.ndim, f"x of shape {tuple(x.shape)}")
     xp = array_module(x)
     pos = positions(x.shape[axis], n_devices, layout)
     return [xp.take(x, xp.asarray(p), axis=axis) for p in pos]
@@ -74,10 +78,38 @@ def shard(x, n_devices, layout, axis=1):
 
 def unshard(shards, layout, axis=1):
     """Inverse of `shard`: put the N shards back into natural token order."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(shards, (str, bytes)) or not hasattr(shards, "__len__") or len(shards) == 0:
+        got = f"an empty {type(shards).__name__}" if hasattr(shards, "__len__") and len(shards) == 0 \
+            else repr(shards) if isinstance(shards, (str, bytes)) else type(shards).__name__
+        raise ValueError(f"shards must be a non-empty list of arrays, one per device, got {got}")
+    for i, s in enumerate(shards):
+        _check_sharded_array(f"shards[{i}]", s)
+    axis = _check_axis(axis, shards[0].ndim, f"shards of shape {tuple(shards[0].shape)}")
+    for i, s in enumerate(shards):
+        if tuple(s.shape) != tuple(shards[0].shape):
+            raise ValueError(f"shards must all have one shape, got {tuple(shards[0].shape)} for shards[0] "
+                             f"and {tuple(s.shape)} for shards[{i}]")
     xp = array_module(shards[0])
     joined = xp.concatenate(list(shards), axis=axis)
     index = inverse_positions(joined.shape[axis], len(shards), layout)
     return xp.take(joined, xp.asarray(index), axis=axis)
+
+
+def _check_sharded_array(name, x):
+    if not (hasattr(x, "shape") and hasattr(x, "ndim") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}; convert it with np.asarray")
+
+
+def _check_axis(axis, ndim, what):
+    """`axis` as a non-negative int, or a ValueError naming it."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for {what}: "
+                         f"the token axis must be in {-ndim} .. {ndim - 1}")
+    return int(axis) % ndim
 
 
 def array_module(x):

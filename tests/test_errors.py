@@ -148,7 +148,7 @@ def test_mixed_dtypes(dtypes):
 
 def test_not_an_array():
     _, k, v = arrays()
-    raises_everywhere(forward_calls([[1.0]], k, v), TypeError, r"q must be an array, got list")
+    raises_everywhere(forward_calls([[1.0]], k, v), TypeError, r"q must be a NumPy array, got list; convert it with np.asarray\(q")
 
 
 # -- options ------------------------------------------------------------------

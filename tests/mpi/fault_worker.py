@@ -1,53 +1,214 @@
-"""Faults that must end an MPI job quickly, with a clear message and a non-zero exit.
+"""Faults that must end an MPI job quickly, with a clear message and a non-zero exit,
+and faults a job must survive with the right answer.
 
-    mpiexec -n 3 python tests/mpi/fault_worker.py shapes         # ranks disagree on q's shape
-    mpiexec -n 3 python tests/mpi/fault_worker.py bad-input      # one rank's input is invalid
+    mpiexec -n 3 python tests/mpi/fault_worker.py shapes            # ranks disagree on q's shape
+    mpiexec -n 3 python tests/mpi/fault_worker.py bad-input         # one rank's input is invalid
+    mpiexec -n 3 python tests/mpi/fault_worker.py disagree          # every agreed field, one at a time
     mpiexec -n 3 python -m mpi4py tests/mpi/fault_worker.py raise   # rank 1 fails in round 0
+    mpiexec -n 3 python -m mpi4py tests/mpi/fault_worker.py MODE    # MODE below
 
-The first two run without ``-m mpi4py`` on purpose: the agreement check alone
-must make every rank raise (no rank is left waiting in a collective). The third
-needs ``-m mpi4py``: a failure in the middle of the ring leaves rank 2 waiting
-for rank 0's block, which rank 1 never passes on, and only MPI_Abort ends it.
+Modes run with ``-m mpi4py`` (an exception on one rank aborts the job):
+  raise            rank 1's step raises in round 0 of the forward
+  raise-last       rank 1's step raises in the last round of the forward
+  raise-backward   rank 1's backward step raises in round 1
+  before           rank 1 raises before calling the ring (the others wait in it)
+  after            rank 1 raises after the ring returned (the others finish)
+  exit             rank 1 exits (os._exit) in round 1 of the forward, saying nothing
+  truncate         rank N-1 sends a larger block than its neighbour expects in
+                   round 2 (RingComm directly): a real MPI error on a transfer
+  subcomm          on 4 ranks, the ring on world ranks 1..3: a disagreement, then
+                   sub-communicator rank 1 raises in round 0
+  slow             rank 1 sleeps 0.5 s in round 0 of the forward and the backward:
+                   the job must finish with the right answer ("rank 0: correct")
+
+The first three run without ``-m mpi4py`` on purpose: the agreement check alone
+must make every rank raise (no rank is left waiting in a collective). Faults in
+the middle of the ring need ``-m mpi4py``: a failure there leaves a neighbour
+waiting for a block that never comes, and only MPI_Abort ends it.
 """
 
+import os
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
 
-from mpi_impl import ring_attention
-from reference.step import ReadableStep
+from mpi_impl import RingComm, ring_attention, ring_attention_backward
+from reference import attention, attention_backward, shard, unshard
+from reference.step import Step
 
 FAILING_RANK = 1
 
 
-def inputs(c, hq=2, hkv=2):
+def inputs(c, hq=2, hkv=2, dtype=np.float64, n=1):
+    """q, k, v of one rank: (1, c, hq, 4), (1, c, hkv, 4); the same on every rank."""
     rng = np.random.default_rng(0)
-    return tuple(rng.standard_normal((1, c, h, 4)) for h in (hq, hkv, hkv))
+    return tuple(rng.standard_normal((1, c * n, h, 4)).astype(dtype) for h in (hq, hkv, hkv))
 
 
-class FailingStep(ReadableStep):
-    """The readable step, raising in the given round on this rank (the other ranks wait for it)."""
+def inject(name, round_to_fail, fault):
+    """Make this rank's step (every version: `Step.forward` or `Step.backward`,
+    named by `name`) call `fault()` in the given round (counted per call)."""
+    real, calls = getattr(Step, name), []
 
-    def __init__(self, round_to_fail=0):
-        self.round_to_fail, self.calls = round_to_fail, 0
+    def faulty(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > round_to_fail:
+            fault()
+        return real(self, *args, **kwargs)
+    setattr(Step, name, faulty)
 
-    def forward_tiles(self, *args):
-        self.calls += 1
-        if self.calls > self.round_to_fail:
-            raise RuntimeError(f"injected failure on rank {FAILING_RANK} in round {self.round_to_fail}")
-        return super().forward_tiles(*args)
+
+def fail(message):
+    def fault():
+        raise RuntimeError(message)
+    return fault
+
+
+def exit_silently():
+    print(f"rank {FAILING_RANK}: exiting in round 1", flush=True)
+    os._exit(3)
+
+
+def sleep_once():
+    done = []
+
+    def fault():
+        if not done:
+            done.append(1)
+            time.sleep(0.5)
+    return fault
+
+
+def in_ring_fault(mode, comm):
+    """Faults injected into rank 1's ring: the other ranks run the ring as usual."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    q, k, v = inputs(4)
+    if rank == FAILING_RANK:
+        if mode == "raise":
+            inject("forward", 0, fail(f"injected failure on rank {FAILING_RANK} in round 0"))
+        elif mode == "raise-last":
+            inject("forward", n - 1, fail(f"injected failure in round {n - 1}"))
+        elif mode == "raise-backward":
+            inject("backward", 1, fail("injected failure in round 1 of the backward"))
+        elif mode == "exit":
+            inject("forward", 1, exit_silently)
+        elif mode == "before":
+            raise RuntimeError(f"injected failure on rank {FAILING_RANK} before the ring")
+    out, lse = ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=2)
+    ring_attention_backward(q, k, v, out, lse, q, comm=comm, layout="contiguous", tile_size=2)
+    print(f"rank {rank}: ring done", flush=True)
+    if mode == "after":
+        comm.Barrier()          # every rank has said so before rank 1 ends the job
+        if rank == FAILING_RANK:
+            raise RuntimeError(f"injected failure on rank {FAILING_RANK} after the ring")
+
+
+def truncate(comm):
+    """Three rounds of RingComm shifts; in round 2 the last rank sends twice as
+    many bytes as rank 0's receive buffer holds."""
+    ring = RingComm.on(comm)
+    for t in range(3):
+        size = 4 if t == 2 and ring.rank == ring.size - 1 else 2
+        ring.finish_shift(ring.start_shift((np.zeros(size),), tag=1))
+
+
+def disagreements(q, k, v, out, lse):
+    """Field that must agree -> how rank 1 calls the ring differently from the others."""
+    base = dict(layout="striped", causal=True, scale=None, tile_size=2)
+
+    def forward(q=q, k=k, v=v, **changes):
+        return lambda comm: ring_attention(q, k, v, comm=comm, **dict(base, **changes))
+
+    def backward(lse=lse, **changes):
+        return lambda comm: ring_attention_backward(q, k, v, out, lse, q, comm=comm, **dict(base, **changes))
+
+    q5, k5, v5 = inputs(5)
+    return {                                 # field: (what ranks other than 1 call, what rank 1 calls)
+        "kind": (forward(), backward()),
+        "q": (forward(), forward(q5, k5, v5)),
+        "k": (forward(), forward(*inputs(4, hq=2, hkv=1))),
+        "dtype": (forward(), forward(*inputs(4, dtype=np.float32))),
+        "layout": (forward(), forward(layout="contiguous")),
+        "causal": (forward(), forward(causal=False)),
+        "scale": (forward(), forward(scale=0.3)),
+        "tile_size": (forward(), forward(tile_size=3)),
+        "trace": (forward(), forward(trace=True)),
+        "lse": (backward(), backward(lse=lse.astype(np.float32))),
+    }
+
+
+def disagree(comm):
+    """Each agreed field in turn: every rank must raise "ranks disagree on <field>"."""
+    rank = comm.Get_rank()
+    q, k, v = inputs(4)
+    out, lse = ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2)
+    for field, (usual, odd) in disagreements(q, k, v, out, lse).items():
+        try:
+            (odd if rank == FAILING_RANK else usual)(comm)
+        except ValueError as e:
+            print(f"rank {rank}: {field}: {e}", flush=True)
+        else:
+            print(f"rank {rank}: {field}: no error", flush=True)
+
+
+def subcomm(world):
+    """World rank 0 sits out; the ring runs on world ranks 1..3, numbered 0..2 there."""
+    comm = world.Split(color=0 if world.Get_rank() == 0 else 1, key=world.Get_rank())
+    if world.Get_rank() == 0:
+        world.Barrier()
+        return
+    rank = comm.Get_rank()
+    q, k, v = inputs(4)
+    try:
+        ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2, causal=rank != FAILING_RANK)
+    except ValueError as e:
+        print(f"world rank {world.Get_rank()}: {e}", flush=True)
+    if rank == FAILING_RANK:
+        inject("forward", 0, fail("injected failure in round 0"))
+    ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2)
+    world.Barrier()
+
+
+def slow(comm):
+    """Rank 1 is late in round 0 of both passes; the answer must not change."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    q, k, v = inputs(4, n=n)                            # the whole sequence, the same on every rank
+    dout = np.cos(q)
+    out, lse = attention(q, k, v)
+    want = (out, lse) + attention_backward(q, k, v, out, lse, dout)
+    qs, ks, vs, douts = (shard(x, n, "striped")[rank] for x in (q, k, v, dout))
+    if rank == FAILING_RANK:
+        inject("forward", 0, sleep_once())
+        inject("backward", 0, sleep_once())
+    o, l = ring_attention(qs, ks, vs, comm=comm, layout="striped", tile_size=2)
+    grads = ring_attention_backward(qs, ks, vs, o, l, douts, comm=comm, layout="striped", tile_size=2)
+    gathered = comm.gather((o, l) + tuple(grads))
+    if rank == 0:
+        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+            got = unshard([g[i] for g in gathered], "striped", axis=2 if name == "lse" else 1)
+            np.testing.assert_allclose(got, want[i], rtol=1e-10, atol=1e-10, err_msg=name)
+        print("rank 0: correct", flush=True)
 
 
 def main(mode):
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    c = 4
-    if mode == "shapes" and rank == FAILING_RANK:
-        c = 5                                   # one token more than the others
-    q, k, v = inputs(c, hq=3 if mode == "bad-input" and rank == FAILING_RANK else 2)
-    step = FailingStep() if mode == "raise" and rank == FAILING_RANK else "v1"
-    ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=2, step=step)
+    if mode in ("shapes", "bad-input"):
+        q, k, v = inputs(5 if mode == "shapes" and rank == FAILING_RANK else 4,
+                         hq=3 if mode == "bad-input" and rank == FAILING_RANK else 2)
+        ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=2)
+    elif mode == "disagree":
+        disagree(comm)
+    elif mode == "truncate":
+        truncate(comm)
+    elif mode == "subcomm":
+        subcomm(comm)
+    elif mode == "slow":
+        slow(comm)
+    else:
+        in_ring_fault(mode, comm)
     print(f"rank {rank}: finished without error", flush=True)
 
 

@@ -1,0 +1,242 @@
+"""A catalogue of bad inputs across `reference`, `mpi_impl` and `gpu_impl`
+(without a GPU: a stand-in `cupy` module, as in tests/test_gpu.py, and a
+one-rank stand-in communicator): each must raise the named exception type with
+a message that names the argument; and the caller's arrays are never modified
+(DESIGN.md, "How it behaves with bad input").
+
+    .venv/bin/python -m pytest tests/test_bad_inputs.py -q
+"""
+
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import gpu_impl
+import mpi_impl
+from reference import (attention, attention_backward, positions, ring_attention, ring_attention_backward,
+                       shard, unshard)
+from strict_comm import StrictRing, World
+from test_gpu import OneRank, fake_cupy_module
+
+B, S, Hq, Hkv, D = 1, 8, 4, 2, 4
+
+
+class Tensor:
+    """Looks like a torch tensor to the checks (its type lives in `torch`), so
+    that the message for one is tested without torch installed."""
+    __module__ = "torch"
+    shape, ndim, dtype = (B, S, Hq, D), 4, "torch.float32"
+
+
+class JaxArray:
+    __module__ = "jaxlib.xla_extension"
+    shape, ndim, dtype = (B, S, Hkv, D), 4, "float32"
+
+
+def arrays(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((B, S, Hq, D), (B, S, Hkv, D), (B, S, Hkv, D)))
+    return q, k, v
+
+
+def grads_inputs():
+    q, k, v = arrays()
+    return q, k, v, q.copy(), np.zeros((B, Hq, S), np.float32), q.copy()
+
+
+def qkv(**changes):
+    q, k, v = arrays()
+    named = {**dict(q=q, k=k, v=v), **changes}
+    return named["q"], named["k"], named["v"]
+
+
+def backward_args(**changes):
+    names = ("q", "k", "v", "out", "lse", "dout")
+    named = dict(zip(names, grads_inputs()), **changes)
+    return tuple(named[n] for n in names)
+
+
+X = arrays()[0]
+
+# (id, call, exception type, argument named, more text the message must hold)
+REFERENCE = [
+    ("torch q", lambda: attention(*qkv(q=Tensor())), TypeError, "q", "q.detach().cpu().numpy()"),
+    ("torch k, ring", lambda: ring_attention(*qkv(k=Tensor()), n_devices=2), TypeError, "k", "torch.Tensor"),
+    ("jax v", lambda: attention(*qkv(v=JaxArray())), TypeError, "v", "np.asarray(v)"),
+    ("list q", lambda: attention(*qkv(q=[[1.0]])), TypeError, "q", "got list"),
+    ("None q", lambda: ring_attention(*qkv(q=None), n_devices=2), TypeError, "q", "got NoneType"),
+    ("int q", lambda: attention(*qkv(q=X.astype(np.int32))), TypeError, "q", "float16, float32 or float64"),
+    ("mixed dtypes", lambda: attention(*qkv(v=arrays(np.float64)[2])), TypeError, "v", "share one dtype"),
+    ("3-d k", lambda: attention(*qkv(k=arrays()[1][0])), ValueError, "k", "4 dimensions"),
+    ("backward out list", lambda: attention_backward(*backward_args(out=[1.0])), TypeError, "out", "got list"),
+    ("backward lse None", lambda: attention_backward(*backward_args(lse=None)), TypeError, "lse", "NoneType"),
+    ("backward dout list", lambda: attention_backward(*backward_args(dout=[[0.0]])), TypeError, "dout", "list"),
+    ("ring backward out None", lambda: ring_attention_backward(*backward_args(out=None), n_devices=2),
+     TypeError, "out", "NoneType"),
+    ("ring backward dout torch", lambda: ring_attention_backward(*backward_args(dout=Tensor()), n_devices=2),
+     TypeError, "dout", "dout.detach().cpu().numpy()"),
+    ("backward lse shape", lambda: attention_backward(*backward_args(lse=np.zeros((B, S, Hq), np.float32))),
+     ValueError, "lse", "(B, Hq, S)"),
+    ("unshard empty", lambda: unshard([], "striped"), ValueError, "shards", "non-empty"),
+    ("unshard shapes differ", lambda: unshard([X, X[:, :4]], "striped"), ValueError, "shards", "one shape"),
+    ("unshard axis", lambda: unshard([X, X], "striped", axis=5), ValueError, "axis", "out of range"),
+    ("unshard not arrays", lambda: unshard([X, [1.0]], "striped"), TypeError, "shards[1]", "must be an array"),
+    ("unshard a string", lambda: unshard("ab", "striped"), ValueError, "shards", "non-empty list"),
+    ("shard axis 4", lambda: shard(X, 2, "striped", axis=4), ValueError, "axis", "out of range"),
+    ("shard axis float", lambda: shard(X, 2, "striped", axis=1.0), TypeError, "axis", "an int"),
+    ("shard a list", lambda: shard([[1.0, 2.0]], 2, "striped"), TypeError, "x", "must be an array"),
+    ("shard 0 devices", lambda: shard(X, 0, "striped"), ValueError, "n_devices", "positive int"),
+    ("positions float", lambda: positions(8.0, 2, "striped"), TypeError, "seq_len", "an int"),
+    ("positions layout", lambda: positions(8, 2, "rings"), ValueError, "layout", "one of"),
+    ("tile 0", lambda: ring_attention(*arrays(), n_devices=2, tile_size=0), ValueError, "tile_size", "positive"),
+    ("scale inf", lambda: ring_attention(*arrays(), n_devices=2, scale=np.inf), ValueError, "scale", "finite"),
+    ("causal str", lambda: attention(*arrays(), causal="yes"), TypeError, "causal", "a bool"),
+    ("n_devices 3", lambda: ring_attention(*arrays(), n_devices=3), ValueError, "n_devices", "multiple"),
+]
+
+
+def mpi_forward(**changes):
+    q, k, v = qkv(**{n: changes.pop(n) for n in ("q", "k", "v") if n in changes})
+    options = {**dict(comm=OneRank(), layout="striped"), **changes}
+    return lambda: mpi_impl.ring_attention(q, k, v, **options)
+
+
+def mpi_backward(**changes):
+    return lambda: mpi_impl.ring_attention_backward(*backward_args(**changes), comm=OneRank())
+
+
+MPI_IMPL = [
+    ("mpi comm None", mpi_forward(comm=None), TypeError, "comm", "mpi4py communicator"),
+    ("mpi torch q", mpi_forward(q=Tensor()), TypeError, "q", "q.detach().cpu().numpy()"),
+    ("mpi trace", mpi_forward(trace="yes"), ValueError, "trace", "one of"),
+    ("mpi layout", mpi_forward(layout="ring"), ValueError, "layout", "one of"),
+    ("mpi tile", mpi_forward(tile_size=(0, 2)), ValueError, "tile_size", "positive"),
+    ("mpi mixed dtypes", mpi_forward(k=arrays(np.float64)[1]), TypeError, "k", "share one dtype"),
+    ("mpi backward lse list", mpi_backward(lse=[0.0]), TypeError, "lse", "got list"),
+    ("mpi backward dout None", mpi_backward(dout=None), TypeError, "dout", "NoneType"),
+    ("mpi backward out shape", mpi_backward(out=np.zeros((B, S, Hq, D + 1), np.float32)), ValueError, "out",
+     "q's shape"),
+]
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cupy, cupyx = fake_cupy_module()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    return cupy
+
+
+def gpu_forward(**changes):
+    def call():
+        cupy, options = sys.modules["cupy"], dict(changes)
+        q, k, v = (cupy.asarray(x) for x in arrays(options.pop("dtype", np.float32)))
+        named = dict(q=q, k=k, v=v)
+        named.update({n: options.pop(n) for n in ("q", "k", "v") if n in options})
+        options = {**dict(comm=OneRank(), layout="striped"), **options}
+        return gpu_impl.ring_attention(named["q"], named["k"], named["v"], **options)
+    return call
+
+
+def gpu_backward(**changes):
+    def call():
+        cupy = sys.modules["cupy"]
+        named = dict(zip(("q", "k", "v", "out", "lse", "dout"), (cupy.asarray(x) for x in grads_inputs())))
+        named.update(changes)
+        return gpu_impl.ring_attention_backward(*named.values(), comm=OneRank())
+    return call
+
+
+GPU_IMPL = [
+    ("gpu numpy q", gpu_forward(q=arrays()[0]), TypeError, "q", "must be a CuPy array"),
+    ("gpu torch k", gpu_forward(k=Tensor()), TypeError, "k", "must be a CuPy array"),
+    ("gpu kernel", gpu_forward(kernel="fast"), ValueError, "kernel", "one of"),
+    ("gpu transfer", gpu_forward(transfer="fast"), ValueError, "transfer", "one of"),
+    ("gpu fused float64", gpu_forward(kernel="fused", dtype=np.float64), ValueError, "kernel", "float64"),
+    ("gpu comm None", gpu_forward(comm=None), TypeError, "comm", "mpi4py communicator"),
+    ("gpu trace", gpu_forward(trace=2), ValueError, "trace", "one of"),
+    ("gpu backward lse numpy", gpu_backward(lse=np.zeros((B, Hq, S), np.float32)), TypeError, "lse",
+     "must be a CuPy array"),
+]
+
+
+def test_the_catalogue_is_large_enough():
+    assert len(REFERENCE) + len(MPI_IMPL) + len(GPU_IMPL) >= 30
+    ids = [case[0] for case in REFERENCE + MPI_IMPL + GPU_IMPL]
+    assert len(set(ids)) == len(ids)
+
+
+def assert_refused(call, error, argument, text):
+    with pytest.raises(Exception) as caught:
+        call()
+    e = caught.value
+    assert type(e) is error, f"{type(e).__name__}: {e} (expected {error.__name__})"
+    message = str(e)
+    # the argument's name as a word of the message (so "q" is not found inside "sequence")
+    assert re.search(rf"(?<![\w.]){re.escape(argument)}(?![\w])", message), f"{argument!r} not named: {message}"
+    assert text in message, f"{text!r} not in: {message}"
+
+
+@pytest.mark.parametrize("case", REFERENCE, ids=[c[0] for c in REFERENCE])
+def test_reference_refuses(case):
+    assert_refused(*case[1:])
+
+
+@pytest.mark.parametrize("case", MPI_IMPL, ids=[c[0] for c in MPI_IMPL])
+def test_mpi_impl_refuses(case):
+    assert_refused(*case[1:])
+
+
+@pytest.mark.parametrize("case", GPU_IMPL, ids=[c[0] for c in GPU_IMPL])
+def test_gpu_impl_refuses(case, fake_cupy):
+    assert_refused(*case[1:])
+
+
+# -- the caller's arrays are never modified ---------------------------------------
+
+def frozen(*xs):
+    """Read-only copies: an entry point writing to one raises instead of passing."""
+    out = []
+    for x in xs:
+        y = np.array(x)
+        y.setflags(write=False)
+        out.append(y)
+    return out
+
+
+def one_rank_ring(comm):
+    return StrictRing(0, World(1))
+
+
+@pytest.mark.parametrize("dtype, layout, hkv, strided", [
+    (np.float32, "striped", 1, False),      # multi-query: the step's head view of q is q itself
+    (np.float16, "zigzag", 2, True),
+    (np.float64, "contiguous", 2, True),
+])
+def test_entry_points_never_modify_their_inputs(dtype, layout, hkv, strided):
+    """Read-only inputs (a write raises), compared with copies afterwards;
+    strided: q, k, v are non-contiguous views, as a caller slicing heads makes."""
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (rng.standard_normal(s).astype(dtype)
+                     for s in ((B, 12, Hq, D), (B, 12, hkv, D), (B, 12, hkv, D), (B, 12, Hq, D)))
+    q[0, 3, 1, 2] = np.nan                                          # NaN reaches rows, never the input
+    if strided:
+        q, k, v = (np.concatenate([x, x], axis=3) for x in (q, k, v))
+    inputs = frozen(q, k, v, dout)
+    if strided:             # read-only views of every other column
+        inputs[:3] = [x[..., ::2] for x in inputs[:3]]
+        assert not any(x.flags.c_contiguous or x.flags.writeable for x in inputs[:3])
+    before = [x.copy() for x in inputs]
+    q, k, v, dout = inputs
+    out, lse = frozen(*attention(q, k, v))
+    attention_backward(q, k, v, out, lse, dout)
+    ring_attention(q, k, v, n_devices=2, layout=layout, tile_size=3, trace=True)
+    ring_attention_backward(q, k, v, out, lse, dout, n_devices=2, layout=layout, tile_size=3)
+    unshard(shard(q, 2, layout), layout)
+    mpi_impl.ring_attention(q, k, v, comm=OneRank(), layout=layout, make_ring=one_rank_ring)
+    mpi_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=OneRank(), layout=layout,
+                                     make_ring=one_rank_ring)
+    for name, x, y in zip(("q", "k", "v", "dout"), inputs, before):
+        np.testing.assert_array_equal(x, y, err_msg=f"{name} was modified")
