@@ -37,6 +37,7 @@ SECTIONS = {
     "predicted": ("bench.predicted", "Predicted speed-up (cost model)"),
     "kernel": ("bench.kernel", "Kernel efficiency and memory of one device"),
     "mpi": ("bench.mpi_scaling", "Measured speed-up with MPI processes"),
+    "model": ("bench.model_step", "The whole model: training-step speed-up on MPI ranks"),
     "gpu": ("bench.gpu_bench", "GPU"),
 }
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # they change BLAS timings

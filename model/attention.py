@@ -16,7 +16,9 @@ Three interchangeable backends with the same two calls on THIS device's tokens
 - `MPIRing`: this rank's shard on real processes, `mpi_impl.ring_attention`.
 
 Masks come from the positions of the layout inside the ring, so a backend needs only
-the layout's name. Each backend adds the wall time of its calls to `seconds`.
+the layout's name. Each backend adds the wall time of its calls to `seconds` and this
+process's CPU time in them to `cpu_seconds` (on a shared machine, the time it would
+take with a core to itself; MPI ranks spin while they wait, so waiting counts).
 """
 
 import time
@@ -30,7 +32,7 @@ class Dense:
     """The whole causal sequence, natural order, one process."""
 
     def __init__(self, *, causal=True):
-        self.causal, self.seconds = causal, 0.0
+        self.causal, self.seconds, self.cpu_seconds = causal, 0.0, 0.0
 
     def forward(self, q, k, v):
         return self._timed(reference.attention, q, k, v, causal=self.causal)
@@ -39,9 +41,10 @@ class Dense:
         return self._timed(reference.attention_backward, q, k, v, out, lse, dout, causal=self.causal)
 
     def _timed(self, fn, *args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = fn(*args, **kwargs)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu
         return result
 
 

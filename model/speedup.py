@@ -62,15 +62,20 @@ def paper_linear_flops_per_token(model):
     return 8 * d * d + 4 * d * f + 2 * d * V / L
 
 
-def paper_rows_tile_aware():
-    """Every row of bench/paper_tms.csv with `tms_tiles` added: the tile-aware TMS at
-    the paper's tile size for its hardware (model parallelism cancels, as in the paper)."""
-    rows = paper_rows()
+def tile_aware(row):
+    """The tile-aware TMS of one paper row (`reference.cost.paper_rows`), at the paper's tile
+    size for its hardware; model parallelism cancels, as in the paper."""
+    return tms(paper_linear_flops_per_token(row["model"]), MODELS[row["model"]]["d_model"],
+               HARDWARE[row["hardware"]], row["n_seq"], row["seq_parallel"], "striped",
+               tile_size=PAPER_TILES[row["hardware"]], mode="tiles")
+
+
+def paper_rows_tile_aware(tables=None):
+    """The rows of bench/paper_tms.csv (of `tables`, default all) with `tile` and
+    `tms_tiles`, the tile-aware TMS, added."""
+    rows = [r for r in paper_rows() if tables is None or r["table"] in tables]
     for r in rows:
-        r["tile"] = PAPER_TILES[r["hardware"]]
-        r["tms_tiles"] = tms(paper_linear_flops_per_token(r["model"]), MODELS[r["model"]]["d_model"],
-                             HARDWARE[r["hardware"]], r["n_seq"], r["seq_parallel"], "striped",
-                             tile_size=r["tile"], mode="tiles")
+        r["tile"], r["tms_tiles"] = PAPER_TILES[r["hardware"]], tile_aware(r)
     return rows
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import reference
 from conftest import assert_close
-from model import layers, recipe, train, transformer
+from model import layers, recipe, speedup, train, transformer
 from model.attention import Dense, VirtualRing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,6 +234,44 @@ def test_mpi_model_equals_dense(n, tmp_path):
         grads = {k.split("/", 2)[2]: got[k] for k in got.files if k.startswith(f"{layout}/grad/")}
         assert_same_loss_and_grads((float(got[f"{layout}/loss"]), grads), want, f"MPI N={n} {layout}")
         assert_close(got[f"{layout}/curve"], curve, np.float64, what=f"curve MPI N={n} {layout}")
+
+
+# -- the speed-up formulas and the benchmark ---------------------------------------------------
+
+def test_tms_pair_counted_is_the_papers():
+    from reference.tms import theoretical_max_speedup
+    for model, n, n_seq, hw in (("1B", 4, 16384, "a100"), ("7B", 8, 32768, "tpuv4"), ("3B", 2, 8192, "a100")):
+        got = speedup.tms(speedup.paper_linear_flops_per_token(model), reference.cost.MODELS[model]["d_model"],
+                          reference.cost.HARDWARE[hw], n_seq, n, "striped", mode="pairs")
+        assert got == pytest.approx(theoretical_max_speedup(model, n, n_seq, hw), rel=1e-12)
+
+
+def test_tms_tile_aware_at_the_papers_smallest_blocks():
+    """A100 tiles of 2048 x 4096 and c = 4096: striped computes every tile, so no speed-up;
+    with c = 8192 and N = 4, a causal block (striped's in every round, contiguous's in round 0)
+    computes 6 of its 4 x 2 tiles and a full block 8, so the critical paths are 4 * 6 = 24
+    and 6 + 3 * 8 = 30 tiles."""
+    lin, d = speedup.paper_linear_flops_per_token("1B"), reference.cost.MODELS["1B"]["d_model"]
+    assert speedup.tms(lin, d, 2, 16384, 4, tile_size=(2048, 4096), mode="tiles") == 1.0
+    area = 2048 * 4096
+    assert speedup.critical_work(32768, 4, "striped", (2048, 4096), "tiles") == 24 * area
+    assert speedup.critical_work(32768, 4, "contiguous", (2048, 4096), "tiles") == 30 * area
+    assert speedup.tms(0, d, 2, 32768, 4, tile_size=(2048, 4096), mode="tiles") == pytest.approx(30 / 24)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+def test_model_step_benchmark_smoke(tmp_path):
+    """The benchmark end to end on tiny sequences: every layout timed, contiguous at 1.00,
+    TMS tiles between 1 and TMS for striped, the paper's rows and the plot."""
+    pytest.importorskip("matplotlib")
+    from bench import model_step
+    text, pngs = model_step.run(results_dir=tmp_path, seqs=(256,))
+    rows = [line for line in text.splitlines() if line.startswith("| 256 |")]
+    assert [r.split("|")[3].strip() for r in rows] == list(reference.LAYOUTS)
+    assert rows[0].split("|")[8].strip() == "1.00"                      # contiguous's speed-up
+    tms, tms_tiles = (float(rows[1].split("|")[i]) for i in (9, 10))    # striped
+    assert 1 <= tms_tiles <= tms
+    assert "Paper Table 3" in text and len(pngs) == 1 and pngs[0].stat().st_size > 1000
 
 
 # -- the command line -------------------------------------------------------------------------
