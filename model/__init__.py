@@ -11,10 +11,13 @@ attention is local to its device, and attention goes through the ring.
 
 Modules, in reading order: `layers` (forward and backward of each layer),
 `recipe` (shift, then shard), `attention` (dense, the virtual ring, MPI),
-`transformer` (the model), `train` (task, Adam, the loop), `__main__` (command line).
+`transformer` (the model), `train` (task, Adam, the loop), `__main__` (command line),
+`speedup` (the paper's Theoretical Maximum Speedup for any model, pair-counted and tile-aware).
 """
 
-from . import attention, layers, recipe, transformer
+# `speedup` is not imported here: `python -m model.speedup` would warn that it was
+# imported before it ran.
+from . import attention, layers, recipe, train, transformer
 from .transformer import Config, init_params, loss_and_grads
 
-__all__ = ["attention", "layers", "recipe", "transformer", "Config", "init_params", "loss_and_grads"]
+__all__ = ["attention", "layers", "recipe", "train", "transformer", "Config", "init_params", "loss_and_grads"]
