@@ -131,8 +131,9 @@ for n in (1, 2, 4):
 # ## The mistake the recipe avoids: local positions
 #
 # Give rotary each device's *local* index `0 .. c-1` instead of the global positions. The ring
-# still masks correctly (its masks come from the layout's global positions), but the model
-# now believes that tokens 0, 4, 8 and 12 of the striped layout all sit at position 0:
+# still masks correctly (its masks come from the layout's global positions), but rotary now
+# tells the model that, in the striped layout, tokens 0, 1, 2 and 3 (the first token of each
+# device) all sit at position 0, and that token 4 sits right after token 0:
 
 # %%
 n_labels = int((tokens[:, 1:] != layers.IGNORE).sum())
