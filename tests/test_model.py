@@ -286,3 +286,16 @@ def test_command_line_trains_and_draws(tmp_path):
     curves = np.load(tmp_path / "curve.npz")
     assert sorted(curves.files) == sorted(reference.LAYOUTS)
     assert all(len(curves[k]) == 3 for k in curves.files)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--period", "300"], "--period (300) must be less than --seq-len (256)"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--seq-len", "254", "--n-devices", "4"], "sequence length 254 must be a positive multiple of n_devices = 4"),
+])
+def test_command_line_refuses_bad_options_before_training(argv, message, capsys):
+    from model.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--backend", "virtual", "--plot", "", "--out", ""] + argv)
+    assert exit_.value.code != 0
+    assert message in capsys.readouterr().err + str(exit_.value.code)
