@@ -149,8 +149,8 @@ def measured_markdown(rs):
                            "TMS tiles", "speed-up / TMS", "speed-up / TMS tiles"), body, "rrlrrrrrrrrr")
 
 
-def paper_markdown():
-    rows_ = speedup.paper_rows_tile_aware()
+def paper_markdown(tables=None):
+    rows_ = speedup.paper_rows_tile_aware(tables)
     summary = []
     for table in dict.fromkeys(r["table"] for r in rows_):
         sub = [r for r in rows_ if r["table"] == table]
@@ -161,7 +161,7 @@ def paper_markdown():
                         f"{min(b):.2f} .. {max(b):.2f}"))
     parts = [markdown_table(("paper table", "hardware", "tile", "rows", "speed-up / TMS", "speed-up / TMS tiles"),
                             summary, "llrrrr")]
-    for table in ("3", "5"):
+    for table in [t for t in ("3", "5") if tables is None or t in tables]:
         sub = [r for r in rows_ if r["table"] == table]
         body = [(r["model"], f"{r['model_parallel']} x {r['seq_parallel']}", r["n_seq"], r["n_seq"] // r["seq_parallel"],
                  f"{r['tms']:.2f}", f"{r['tms_tiles']:.2f}", f"{r['speedup']:.2f}", f"{r['speedup'] / r['tms']:.2f}",
@@ -172,9 +172,9 @@ def paper_markdown():
     return "\n\n".join(parts)
 
 
-def smallest_blocks_note():
+def smallest_blocks_note(tables=None):
     """The A100 rows at c = 4096, where tiles of 2048 x 4096 leave striped nothing to skip."""
-    sub = [r for r in speedup.paper_rows_tile_aware() if r["hardware"] == "a100"
+    sub = [r for r in speedup.paper_rows_tile_aware(tables) if r["hardware"] == "a100"
            and r["n_seq"] // r["seq_parallel"] == 4096]
     assert all(r["tms_tiles"] == 1.0 for r in sub)
     lo = lambda key: min(r[key] for r in sub)
@@ -211,7 +211,8 @@ def plot(rs, path):
     return path
 
 
-def run(quick=True, *, results_dir=RESULTS, progress=None, seqs=None):
+def run(quick=True, *, results_dir=RESULTS, progress=None, seqs=None, paper_tables=None):
+    """Markdown and the plot. `seqs` and `paper_tables` (default: all) narrow it for a smoke test."""
     seqs = seqs or (QUICK_SEQS if quick else FULL_SEQS)
     summary = summarize(launch(seqs, progress))
     rs = rows(summary, seqs)
@@ -231,8 +232,8 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, seqs=None):
         f"*TMS*: paper section 4 for this model, pair-counted; *TMS tiles*: the same with the critical "
         f"path's tile area (`model.speedup`). Sizes are modest because the machine is shared.",
         measured_markdown(rs),
-        smallest_blocks_note(),
-        paper_markdown(),
+        smallest_blocks_note(paper_tables),
+        paper_markdown(paper_tables),
     ])
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
