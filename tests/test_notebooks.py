@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("reference", "mpi_impl", "gpu_impl")
+PACKAGES = ("reference", "mpi_impl", "gpu_impl", "model")
 CELL_TIMEOUT_S = 120      # one cell; the slowest (the MPI launches of notebook 6) takes ~10 s
 
 
@@ -51,7 +51,7 @@ def public_names(source):
 
 
 def exported_names():
-    """Public names of every module of reference/, mpi_impl/ and gpu_impl/ (read, not imported:
+    """Public names of every module of reference/, mpi_impl/, gpu_impl/ and model/ (read, not imported:
     importing mpi_impl would start MPI, and gpu_impl may want CuPy)."""
     names = set()
     for package in PACKAGES:
@@ -92,8 +92,8 @@ def imported_packages(source):
 
 # -- tests --------------------------------------------------------------------------
 
-def test_six_numbered_notebooks():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+def test_seven_numbered_notebooks():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 def test_the_checks_catch_a_redefinition():
