@@ -67,7 +67,7 @@ class LazyThreadedStep(ExactBase2Step):
         def unit(b, h, qs, blocks):
             with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
                 self.forward_rows(acc.o[b, h, qs], acc.m[b, h, qs], acc.l[b, h, qs], q[b, h, qs],
-                                  heads[b, h], queries.pos[qs], block.pos, blocks)
+                                  heads[b, h], queries.pos[qs], block.pos, blocks, queries.mask)
 
         pairs = [(b, h) for b in range(B) for h in range(Hkv)]
         units = sorted(((b, h, qs, blocks) for qs, blocks in forward_units(plan, c, G) for b, h in pairs),
