@@ -14,6 +14,11 @@ a tiled kernel costs, paper section 2.2.1), and ``"pairs"``, visible (query,
 key) pairs only (element-exact skipping, the paper's Work(i, j) of section 2.2).
 With pairs, striped's speedup tends to (2N - 1) / N as blocks grow.
 
+Every mask of `reference.masks` is predicted the same way (a sliding window,
+packed documents, padding of any S; dropout changes no work), and any dealing
+of positions, not only the three layouts (`predict_positions`: e.g. each
+document zig-zagged on its own, as some frameworks balance packed documents).
+
 The paper's Theoretical Maximum Speedup for its model configurations (section 4)
 is in `reference.tms` and re-exported here.
 
@@ -26,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .layouts import LAYOUTS, positions
-from .tiles import SKIP, classify, count_visible_pairs, tile_edges, tile_shape
+from .masks import as_mask, count_visible_pairs, layout_mask
+from .tiles import SKIP, classify, tile_edges, tile_shape
 from .tms import HARDWARE, MODELS, paper_rows, theoretical_max_speedup  # noqa: F401 (re-exported)
 
 MODES = ("tiles", "pairs")
@@ -50,12 +56,20 @@ class Prediction:
         return int(self.work(mode).max(axis=1).sum())
 
 
-def predict(seq_len, n_devices, layout="striped", tile_size=None, causal=True):
+def predict(seq_len, n_devices, layout="striped", tile_size=None, causal=True, **mask_options):
     """Per-round, per-device tiles and pairs for one ring pass (forward or backward:
-    both visit the same tiles)."""
-    pos = positions(seq_len, n_devices, layout)
+    both visit the same tiles). `mask_options`: those of `reference.ring_attention`
+    (window, cu_seqlens, segment_ids; dropout and seed are accepted and change nothing)."""
+    mask = layout_mask(seq_len, n_devices, layout, causal=causal, **mask_options)
+    return predict_positions(positions(seq_len, n_devices, layout), tile_size, mask)
+
+
+def predict_positions(pos, tile_size=None, mask=True):
+    """`predict` for any dealing of positions: `pos` (N, c), device j holding
+    positions pos[j]; `mask` a `reference.masks.Mask` or a bool (causal)."""
+    mask = as_mask(mask)
+    n_devices, c = pos.shape
     tq, tk = tile_shape(tile_size)
-    c = seq_len // n_devices
     sizes_q = np.diff(np.append(tile_edges(c, tq), c))         # (Tq,) rows of each tile
     sizes_k = np.diff(np.append(tile_edges(c, tk), c))         # (Tk,)
     area = sizes_q[:, None] * sizes_k[None, :]                 # (Tq, Tk)
@@ -64,19 +78,19 @@ def predict(seq_len, n_devices, layout="striped", tile_size=None, causal=True):
     for t in range(n_devices):
         for j in range(n_devices):
             k = (j - t) % n_devices
-            kinds = classify(pos[j], pos[k], (tq, tk), causal)
+            kinds = classify(pos[j], pos[k], (tq, tk), mask)
             p.source[t, j] = k
             p.tiles_skipped[t, j] = (kinds == SKIP).sum()
             p.tiles_computed[t, j] = kinds.size - p.tiles_skipped[t, j]
             p.tile_area[t, j] = area[kinds != SKIP].sum()
-            p.pairs[t, j] = count_visible_pairs(pos[j], pos[k], causal)
+            p.pairs[t, j] = count_visible_pairs(pos[j], pos[k], mask)
     return p
 
 
-def speedup(seq_len, n_devices, layout="striped", tile_size=None, mode="tiles", causal=True):
-    """Predicted speedup of `layout` over contiguous (Ring Attention)."""
-    base = predict(seq_len, n_devices, "contiguous", tile_size, causal).critical_path(mode)
-    return base / predict(seq_len, n_devices, layout, tile_size, causal).critical_path(mode)
+def speedup(seq_len, n_devices, layout="striped", tile_size=None, mode="tiles", causal=True, **mask_options):
+    """Predicted speedup of `layout` over contiguous (Ring Attention), for the same mask."""
+    base = predict(seq_len, n_devices, "contiguous", tile_size, causal, **mask_options).critical_path(mode)
+    return base / predict(seq_len, n_devices, layout, tile_size, causal, **mask_options).critical_path(mode)
 
 
 def striped_limit(n_devices):

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .layouts import padded_length
+
 BIG = 2 ** 62          # "no bound" for lo / hi: far beyond any position
 
 
@@ -136,6 +138,15 @@ def make_mask(*, causal=True, window=None, cu_seqlens=None, segment_ids=None, dr
     segments = documents(cu_seqlens, segment_ids, seq_len)
     return Mask(causal=bool(causal), window=None if window is None else int(window), segments=segments,
                 seq_len=None if seq_len is None else int(seq_len), dropout=float(dropout), seed=int(seed))
+
+
+def layout_mask(seq_len, n_devices, layout, *, causal=True, **mask_options):
+    """The Mask of a ring run of `seq_len` real tokens: the options, with the
+    padding rule when the layout pads `seq_len` (or documents cover it)."""
+    from .checks import check_mask_options
+    padded = padded_length(seq_len, n_devices, layout) > seq_len
+    documents = mask_options.get("cu_seqlens") is not None or mask_options.get("segment_ids") is not None
+    return check_mask_options(causal=causal, seq_len=seq_len if padded or documents else None, **mask_options)
 
 
 def documents(cu_seqlens, segment_ids, seq_len):

@@ -18,7 +18,7 @@ import threading
 
 from . import checks, ring, steps
 from .layouts import array_module, check_layout, positions, shard, unshard
-from .masks import make_mask
+from .masks import layout_mask
 from .trace import Trace
 
 POLL_S = 0.05
@@ -84,14 +84,6 @@ def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_o
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
     mask = layout_mask(S, n_devices, layout, causal=causal, **mask_options)
     return scale, steps.check_step(step, array_module(q), backward=backward, dropout=mask.dropout), mask
-
-
-def layout_mask(seq_len, n_devices, layout, *, causal=True, **mask_options):
-    """The Mask of a run: the options (`masks.make_mask`), and the padding when
-    the layout pads `seq_len` (the padding is masked; none: no seq_len rule)."""
-    padded = positions(seq_len, n_devices, layout).size > seq_len
-    documents = mask_options.get("cu_seqlens") is not None or mask_options.get("segment_ids") is not None
-    return make_mask(causal=causal, seq_len=seq_len if padded or documents else None, **mask_options)
 
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
