@@ -87,23 +87,38 @@ def test_visible_follows_the_definition(data):
     assert count_visible_pairs(q_pos, k_pos, mask) == want.sum()
 
 
+def assert_exact_kinds(q_pos, k_pos, tile, mask):
+    """SKIP exactly where a tile has no visible pair, FULL where all are: brute force."""
+    kinds = classify(q_pos, k_pos, tile, mask)
+    seen = visible_by_definition(q_pos, k_pos, mask)
+    for a, i0 in enumerate(tile_edges(len(q_pos), tile[0])):
+        for b, j0 in enumerate(tile_edges(len(k_pos), tile[1])):
+            part = seen[i0:i0 + tile[0], j0:j0 + tile[1]]
+            want = SKIP if not part.any() else FULL if part.all() else MASKED
+            assert kinds[a, b] == want, (a, b, mask)
+
+
 @settings(max_examples=EXAMPLES)
 @given(st.data())
 def test_tile_kinds_are_exact(data):
-    # SKIP exactly where a tile has no visible pair, FULL where all are: brute force
     layout, n = data.draw(st.sampled_from(LAYOUTS)), data.draw(st.integers(1, 4))
     S = data.draw(st.integers(1, 40))
-    mask = data.draw(masks(S))
     pos = positions(S, n, layout)
     j, k = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, n - 1))
-    tq, tk = data.draw(st.integers(1, pos.shape[1] + 1)), data.draw(st.integers(1, pos.shape[1] + 1))
-    kinds = classify(pos[j], pos[k], (tq, tk), mask)
-    seen = visible_by_definition(pos[j], pos[k], mask)
-    for a, i0 in enumerate(tile_edges(pos.shape[1], tq)):
-        for b, j0 in enumerate(tile_edges(pos.shape[1], tk)):
-            tile = seen[i0:i0 + tq, j0:j0 + tk]
-            want = SKIP if not tile.any() else FULL if tile.all() else MASKED
-            assert kinds[a, b] == want, (a, b, mask)
+    tile = data.draw(st.integers(1, pos.shape[1] + 1)), data.draw(st.integers(1, pos.shape[1] + 1))
+    assert_exact_kinds(pos[j], pos[k], tile, data.draw(masks(S)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("options", [dict(window=3), dict(window=5, causal=False), dict(cu_seqlens=[0, 7, 9, 22]),
+                                     dict(segment_ids=np.arange(22) % 3, window=8), dict(seq_len=22)])
+def test_tile_kinds_are_exact_on_chosen_masks(layout, options):
+    # every pair of blocks of S = 22 on 3 devices (padded), tiles 2 x 3
+    mask = make_mask(**{"seq_len": 22, **options})
+    pos = positions(22, 3, layout)
+    for j in range(3):
+        for k in range(3):
+            assert_exact_kinds(pos[j], pos[k], (2, 3), mask)
 
 
 # -- drawn cases: the virtual ring against dense ------------------------------
