@@ -37,6 +37,7 @@ SECTIONS = {
     "predicted": ("bench.predicted", "Predicted speed-up (cost model)"),
     "kernel": ("bench.kernel", "Kernel efficiency and memory of one device"),
     "mpi": ("bench.mpi_scaling", "Measured speed-up with MPI processes"),
+    "masks": ("bench.masks", "Packed documents and sliding windows"),
     "gpu": ("bench.gpu_bench", "GPU"),
 }
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # they change BLAS timings

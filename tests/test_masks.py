@@ -582,3 +582,26 @@ def test_command_line_runs_and_checks_masks():
     assert "S=301" in proc.stdout and "bfloat16" in proc.stdout
     assert "causal, window 40, 9 documents, dropout 0.2" in proc.stdout
     assert "step v1" in proc.stdout                                  # dropout: the readable step
+
+
+# -- the benchmark's pieces ---------------------------------------------------------
+
+def test_document_zigzag_deals_each_document_in_2n_chunks():
+    from bench.masks import document_zigzag_positions, mixes
+    pos = document_zigzag_positions([8, 4], 2)          # chunks of 2 and of 1 token
+    assert pos.tolist() == [[0, 1, 6, 7, 8, 11], [2, 3, 4, 5, 9, 10]]
+    for lengths in mixes(1024, 4).values():
+        assert sum(lengths) == 1024 and all(x % 8 == 0 for x in lengths)
+        flat = document_zigzag_positions(lengths, 4).ravel()
+        assert sorted(flat.tolist()) == list(range(1024))
+
+
+def test_masks_benchmark_tables_on_a_tiny_plan():
+    from bench.masks import Plan, documents_table, windows_table
+    plan = Plan(seq_len=512, n_devices=4, tile=16, windows=(32, 512), window_ns=(2,), window_for_ns=64)
+    docs = documents_table(plan, lambda m: None)
+    assert docs.count("| striped |") == 3 and "zigzag per document" in docs
+    by_w, by_n = windows_table(plan, lambda m: None)
+    plain = cost.speedup(512, 4, "striped", 16)
+    assert f"| 512 | {plain:.2f} |" in by_w                        # W = S: plain causal again
+    assert by_n.count("\n") == 2
