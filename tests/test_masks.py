@@ -605,3 +605,25 @@ def test_masks_benchmark_tables_on_a_tiny_plan():
     plain = cost.speedup(512, 4, "striped", 16)
     assert f"| 512 | {plain:.2f} |" in by_w                        # W = S: plain causal again
     assert by_n.count("\n") == 2
+
+
+def test_ranks_must_agree_on_the_mask():
+    """mpi_impl's collective check compares the mask too: two ranks with different
+    windows both raise, before any block moves (ranks as threads)."""
+    import threading
+
+    import mpi_impl
+    from test_gpu import ThreadComm, fake_world
+    n = 2
+    boxes, gathered, barrier = fake_world(n), [None] * n, threading.Barrier(n)
+    q = np.ones((1, 4, 1, 2))
+
+    def device(j, _virtual):
+        comm = ThreadComm(j, n, boxes, [], gathered, barrier)
+        try:
+            mpi_impl.ring_attention(q, q, q, comm=comm, window=[None, 3][j], make_ring=None)
+        except ValueError as e:
+            return str(e)
+
+    for message in run_devices(n, device):
+        assert message.startswith("ranks disagree on mask: rank 0 (True, None,"), message
