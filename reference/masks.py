@@ -49,6 +49,8 @@ class Mask:
     seq_len: object = None         # int, or None (no padding)
     dropout: float = 0.0
     seed: int = 0
+    spans: object = None           # (first, last) (seq_len,) of each position's document, when
+                                   # every document is one run of positions (cu_seqlens always)
 
     @property
     def causal_only(self):
@@ -67,6 +69,9 @@ class Mask:
         w = self.window
         lo = q - (w - 1) if w is not None else np.full_like(q, -BIG)
         hi = q.copy() if self.causal else (q + (w - 1) if w is not None else np.full_like(q, BIG))
+        if self.spans is not None:               # one run per document: the run bounds the range
+            at = np.minimum(q, len(self.spans[0]) - 1)
+            lo, hi = np.maximum(lo, self.spans[0][at]), np.minimum(hi, self.spans[1][at])
         if self.seq_len is not None:
             hi = np.minimum(hi, self.seq_len - 1)
             hi = np.where(q >= self.seq_len, lo - 1, hi)
@@ -137,7 +142,8 @@ def make_mask(*, causal=True, window=None, cu_seqlens=None, segment_ids=None, dr
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     segments = documents(cu_seqlens, segment_ids, seq_len)
     return Mask(causal=bool(causal), window=None if window is None else int(window), segments=segments,
-                seq_len=None if seq_len is None else int(seq_len), dropout=float(dropout), seed=int(seed))
+                seq_len=None if seq_len is None else int(seq_len), dropout=float(dropout), seed=int(seed),
+                spans=None if segments is None else runs(segments))
 
 
 def layout_mask(seq_len, n_devices, layout, *, causal=True, **mask_options):
@@ -169,6 +175,18 @@ def documents(cu_seqlens, segment_ids, seq_len):
     return np.unique(ids, return_inverse=True)[1].astype(np.int64).reshape(-1)
 
 
+def runs(segments):
+    """(first, last) position of each position's document, if every document is
+    one run of consecutive positions (then a query's keys are one interval); else None."""
+    change = np.flatnonzero(np.diff(segments)) + 1
+    starts = np.concatenate([[0], change])
+    if len(starts) != len(np.unique(segments)):
+        return None
+    ends = np.concatenate([change, [len(segments)]]) - 1
+    length = np.diff(np.append(starts, len(segments)))
+    return np.repeat(starts, length), np.repeat(ends, length)
+
+
 def cu_seqlens_from_lengths(lengths):
     """Document lengths -> cu_seqlens: [3, 5] -> [0, 3, 8]."""
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -197,7 +215,7 @@ def visible(q_pos, k_pos, mask=CAUSAL):
         return np.asarray(q_pos)[:, None] >= k
     lo, hi = mask.key_range(q_pos)
     seen = (k >= lo[:, None]) & (k <= hi[:, None])
-    if mask.segments is not None:
+    if mask.segments is not None and mask.spans is None:    # documents that are not one run each
         seen &= mask.doc(q_pos)[:, None] == mask.doc(k_pos)[None, :]
     return seen
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from .heads import accumulate_dtype, q_to_heads, rows_to_heads
 from .layouts import array_module
-from .masks import CAUSAL, any_visible, keep_weights, resolve, visible
+from .masks import CAUSAL, any_visible, count_visible_pairs, keep_weights, resolve, visible
 from .tiles import MASKED, tile_plan, tile_shape
 
 
@@ -194,11 +194,9 @@ class Step:
 
 
 def _count(plan, skipped, q_pos, k_pos, mask):
-    counts = StepCounts(tiles_computed=len(plan), tiles_skipped=skipped)
-    for qs, ks, kind in plan:
-        counts.pairs += (int(visible(q_pos[qs], k_pos[ks], mask).sum()) if kind == MASKED
-                         else len(q_pos[qs]) * len(k_pos[ks]))
-    return counts
+    # a skipped tile has no visible pair, so the block's visible pairs are the tiles'
+    return StepCounts(tiles_computed=len(plan), tiles_skipped=skipped,
+                      pairs=count_visible_pairs(q_pos, k_pos, mask))
 
 
 def finish_forward(acc):
