@@ -597,8 +597,11 @@ def test_document_zigzag_deals_each_document_in_2n_chunks():
 
 
 def test_masks_benchmark_tables_on_a_tiny_plan():
-    from bench.masks import Plan, documents_table, windows_table
-    plan = Plan(seq_len=512, n_devices=4, tile=16, windows=(32, 512), window_ns=(2,), window_for_ns=64)
+    from bench.masks import Plan, documents_table, tile_costs, windows_table
+    plan = Plan(seq_len=512, n_devices=4, tile=16, windows=(32, 512), window_ns=(2,), window_for_ns=64,
+                measured_seq=1024, measured_tile=64)
+    costs = tile_costs(plan, lambda m: None, repeat=1)
+    assert costs.count("| causal |") == 3 and "| documents | striped, block 0 on device 1 |" in costs
     docs = documents_table(plan, lambda m: None)
     assert docs.count("| striped |") == 3 and "zigzag per document" in docs
     by_w, by_n = windows_table(plan, lambda m: None)
