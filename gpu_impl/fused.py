@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 
 from reference.masks import resolve
-
 from reference.step import Step
 from reference.tiles import tile_shape
 

@@ -23,6 +23,7 @@ The paper's Theoretical Maximum Speedup for its model configurations (section 4)
 is in `reference.tms` and re-exported here.
 
     python -m reference.cost --seq-len 65536 --n-devices 8 --tile-size 2048
+    python -m reference.cost --seq-len 65536 --n-devices 8 --tile-size 512 --window 4096
 """
 
 import argparse
@@ -108,12 +109,19 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=4096, help="tokens S (default 4096)")
     ap.add_argument("--n-devices", type=int, default=4, help="devices N (default 4)")
     ap.add_argument("--tile-size", type=int, default=None, help="tile size (default %(default)s: the kernel's)")
+    ap.add_argument("--window", type=int, default=None, help="sliding window W (default: none)")
+    ap.add_argument("--doc-lengths", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                    metavar="L0,L1,...", help="packed documents, adding up to --seq-len")
     args = ap.parse_args(argv)
-    print(f"S={args.seq_len} N={args.n_devices} tile={tile_shape(args.tile_size)}")
+    mask = dict(window=args.window)
+    if args.doc_lengths:
+        mask["cu_seqlens"] = np.concatenate([[0], np.cumsum(args.doc_lengths)])
+    print(f"S={args.seq_len} N={args.n_devices} tile={tile_shape(args.tile_size)}"
+          + "".join(f" {k}={v}" for k, v in (("window", args.window), ("documents", args.doc_lengths)) if v))
     print(f"{'layout':<11} {'crit. tiles':>12} {'crit. pairs':>12} {'speedup tiles':>14} {'speedup pairs':>14}")
     for layout in LAYOUTS:
-        p = predict(args.seq_len, args.n_devices, layout, args.tile_size)
-        s = [speedup(args.seq_len, args.n_devices, layout, args.tile_size, m) for m in MODES]
+        p = predict(args.seq_len, args.n_devices, layout, args.tile_size, **mask)
+        s = [speedup(args.seq_len, args.n_devices, layout, args.tile_size, m, **mask) for m in MODES]
         print(f"{layout:<11} {p.critical_path('tiles'):>12} {p.critical_path('pairs'):>12} "
               f"{s[0]:>14.3f} {s[1]:>14.3f}")
     print(f"(2N-1)/N limit: {striped_limit(args.n_devices):.3f}")

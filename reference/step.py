@@ -23,7 +23,11 @@ The contract (what a new kernel implements; `reference.steps` registers it):
 a `Step` subclass with ``forward_tiles(acc, queries, block, plan)`` and
 ``backward_tiles(grads, queries, rows, block, plan)``. `Step.forward` and
 `Step.backward` do the rest once for every version: plan the tiles from
-positions, note which rows can see a key, count the work for the trace.
+positions and the mask (``mask=``, a `reference.masks.Mask`; ``causal=True``
+still works), note which rows can see a key, count the work for the trace.
+The tiles read the mask from ``queries.mask`` (a MASKED tile's mask is
+``visible(q_pos, k_pos, queries.mask)``); a version that applies dropout
+(``has_dropout``) weighs P V by `masks.keep_weights`, as version 1 does.
 Faster versions sit beside this one (`step_v2`, `step_v3`,
 `gpu_impl.fused`), each checked against it (tests/test_step.py).
 

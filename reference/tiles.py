@@ -20,7 +20,9 @@ Legend: ``c`` queries, ``ck`` keys, ``T`` tiles.
 
 import numpy as np
 
-from .masks import any_visible, as_mask, count_visible_pairs, visible, visible_counts  # noqa: F401
+from .masks import as_mask, visible_counts
+# the pair rule and its counts live in `masks`; importable from here as they were
+from .masks import any_visible, count_visible_pairs, visible  # noqa: F401
 
 SKIP, FULL, MASKED = 0, 1, 2
 DEFAULT_TILE_SIZE = 256
