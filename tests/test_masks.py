@@ -18,7 +18,7 @@ length (padding inside), layout-invariant dropout, and bfloat16 storage.
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -133,7 +133,6 @@ class MaskedCase:
     dropout: float = 0.0
     seed: int = 0
     step: str = "v1"
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def mask_options(self):
         return dict(window=self.window, dropout=self.dropout, seed=self.seed,
@@ -155,10 +154,12 @@ class MaskedCase:
 
 @st.composite
 def masked_cases(draw, dtypes=(np.float64, np.float32, BFLOAT16), max_devices=8, steps=("v1", "v3"),
-                 dropout=True):
-    """Any layout, N, S (most not a multiple of the layout's unit), GQA, tile,
-    and each mask option: window, documents as cu_seqlens or segment ids, dropout."""
-    layout, n = draw(st.sampled_from(LAYOUTS)), draw(st.integers(1, max_devices))
+                 dropout=True, n_devices=None):
+    """Any layout, N (or `n_devices`), S (most not a multiple of the layout's
+    unit), GQA, tile, and each mask option: window, documents as cu_seqlens or
+    segment ids, dropout."""
+    layout = draw(st.sampled_from(LAYOUTS))
+    n = draw(st.integers(1, max_devices)) if n_devices is None else n_devices
     S = draw(st.integers(1, 48))
     c = padded_length(S, n, layout) // n
     Hkv = draw(st.integers(1, 2))
@@ -460,9 +461,7 @@ def test_mpi_ranks_with_masks_equal_dense(tmp_path):
     from test_mpi import MPIEXEC, WORKERS, mpirun
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
-    batch = draw(masked_cases(max_devices=1).map(lambda mc: MaskedCase(
-        Case(**{**mc.case.__dict__, "n_devices": MPI_RANKS}), mc.window, mc.cu_seqlens, mc.segment_ids,
-        mc.dropout, mc.seed, mc.step)), MPI_CASES)
+    batch = draw(masked_cases(n_devices=MPI_RANKS), MPI_CASES)
     spec, data, want = [], {}, []
     for i, mc in enumerate(batch):
         q, k, v, dout = mc.inputs()
