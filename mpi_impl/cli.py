@@ -184,7 +184,7 @@ def main(argv=None, backend=NUMPY, parser=None):
     comm = MPI.COMM_WORLD
     if not isinstance(backend, Backend):
         backend = backend(args)
-    problem = check_args(args, comm.Get_size())
+    problem = check_args(args, comm.Get_size()) or backend_problem(args, backend)
     if problem:                 # every rank finds the same problem; one of them says it
         if comm.Get_rank() == 0:
             parser.print_usage(sys.stderr)
@@ -224,6 +224,13 @@ def check_args(args, n_ranks):
         return f"--dropout needs --step v1 (or auto): step {args.step!r} has no dropout"
     if args.dtype == "bfloat16" and args.step == "fused":
         return "--dtype bfloat16 needs a NumPy step; step 'fused' takes float16 or float32"
+    return None
+
+
+def backend_problem(args, backend):
+    """A message for options this backend cannot run, or None."""
+    if args.dtype == "bfloat16" and backend.array_module is not np:
+        return f"--dtype bfloat16 is NumPy's (ml_dtypes); the {backend.name} backend has no bfloat16 arrays"
     return None
 
 

@@ -559,6 +559,14 @@ def test_command_line_refuses_bad_mask_options(argv, message):
     assert problem is not None and problem.startswith(message), problem
 
 
+def test_command_line_refuses_bfloat16_on_a_backend_without_it():
+    from mpi_impl.cli import NUMPY, Backend, backend_problem, build_parser
+    args = build_parser().parse_args(["--dtype", "bfloat16"])
+    assert backend_problem(args, NUMPY) is None
+    gpu = Backend("cupy", None, None, array_module=object())
+    assert backend_problem(args, gpu) == "--dtype bfloat16 is NumPy's (ml_dtypes); the cupy backend has no bfloat16 arrays"
+
+
 def test_command_line_takes_any_length_and_every_mask_option():
     from mpi_impl.cli import _lengths, build_parser
     assert cli_problem("--seq-len", "1001", "--doc-lengths", "801,100x2", "--window", "64", "--dropout", "0.1") is None
