@@ -40,6 +40,7 @@ SECTIONS = {
     "virtual": ("bench.virtual_ring", "Virtual devices: wall time against the total tile count"),
     "scale": ("bench.scale", "Long sequences on MPI ranks"),
     "model": ("bench.model_step", "The whole model: training-step speed-up on MPI ranks"),
+    "masks": ("bench.masks", "Packed documents and sliding windows"),
     "gpu": ("bench.gpu_bench", "GPU"),
 }
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # they change BLAS timings

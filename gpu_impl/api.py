@@ -18,7 +18,7 @@ Shapes (this rank's shard, in the layout's local order): q (B, c, Hq, D), k, v
 
 
 from mpi_impl import agree, gather_trace
-from mpi_impl.attention import TRACE_CHOICES
+from mpi_impl.attention import TRACE_CHOICES, shard_mask
 from reference import checks, ring, steps
 from reference.layouts import check_layout, positions
 from reference.tiles import tile_shape
@@ -38,36 +38,39 @@ def use_local_device(comm):
 
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
-                   transfer="auto", step="auto", trace=False):
+                   transfer="auto", step="auto", trace=False, seq_len=None, **mask_options):
     """Exact attention of this rank's query shard to every rank's keys.
 
     Returns (out, lse); with ``trace=True`` also the Trace of every rank
     (collective), with ``trace="rank"`` this rank's RoundLog (as mpi_impl).
     `step`: "auto" (the readable step, v1, on CuPy), "v1", "fused" or a
-    `reference.step.Step`. Collective: every rank of `comm` must call it."""
+    `reference.step.Step`. `seq_len` and the mask options (window, cu_seqlens,
+    segment_ids, dropout, seed) as in `mpi_impl.ring_attention`.
+    Collective: every rank of `comm` must call it."""
     options = dict(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                   transfer=transfer, step=step, trace=trace)
-    cupy, scale, step = _agree(comm, (q, k, v), (), options, "forward")
+                   transfer=transfer, step=step, trace=trace, seq_len=seq_len, mask_options=mask_options)
+    cupy, scale, step, mask = _agree(comm, (q, k, v), (), options, "forward")
     q_pos = positions(q.shape[1] * comm.Get_size(), comm.Get_size(), layout)[comm.Get_rank()]
     with CupyDevice(cupy, q.device.id) as device, _DupRing(comm, device, transfer) as ring_comm:
-        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, causal=causal,
+        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, mask=mask,
                                           scale=scale, tile_size=tile_size, step=step)
         device.synchronize()
     return (out, lse) + _trace_result(log, comm, trace)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
-                            scale=None, tile_size=None, transfer="auto", step="auto", trace=False):
+                            scale=None, tile_size=None, transfer="auto", step="auto", trace=False,
+                            seq_len=None, **mask_options):
     """Gradients (dq, dk, dv) of this rank's shard; K, V, dK, dV travel the
     ring and dK, dV end on the rank that owns those keys. ``step`` (one with a
     backward) and ``trace`` as in `ring_attention`. Collective."""
     options = dict(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                   transfer=transfer, step=step, trace=trace)
-    cupy, scale, step = _agree(comm, (q, k, v), (out, lse, dout), options, "backward")
+                   transfer=transfer, step=step, trace=trace, seq_len=seq_len, mask_options=mask_options)
+    cupy, scale, step, mask = _agree(comm, (q, k, v), (out, lse, dout), options, "backward")
     q_pos = positions(q.shape[1] * comm.Get_size(), comm.Get_size(), layout)[comm.Get_rank()]
     with CupyDevice(cupy, q.device.id) as device, _DupRing(comm, device, transfer) as ring_comm:
         dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
-                                             causal=causal, scale=scale, tile_size=tile_size, step=step)
+                                             mask=mask, scale=scale, tile_size=tile_size, step=step)
         device.synchronize()
     return (dq, dk, dv) + _trace_result(log, comm, trace)
 
@@ -90,7 +93,7 @@ class _DupRing:
 def _agree(comm, qkv, grads, options, kind):
     """Every rank checks CuPy, the GPU and its inputs, then all agree
     (`mpi_impl.agree`: the same clear error on every rank, never a hang).
-    Returns (cupy, scale, Step)."""
+    Returns (cupy, scale, Step, Mask)."""
     found = {}
 
     def describe():
@@ -98,11 +101,11 @@ def _agree(comm, qkv, grads, options, kind):
         return _describe(found["cupy"], comm, qkv, grads, kind=kind, found=found, **options)
 
     scale = agree(comm, describe)["scale"]
-    return found["cupy"], scale, found["step"]
+    return found["cupy"], scale, found["step"], found["mask"]
 
 
 def _describe(cupy, comm, qkv, grads, *, kind, layout, causal, scale, tile_size, transfer, step,
-              trace, found):
+              trace, found, seq_len, mask_options):
     """This rank's checks, before any communication; what every rank must agree on."""
     q, k, v = qkv
     names = ("q", "k", "v", "out", "lse", "dout")
@@ -122,13 +125,16 @@ def _describe(cupy, comm, qkv, grads, *, kind, layout, causal, scale, tile_size,
     path, _ = choose_transfer(transfer)
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                                  head_dim=D)
-    found["step"] = chosen = steps.check_step(step, cupy, backward=kind == "backward")
+    found["mask"] = mask = shard_mask(c, n, layout, causal, seq_len, mask_options)
+    found["step"] = chosen = steps.check_step(step, cupy, backward=kind == "backward", dropout=mask.dropout)
     if chosen.name == "fused":
         fused.check_dtype(q.dtype)
         fused.fused_tile(tile_size, D)
+        if not mask.plain:
+            raise ValueError(f"step 'fused' knows only causal=True/False, got {mask}; use step='v1' or 'auto'")
     return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype), layout=layout,
                 causal=bool(causal), scale=scale, tile_size=tile_shape(tile_size), transfer=path,
-                step=chosen.name, trace=trace)
+                step=chosen.name, trace=trace, mask=mask.describe())
 
 
 def _trace_result(log, comm, trace):

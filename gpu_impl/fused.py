@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from reference.masks import resolve
 from reference.step import Step
 from reference.tiles import tile_shape
 
@@ -82,12 +83,16 @@ class FusedStep(Step):
     def tile(self, tile_size, head_dim):
         return fused_tile(tile_size, head_dim)
 
-    def forward(self, acc, queries, block, *, causal, tile_size):
+    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
         """Plan and count as every step does (the kernel skips the same tiles by
-        itself), then launch the kernel over the whole block."""
-        counts = super().forward(acc, queries, block, causal=causal, tile_size=tile_size)
+        itself), then launch the kernel over the whole block. The kernel knows
+        the causal flag only: other masks (`reference.masks`) take step 'v1'."""
+        mask = resolve(mask, causal)
+        if not mask.plain:
+            raise ValueError(f"step 'fused' knows only causal=True/False, got {mask}; use step='v1'")
+        counts = super().forward(acc, queries, block, mask=mask, tile_size=tile_size)
         if counts.tiles_computed:
-            launch_kernel(acc, queries, block, self.tile(tile_size, queries.q.shape[-1]), causal)
+            launch_kernel(acc, queries, block, self.tile(tile_size, queries.q.shape[-1]), mask.causal)
         return counts
 
     def forward_tiles(self, acc, queries, block, plan):

@@ -77,11 +77,11 @@ def main(argv=None):
     config = transformer.Config(vocab=args.vocab, d_model=args.d_model, n_head=args.heads,
                                 n_layer=args.layers, d_ff=args.d_ff)
     layouts = reference.LAYOUTS if args.layout == "all" else (args.layout,)
-    for layout in layouts:
-        try:
-            reference.positions(args.seq_len, n, layout)       # S must split into the layout's shards
-        except ValueError as e:
-            raise SystemExit(f"python -m model: error: {e}") from None
+    for layout in layouts:       # the model shards S as it is: no padding, so S must split into the shards
+        unit = 2 * n if layout == "zigzag" else n
+        if args.seq_len % unit:
+            raise SystemExit(f"python -m model: error: sequence length {args.seq_len} must be a positive "
+                             f"multiple of {'2 * ' if layout == 'zigzag' else ''}n_devices = {unit} for {layout}")
     backend = "mpi" if comm is not None else args.backend if args.backend == "dense" else "virtual"
     if rank == 0:
         print(f"model: {config.as_dict()}, {args.dtype}\ntask: copy a block of {args.period} tokens, "

@@ -21,10 +21,16 @@ what real processes need around it:
 
 Shapes (this rank's shard, in the layout's local order): q (B, c, Hq, D),
 k and v (B, c, Hkv, D), out like q, lse (B, Hq, c), with c = S // N.
+
+Mask options (`reference.masks`, the same on every rank): ``window``,
+``cu_seqlens`` or ``segment_ids`` (of the whole sequence), ``dropout`` and
+``seed``; and ``seq_len``, the real length when the layout padded it
+(``shard`` pads to N c tokens; None: S = N c, no padding).
 """
 
 from reference import checks, ring, steps
-from reference.layouts import array_module, check_layout, positions
+from reference.layouts import array_module, check_layout, padded_length, positions
+from reference.masks import layout_mask
 from reference.tiles import tile_shape
 from reference.trace import Trace
 
@@ -34,7 +40,7 @@ TRACE_CHOICES = (False, True, "rank")
 
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
-                   step="auto", trace=False, make_ring=RingComm.on):
+                   step="auto", trace=False, make_ring=RingComm.on, seq_len=None, **mask_options):
     """Exact attention of this rank's queries over every rank's keys.
 
     Returns (out, lse); with ``trace=True`` also the Trace of every rank
@@ -42,23 +48,25 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     `step`: a name of `reference.steps` ("auto": the fastest validated step for
     the arrays) or a `reference.step.Step`.
     ``make_ring(comm)`` builds the communication object (another backend passes
-    its own; one with a ``free()`` is freed after the ring).
+    its own; one with a ``free()`` is freed after the ring). `seq_len` and
+    `mask_options`: see the module docstring.
     Collective: every rank of `comm` must call it."""
     found = {}
     scale = agree(comm, lambda: describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,
                                               tile_size=tile_size, step=step, trace=trace, kind="forward",
-                                              found=found))["scale"]
+                                              found=found, seq_len=seq_len, **mask_options))["scale"]
     q_pos = this_rank_positions(q, comm, layout)
     ring_comm = make_ring(comm)
     with named_rank(comm):
-        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, causal=causal,
+        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, mask=found["mask"],
                                           scale=scale, tile_size=tile_size, step=found["step"])
     _free(ring_comm)
     return (out, lse) + _trace_result(log, comm, trace)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
-                            scale=None, tile_size=None, step="auto", trace=False, make_ring=RingComm.on):
+                            scale=None, tile_size=None, step="auto", trace=False, make_ring=RingComm.on,
+                            seq_len=None, **mask_options):
     """Gradients (dq, dk, dv) of this rank's shard, from the forward's out and lse.
 
     K, V, dK, dV travel the ring; dQ stays home; dK, dV end on the rank that
@@ -67,7 +75,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
 
     def describe():
         d = describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                          step=step, trace=trace, kind="backward", found=found)
+                          step=step, trace=trace, kind="backward", found=found, seq_len=seq_len, **mask_options)
         checks.check_grads_inputs(q, out, lse, dout)
         d.update(out=(tuple(out.shape), str(out.dtype)), lse=(tuple(lse.shape), str(lse.dtype)),
                  dout=(tuple(dout.shape), str(dout.dtype)))
@@ -78,7 +86,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
     ring_comm = make_ring(comm)
     with named_rank(comm):
         dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
-                                             causal=causal, scale=scale, tile_size=tile_size,
+                                             mask=found["mask"], scale=scale, tile_size=tile_size,
                                              step=found["step"])
     _free(ring_comm)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
@@ -96,10 +104,10 @@ def _free(ring_comm):
 
 
 def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, step="auto", trace=False,
-                  kind="forward", found=None):
+                  kind="forward", found=None, seq_len=None, **mask_options):
     """Validate this rank's inputs (raising the reference's clear errors) and
     return what every rank must agree on; pass it to `agree`. The Step chosen
-    is put in ``found["step"]``."""
+    is put in ``found["step"]``, the Mask in ``found["mask"]``."""
     if trace not in TRACE_CHOICES or isinstance(trace, int) and not isinstance(trace, bool):
         raise ValueError(f"trace must be one of {TRACE_CHOICES}, got {trace!r}")
     B, c, Hq, Hkv, D = checks.check_qkv(q, k, v, seq_axis_name="c")
@@ -107,12 +115,24 @@ def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, step="auto
     check_layout(layout, c * n, n)
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                                  head_dim=D)
-    chosen = steps.check_step(step, array_module(q), backward=kind == "backward")
+    mask = shard_mask(c, n, layout, causal, seq_len, mask_options)
+    chosen = steps.check_step(step, array_module(q), backward=kind == "backward", dropout=mask.dropout)
     if found is not None:
-        found["step"] = chosen
+        found["step"], found["mask"] = chosen, mask
     return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
                 layout=layout, causal=bool(causal), scale=scale, tile_size=tile_shape(tile_size),
-                step=chosen.name, trace=trace)
+                step=chosen.name, trace=trace, mask=mask.describe())
+
+
+def shard_mask(c, n, layout, causal, seq_len, mask_options):
+    """The Mask for shards of c tokens on n ranks: S = N c, or `seq_len` padded to N c."""
+    if seq_len is None:
+        seq_len = c * n
+    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 \
+            or padded_length(seq_len, n, layout) != c * n:
+        raise ValueError(f"seq_len must be the real sequence length, which layout {layout!r} pads to the "
+                         f"{n} x {c} tokens of the shards, got {seq_len!r}")
+    return layout_mask(seq_len, n, layout, causal=causal, **mask_options)
 
 
 def agree(comm, describe):

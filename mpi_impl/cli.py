@@ -3,6 +3,8 @@
     mpiexec -n 4 python -m mpi4py -m mpi_impl --layout all --check
     mpiexec -n 4 python -m mpi4py -m mpi_impl --layout all --check --seq-len 8192 --tile-size 256 --repeat 2   # make demo
     mpiexec -n 2 python -m mpi4py -m mpi_impl --seq-len 8192 --backward --plot timeline.png
+    mpiexec -n 4 python -m mpi4py -m mpi_impl --seq-len 3000 --doc-lengths 2000,125x8 --check   # packed documents
+    mpiexec -n 4 python -m mpi4py -m mpi_impl --window 256 --dropout 0.1 --backward --check
 
 Every rank makes its own shard of random q, k, v (chunk by chunk from a seed;
 only --check builds the whole sequence, on rank 0), runs `ring_attention` (and with ``--backward``
@@ -47,17 +49,18 @@ from typing import Callable
 import numpy as np
 
 from reference import LAYOUTS, attention, attention_backward, cost, positions, steps, unshard
+from reference.masks import cu_seqlens_from_lengths, make_mask
 from reference import ring_attention as reference_ring
 from reference import ring_attention_backward as reference_ring_backward
 from reference.trace import Trace
 
 from .attention import gather_trace, ring_attention, ring_attention_backward
 
-DTYPES = ("float16", "float32", "float64")
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 # --check fails above these (errors scaled by max(1, |reference|)); what the
 # tests measure is far below: float64 1e-15, float32 1e-6
 DENSE_MAX_SEQ = 2048     # --check uses the dense S x S formula up to here
-CHECK_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2}
+CHECK_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 CHUNK = 256          # tokens per independently seeded piece of the random inputs
 
 
@@ -117,6 +120,16 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--threads", type=int, default=1,
                     help="worker threads per rank, for steps that take them (v3)")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--window", type=int, default=None,
+                    help="sliding window W: a query sees the previous W tokens, itself included")
+    docs = ap.add_mutually_exclusive_group()
+    docs.add_argument("--cu-seqlens", type=_int_list, default=None, metavar="0,L0,L0+L1,...,S",
+                      help="packed documents: their boundaries (flash-attn's cu_seqlens), from 0 to --seq-len")
+    docs.add_argument("--doc-lengths", type=_lengths, default=None, metavar="L,LxK,...",
+                      help="packed documents by length, LxK meaning K documents of L tokens; "
+                           "they must add up to --seq-len (e.g. 2048,128x16)")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="attention dropout probability, keyed on --seed and global positions")
     ap.add_argument("--backward", action="store_true", help="also run the backward pass")
     ap.add_argument("--check", action="store_true",
                     help="compare with the reference on rank 0: the dense formula up to S = 2048, the NumPy "
@@ -133,6 +146,35 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     return ap
 
 
+def _int_list(text):
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _lengths(text):
+    """'2048,128x16' -> [2048, 128, 128, ...]."""
+    try:
+        out = []
+        for part in text.split(","):
+            length, _, count = part.partition("x")
+            out += [int(length)] * (int(count) if count else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected lengths like 2048,128x16, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"document lengths must be positive, got {text!r}")
+    return out
+
+
+def mask_options(args):
+    """The mask keyword arguments of the ring functions, from the parsed options."""
+    cu = args.cu_seqlens
+    if args.doc_lengths is not None:
+        cu = cu_seqlens_from_lengths(args.doc_lengths).tolist()
+    return dict(window=args.window, cu_seqlens=cu, dropout=args.dropout, seed=args.seed)
+
+
 def main(argv=None, backend=NUMPY, parser=None):
     """Parse, run every layout, print the table on rank 0; returns the exit status.
     `backend` is a Backend, or a function of the parsed arguments returning one
@@ -143,7 +185,7 @@ def main(argv=None, backend=NUMPY, parser=None):
     comm = MPI.COMM_WORLD
     if not isinstance(backend, Backend):
         backend = backend(args)
-    problem = check_args(args, comm.Get_size())
+    problem = check_args(args, comm.Get_size()) or backend_problem(args, backend)
     if problem:                 # every rank finds the same problem; one of them says it
         if comm.Get_rank() == 0:
             parser.print_usage(sys.stderr)
@@ -196,17 +238,32 @@ def check_args(args, n_ranks):
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         return f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
-    for layout in _layouts(args):
-        chunks = 2 * n_ranks if layout == "zigzag" else n_ranks
-        if args.seq_len % chunks:
-            return f"--seq-len {args.seq_len} must be a multiple of {chunks} for {layout} on {n_ranks} ranks"
+    if args.doc_lengths is not None and sum(args.doc_lengths) != args.seq_len:
+        return f"--doc-lengths add up to {sum(args.doc_lengths)} tokens, not --seq-len {args.seq_len}"
+    try:
+        mask = make_mask(causal=args.causal, seq_len=args.seq_len, **mask_options(args))
+    except (TypeError, ValueError) as e:          # the reference's words, with the options' names
+        for name in ("window", "cu_seqlens", "dropout"):
+            e = str(e).replace(f"{name} must", f"--{name.replace('_', '-')} must")
+        return str(e)
+    if mask.dropout and args.step not in ("auto", "v1", "readable"):
+        return f"--dropout needs --step v1 (or auto): step {args.step!r} has no dropout"
+    if args.dtype == "bfloat16" and args.step == "fused":
+        return "--dtype bfloat16 needs a NumPy step; step 'fused' takes float16 or float32"
+    return None
+
+
+def backend_problem(args, backend):
+    """A message for options this backend cannot run, or None."""
+    if args.dtype == "bfloat16" and backend.array_module is not np:
+        return f"--dtype bfloat16 is NumPy's (ml_dtypes); the {backend.name} backend has no bfloat16 arrays"
     return None
 
 
 def make_steps(args, backend):
     """(forward Step, backward Step) for --step and --threads: a step without a
     backward (the fused kernel) leaves the backward to "auto"."""
-    forward = steps.get(args.step, xp=backend.array_module)
+    forward = steps.get("v1" if args.dropout and args.step == "auto" else args.step, xp=backend.array_module)
     if args.threads > 1 and forward.takes_workers:
         forward = steps.get(forward.name, workers=args.threads)
     backward = forward if forward.has_backward else steps.get("auto", xp=backend.array_module)
@@ -237,9 +294,9 @@ def make_shard(seed, which, shape, pos, dtype):
     """Tokens `pos` of a standard-normal (B, S, H, D) array defined CHUNK tokens at a
     time from (seed, which, chunk), so that each rank makes only its own shard."""
     B, S, H, D = shape
-    out = np.empty((B, len(pos), H, D), dtype=dtype)             # (B, c, H, D)
+    out = np.zeros((B, len(pos), H, D), dtype=dtype)             # (B, c, H, D); padding stays 0
     for start in range(0, S, CHUNK):
-        here = np.nonzero((pos >= start) & (pos < start + CHUNK))[0]
+        here = np.nonzero((pos >= start) & (pos < min(start + CHUNK, S)))[0]   # not the padding
         if len(here):
             rng = np.random.default_rng([seed, which, start])
             piece = rng.standard_normal((B, min(CHUNK, S - start), H, D))
@@ -259,7 +316,8 @@ def time_passes(args, layout, backend, comm):
     n, rank = comm.Get_size(), comm.Get_rank()
     pos = positions(args.seq_len, n, layout)[rank]
     q, k, v, dout = (backend.to_device(x) for x in inputs(args, pos))
-    opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size)
+    opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size, seq_len=args.seq_len,
+                **mask_options(args))
     fwd_step, bwd_step = make_steps(args, backend)
     comm.Barrier()
     start = time.perf_counter()
@@ -300,7 +358,8 @@ def run_layout(args, layout, backend, comm):
     return Row(layout=layout, wall_s=wall, error=error, errors=errors, traces=traces, peak_rss_kb=rss,
                critical_cpu_s=sum(t.critical_path("compute_cpu_s") for t in traces.values()),
                wait_fraction=_wait_fraction(traces.values()),
-               predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal))
+               predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal,
+                                      **mask_options(args)))
 
 
 def _max():
@@ -336,14 +395,15 @@ def check_errors(args, layout, comm, backend, out, lse, grads):
     if comm.Get_rank() != 0:
         return {}
     axes = [1, 2, 1, 1, 1]                   # sequence axis of out, lse, dq, dk, dv
-    got = [unshard([g[i] for g in gathered], layout, axis=axes[i]) for i in range(len(mine))]
+    got = [unshard([g[i] for g in gathered], layout, axis=axes[i], seq_len=args.seq_len)
+           for i in range(len(mine))]
     full = np.arange(args.seq_len)
     q, k, v, dout = (x.astype(np.float64) for x in inputs(args, full))   # the reference in float64
     forward, backward = _reference(args.seq_len)
-    ref_out, ref_lse = forward(q, k, v, causal=args.causal)
+    ref_out, ref_lse = forward(q, k, v, causal=args.causal, **mask_options(args))
     want = [ref_out, ref_lse]
     if grads is not None:
-        want += backward(q, k, v, ref_out, ref_lse, dout, causal=args.causal)
+        want += backward(q, k, v, ref_out, ref_lse, dout, causal=args.causal, **mask_options(args))
     names = ("out", "lse", "dq", "dk", "dv")[:len(want)]
     # a result the backend did not return counts as wrong, never as checked
     return {name: _scaled_error(got[i], want[i]) if i < len(got) else float("inf") for i, name in enumerate(names)}
@@ -377,7 +437,7 @@ def format_table(rows, args, n_ranks, backend_name="numpy"):
     ran = steps_ran(rows)
     lines = [f"{backend_name}: N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
-             f"{'causal' if args.causal else 'not causal'}, {passes}, best of {args.repeat}, {ran}",
+             f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}",
              f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'speedup':>8} "
              f"{'crit. speedup':>13} {'predicted':>9} {'wait/compute':>12}",
              "-" * 89]
@@ -390,6 +450,19 @@ def format_table(rows, args, n_ranks, backend_name="numpy"):
     lines.append("crit. path: sum over rounds of the busiest rank's CPU time in the step; "
                  "speedups: contiguous / layout; predicted: reference.cost, tiles")
     return "\n".join(lines)
+
+
+def mask_label(args):
+    """'causal', or 'causal, window 256, 9 documents, dropout 0.1'."""
+    parts = ["causal" if args.causal else "not causal"]
+    if args.window is not None:
+        parts.append(f"window {args.window}")
+    docs = args.doc_lengths or (args.cu_seqlens and args.cu_seqlens[1:])
+    if docs:
+        parts.append(f"{len(docs)} documents")
+    if args.dropout:
+        parts.append(f"dropout {args.dropout:g}")
+    return ", ".join(parts)
 
 
 def steps_ran(rows):

@@ -35,6 +35,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 
+import reference.masks
 from reference import cost, positions
 from reference.tiles import FULL, MASKED, SKIP, classify
 from reference.tms import critical_path_pairs, paper_rows
@@ -224,6 +225,66 @@ plt.show()
 
 table3 = [r for r in rows if r["table"] == "3"]
 assert all(r["speedup"] < r["tms"] for r in table3)      # the bound holds for every measurement
+
+# %% [markdown]
+# ## Sliding windows: when contiguous wins
+#
+# With a sliding window of `W` tokens, a query sees only the previous `W` keys, itself
+# included (`reference.masks`: `pos_q - W < pos_k <= pos_q`). Tiles are classified exactly
+# from positions, as always. Under **contiguous**, a block far behind the queries lies wholly
+# outside every window, so in most rounds a device computes nothing (the block still
+# travels). Under **striped**, every block holds keys next to every query, so no round is
+# empty, and each tile spans `N` times as many positions as it has rows: with `W` small
+# against `tile * N`, most tiles are partly visible and all of them are computed.
+#
+# `S = 4096`, `N = 4`, tiles of `128 x 128`, `W = 256`: the tiles of device 1 in each round.
+
+# %%
+S_W, N_W, TILE_W, W = 4096, 4, 128, 256
+window_mask = reference.masks.make_mask(window=W)
+fig, axes = plt.subplots(2, N_W, figsize=(10, 5.4))
+for row, layout in enumerate(("contiguous", "striped")):
+    pos_w = positions(S_W, N_W, layout)
+    for t in range(N_W):
+        kinds = classify(pos_w[1], pos_w[(1 - t) % N_W], TILE_W, window_mask)
+        axes[row, t].imshow(kinds, cmap=KIND_CMAP, vmin=0, vmax=2)
+        axes[row, t].set_title(f"{layout}, round {t}: {int((kinds != SKIP).sum())} tiles", fontsize=8)
+        axes[row, t].set_xticks([])
+        axes[row, t].set_yticks([])
+plt.suptitle(f"window W = {W}: black skip, green full, orange masked")
+plt.show()
+
+win = {layout: cost.predict(S_W, N_W, layout, TILE_W, window=W) for layout in ("contiguous", "striped")}
+print("tiles computed per round (rows) and device (columns)")
+for layout, p in win.items():
+    print(layout, p.tiles_computed.tolist())
+assert (win["contiguous"].tiles_computed[2:] == 0).all()        # rounds 2 and 3: nothing visible
+assert (win["striped"].tiles_computed > 0).all()                # striped: every round, every device
+
+# %% [markdown]
+# Which layout wins depends on `W` against the block `c = S / N` and the tile: the cost
+# model's speed-up of striped over contiguous, in tiles (what a tiled kernel pays) and in
+# visible pairs (element-exact skipping). In pairs the layouts tie for short windows (each
+# does about `c W` pairs on its critical path) and striped pulls ahead as `W` approaches
+# `S`, where the window is the plain causal mask; in tiles, striped loses until the window
+# is long against `tile * N`. `python -m bench.masks` prints the same at larger sizes.
+
+# %%
+ws = [64, 128, 256, 512, 1024, 2048, 4096]
+by_tiles = [cost.speedup(S_W, N_W, "striped", TILE_W, window=w) for w in ws]
+by_pairs = [cost.speedup(S_W, N_W, "striped", TILE_W, "pairs", window=w) for w in ws]
+plt.figure(figsize=(6, 3.5))
+plt.plot(ws, by_tiles, "o-", label="tiles")
+plt.plot(ws, by_pairs, "s--", label="pairs")
+plt.axhline(1, color="k", lw=0.5)
+plt.xscale("log", base=2)
+plt.xlabel("window W (tokens)")
+plt.ylabel("striped speed-up over contiguous")
+plt.title(f"S = {S_W}, N = {N_W}, tiles {TILE_W}")
+plt.legend()
+plt.show()
+assert by_tiles[0] < 1 < by_tiles[-1]                            # contiguous wins short windows
+assert by_tiles[-1] == cost.speedup(S_W, N_W, "striped", TILE_W)  # W = S: plain causal attention
 
 # %% [markdown]
 # **What we have seen.** Striped blocks skip the same fraction of tiles in every round, so

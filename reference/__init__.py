@@ -5,7 +5,8 @@ in a ring, and a cost model of their work.
     out, lse = ring_attention(q, k, v, n_devices=4, layout="striped")
 
 Modules, in reading order: `dense` (the formula, and `merge`), `layouts` (who
-holds which token), `tiles` (which tiles to skip), `heads` (the compute
+holds which token), `masks` (which keys a query sees: causal, windows, packed
+documents, padding, dropout), `tiles` (which tiles to skip), `heads` (the compute
 layout), `step` (one device, one block: the readable version 1 and the
 contract), `ring` (one device's rounds, shared by every backend), `virtual` (N
 devices as threads), `lockstep` (the same rounds in one loop), `steps` (the
@@ -13,14 +14,15 @@ numbered step versions: `step_v2`, `step_v3`), `trace`, `cost`, `tms`.
 ``python -m reference`` prints the per-device work of each layout.
 """
 
-from . import lockstep, steps
+from . import lockstep, masks, steps
 from .dense import attention, attention_backward, merge
 from .layouts import LAYOUTS, inverse_positions, positions, shard, unshard
 from .tiles import DEFAULT_TILE_SIZE
 from .trace import Trace
 from .virtual import ring_attention, ring_attention_backward
 
-__all__ = ["attention", "attention_backward", "merge", "ring_attention", "lockstep", "steps", "ring_attention_backward",
+__all__ = ["attention", "attention_backward", "merge", "ring_attention", "lockstep", "masks", "steps",
+           "ring_attention_backward",
            "shard", "unshard", "positions", "inverse_positions", "LAYOUTS", "Trace", "cost",
            "DEFAULT_TILE_SIZE"]
 

@@ -104,3 +104,27 @@ def check_options(*, layout, causal, scale, tile_size, head_dim):
             or not math.isfinite(scale) or scale == 0:
         raise ValueError(f"scale must be a finite non-zero number, got {scale!r}")
     return float(scale)
+
+
+# -- bfloat16 and the mask options ----------------------------------------
+#
+# bfloat16 is NumPy's through `ml_dtypes` (the type JAX uses): stored and sent
+# as it is, accumulated in float32 like float16. Without ml_dtypes installed
+# there is no bfloat16 array to pass.
+try:
+    import ml_dtypes as _ml_dtypes
+    BFLOAT16 = np.dtype(_ml_dtypes.bfloat16)
+    FLOAT_DTYPES = FLOAT_DTYPES + (_ml_dtypes.bfloat16,)
+except ImportError:         # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+
+def check_mask_options(*, causal, seq_len=None, **mask_options):
+    """The Mask of `reference.masks.make_mask`, or its clear error; a wrong
+    option name is a TypeError naming the options there are."""
+    from .masks import make_mask
+    names = ("window", "cu_seqlens", "segment_ids", "dropout", "seed")
+    unknown = sorted(set(mask_options) - set(names))
+    if unknown:
+        raise TypeError(f"unknown mask option(s) {unknown}; the options are {list(names)}")
+    return make_mask(causal=causal, seq_len=seq_len, **mask_options)

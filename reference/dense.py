@@ -1,12 +1,13 @@
 """The oracle's oracle: dense attention straight from the formula.
 
-    out = softmax(Q K^T * scale + C) V,   C = -inf where key k is not visible to query q
+    out = (softmax(Q K^T * scale + C) * Z) V,   C = -inf where key k is not visible to query q
     lse = log sum_k exp(Q K^T * scale + C)
 
-with visibility from positions (causal: pos_k <= pos_q), and its gradients
-(the standard softmax backward):
+with visibility from positions (causal: pos_k <= pos_q; windows, documents:
+`reference.masks`), Z the dropout weights (1 without dropout; 0 or 1 / (1 - p),
+`masks.keep_weights`), and its gradients (the standard softmax backward):
 
-    P = exp(S - lse),  dV = P^T dO,  dP = dO V^T,
+    P = exp(S - lse),  dV = (P Z)^T dO,  dP = (dO V^T) Z,
     dS = P * (dP - rowsum(dO * out)),  dQ = dS K * scale,  dK = dS^T Q * scale
 
 Given positions, it is the attention of any shard to any block: the
@@ -32,6 +33,8 @@ import numpy as np
 
 from . import checks
 from .heads import accumulate_dtype
+from .masks import keep_weights, make_mask
+from .masks import visible as _visible
 
 
 def _heads_first(x, n_q_heads, dtype):
@@ -40,20 +43,21 @@ def _heads_first(x, n_q_heads, dtype):
     return x.transpose(0, 2, 1, 3).astype(dtype)
 
 
-def _visible(q_pos, k_pos, causal):
-    """(Sq, Sk) bool: key j is visible to query i (pos_j <= pos_i when causal)."""
-    if not causal:
-        return np.ones((len(q_pos), len(k_pos)), dtype=bool)
-    return q_pos[:, None] >= k_pos[None, :]
+def _dropout(mask, B, Hq, q_pos, k_pos, dtype):
+    """Z (B, Hq, Sq, Sk), or 1 without dropout."""
+    z = keep_weights(mask, np.arange(B), np.arange(Hq), q_pos, k_pos, dtype=dtype)
+    return 1.0 if z is None else z
 
 
-def _positions(name, pos, n):
+def _positions(name, pos, n, mask):
     """Positions as an int array of length n (default 0..n-1)."""
     if pos is None:
-        return np.arange(n)
+        pos = np.arange(n)
     pos = np.asarray(pos)
     if pos.shape != (n,) or pos.dtype.kind not in "iu":
         raise ValueError(f"{name} must be {n} integer positions, got {pos.dtype} array of shape {pos.shape}")
+    if mask.segments is not None and len(pos) and not 0 <= pos.min() <= pos.max() < len(mask.segments):
+        raise ValueError(f"{name} must lie in 0..{len(mask.segments) - 1}, the positions the documents cover")
     return pos
 
 
@@ -79,13 +83,19 @@ def _masked_sum(w, x, visible):
     return out
 
 
-def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=None):
+def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=None, window=None, cu_seqlens=None,
+              segment_ids=None, dropout=0.0, seed=0):
     """Dense attention of q to k, v; positions default to 0..S-1.
+    Mask options (`reference.masks.make_mask`): a sliding `window`, documents
+    (`cu_seqlens` or `segment_ids`, over positions), `dropout` with its `seed`.
     Returns (out like q, lse (B, Hq, Sq))."""
     B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
     scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
                                  tile_size=None, head_dim=D)
-    visible = _visible(_positions("q_pos", q_pos, Sq), _positions("k_pos", k_pos, k.shape[1]), causal)
+    mask = make_mask(causal=causal, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
+                     dropout=dropout, seed=seed)
+    q_pos, k_pos = _positions("q_pos", q_pos, Sq, mask), _positions("k_pos", k_pos, k.shape[1], mask)
+    visible = _visible(q_pos, k_pos, mask)
     acc, dtype = accumulate_dtype(q.dtype), q.dtype
     q, k, v = (_heads_first(x, Hq, acc) for x in (q, k, v))      # (B, Hq, S, D)
     s = _scores(q, k, scale, visible)                              # (B, Hq, Sq, Sk)
@@ -95,6 +105,7 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=None):
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]   # (B, Hq, Sq)
         p = np.exp(s - lse[..., None])
+    p = p * _dropout(mask, B, Hq, q_pos, k_pos, acc)               # P Z
     out = _masked_sum(p, v, visible)                               # P V   (B, Hq, Sq, D)
     return out.transpose(0, 2, 1, 3).astype(dtype), lse
 
@@ -120,20 +131,26 @@ def merge(a, b):
     return out.astype(out_a.dtype), lse
 
 
-def attention_backward(q, k, v, out, lse, dout, *, q_pos=None, k_pos=None, causal=True, scale=None):
-    """Dense gradients (dq, dk, dv) of sum(out * dout), with q's, k's, v's shapes and dtype."""
+def attention_backward(q, k, v, out, lse, dout, *, q_pos=None, k_pos=None, causal=True, scale=None,
+                       window=None, cu_seqlens=None, segment_ids=None, dropout=0.0, seed=0):
+    """Dense gradients (dq, dk, dv) of sum(out * dout), with q's, k's, v's shapes
+    and dtype; mask options as `attention` (dropout regenerates its Z)."""
     B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
     checks.check_grads_inputs(q, out, lse, dout)
     scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
                                  tile_size=None, head_dim=D)
+    mask = make_mask(causal=causal, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
+                     dropout=dropout, seed=seed)
     Sk = k.shape[1]
-    visible = _visible(_positions("q_pos", q_pos, Sq), _positions("k_pos", k_pos, Sk), causal)
+    q_pos, k_pos = _positions("q_pos", q_pos, Sq, mask), _positions("k_pos", k_pos, Sk, mask)
+    visible = _visible(q_pos, k_pos, mask)
     acc, dtype = accumulate_dtype(q.dtype), q.dtype
     q, k, v, out, dout = (_heads_first(x, Hq, acc) for x in (q, k, v, out, dout))   # (B, Hq, S, D)
     with np.errstate(invalid="ignore"):                # NaN at masked pairs of rows without a key: not read
         p = np.exp(_scores(q, k, scale, visible) - lse.astype(acc)[..., None])   # (B, Hq, Sq, Sk)
-    dv = _masked_sum(p.swapaxes(-1, -2), dout, visible.T)          # P^T dO
-    dp = dout @ v.swapaxes(-1, -2)                                  # dO V^T (read at visible pairs)
+    z = _dropout(mask, B, Hq, q_pos, k_pos, acc)                    # Z, regenerated
+    dv = _masked_sum((p * z).swapaxes(-1, -2), dout, visible.T)     # (P Z)^T dO
+    dp = (dout @ v.swapaxes(-1, -2)) * z                            # (dO V^T) Z (read at visible pairs)
     delta = (dout * out).sum(axis=-1)                               # (B, Hq, Sq)
     ds = p * (dp - delta[..., None])
     dq = _masked_sum(ds, k, visible) * scale                        # dS K

@@ -5,6 +5,12 @@ A layout is a permutation of the positions ``0 .. S-1`` cut into N shards of
 `positions` for it. Positions travel with the tokens, so masks never need to
 know which layout made them.
 
+Any S: a sequence whose length is not a multiple of N (of 2N for zigzag) is
+padded at its end to the next multiple (`padded_length`); the padding
+positions ``S .. S'-1`` are dealt like any others, and the mask makes them
+invisible (`reference.masks`, ``seq_len``). `shard` pads with zeros and
+``unshard(..., seq_len=S)`` drops the padding again.
+
 Legend: ``N`` devices, ``S`` tokens, ``c = S // N`` tokens per device.
 
 Run ``python -m reference.layouts`` to print the three layouts for S=16, N=4.
@@ -16,17 +22,21 @@ LAYOUTS = ("contiguous", "striped", "zigzag")
 
 
 def check_layout(layout, seq_len, n_devices):
-    """Raise ValueError unless `layout` can deal `seq_len` tokens to `n_devices`."""
+    """Raise ValueError unless `layout` can deal `seq_len` tokens (any positive
+    number, padded to `padded_length`) to `n_devices`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)) or n_devices < 1:
         raise ValueError(f"n_devices must be a positive int, got {n_devices!r}")
-    chunks = 2 * n_devices if layout == "zigzag" else n_devices
-    if seq_len < chunks or seq_len % chunks:
-        raise ValueError(
-            f"sequence length {seq_len} must be a positive multiple of "
-            f"{'2 * n_devices' if layout == 'zigzag' else 'n_devices'} = {chunks} "
-            f"for layout {layout!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"sequence length must be a positive int, got {seq_len!r}")
+
+
+def padded_length(seq_len, n_devices, layout):
+    """S rounded up to the layout's unit, N (2N for zigzag): S=6, N=4 -> 8."""
+    check_layout(layout, seq_len, n_devices)
+    unit = 2 * n_devices if layout == "zigzag" else n_devices
+    return -(-int(seq_len) // unit) * unit
 
 
 def positions(seq_len, n_devices, layout):
@@ -42,11 +52,13 @@ def positions(seq_len, n_devices, layout):
     zigzag cuts the sequence into 2N chunks of ``S // (2N)``; device r holds
     chunk r followed by chunk ``2N-1-r``.
     The inverse permutation is `inverse_positions`.
+
+    Any S is padded first (`padded_length`); positions >= S are padding:
+      S=6, N=4, striped: dev0 [0 4]  dev1 [1 5]  dev2 [2 6]  dev3 [3 7]   (6, 7 padding)
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
         raise TypeError(f"seq_len must be an int, got {seq_len!r}")
-    check_layout(layout, seq_len, n_devices)
-    tokens = np.arange(seq_len, dtype=np.int64)
+    tokens = np.arange(padded_length(seq_len, n_devices, layout), dtype=np.int64)
     if layout == "contiguous":
         return tokens.reshape(n_devices, -1)
     if layout == "striped":
@@ -60,24 +72,32 @@ def inverse_positions(seq_len, n_devices, layout):
     concatenation of all shards, so that ``concat(shards)[index] == x``.
 
     S=8, N=4, striped: positions flattened [0 4 1 5 2 6 3 7], inverse [0 2 4 6 1 3 5 7].
+    With padding, the first `seq_len` entries are the real tokens'.
     """
     flat = positions(seq_len, n_devices, layout).ravel()
     index = np.empty_like(flat)
-    index[flat] = np.arange(seq_len)
-    return index
+    index[flat] = np.arange(len(flat))
+    return index[:seq_len]
 
 
 def shard(x, n_devices, layout, axis=1):
-    """Cut `x` (natural token order along `axis`) into the N shards of `layout`."""
+    """Cut `x` (natural token order along `axis`) into the N shards of `layout`,
+    padded with zeros at the end to `padded_length` first."""
     _check_sharded_array("x", x)
     axis = _check_axis(axis, x.ndim, f"x of shape {tuple(x.shape)}")
     xp = array_module(x)
-    pos = positions(x.shape[axis], n_devices, layout)
+    S = x.shape[axis]
+    pos = positions(S, n_devices, layout)
+    if pos.size > S:
+        pad = list(x.shape)
+        pad[axis] = pos.size - S
+        x = xp.concatenate([x, xp.zeros(pad, dtype=x.dtype)], axis=axis)
     return [xp.take(x, xp.asarray(p), axis=axis) for p in pos]
 
 
-def unshard(shards, layout, axis=1):
-    """Inverse of `shard`: put the N shards back into natural token order."""
+def unshard(shards, layout, axis=1, seq_len=None):
+    """Inverse of `shard`: put the N shards back into natural token order, the
+    first `seq_len` tokens (None: all, padding included)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if isinstance(shards, (str, bytes)) or not hasattr(shards, "__len__") or len(shards) == 0:
@@ -93,7 +113,12 @@ def unshard(shards, layout, axis=1):
                              f"and {tuple(s.shape)} for shards[{i}]")
     xp = array_module(shards[0])
     joined = xp.concatenate(list(shards), axis=axis)
-    index = inverse_positions(joined.shape[axis], len(shards), layout)
+    total, n = joined.shape[axis], len(shards)
+    seq_len = total if seq_len is None else seq_len
+    if padded_length(seq_len, n, layout) != total:
+        raise ValueError(f"seq_len {seq_len} does not pad to the {total} tokens of the shards "
+                         f"(layout {layout!r}, {n} devices)")
+    index = inverse_positions(total, n, layout)[:seq_len]
     return xp.take(joined, xp.asarray(index), axis=axis)
 
 

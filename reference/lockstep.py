@@ -24,9 +24,10 @@ from .virtual import _validate
 
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
-                   tile_size=None, step=steps.DEFAULT):
-    """Exact attention over N devices in lockstep. Returns (out, lse)."""
-    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step)
+                   tile_size=None, step=steps.DEFAULT, **mask_options):
+    """Exact attention over N devices in lockstep. Returns (out, lse).
+    `mask_options`: those of `reference.ring_attention` (window, documents, dropout)."""
+    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options)
     n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
     qs, ks, vs = (shard(x, n, layout) for x in (q, k, v))
     queries = [Queries.prepare(qs[j], Hkv, pos[j], scale) for j in range(n)]     # Q_j
@@ -36,18 +37,21 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
         for j in range(n):                      # devices, "in parallel"
             src = (j - t) % n                   # the block device j holds in round t
             step.forward(accs[j], queries[j], as_dtype(blocks[src], queries[j].q.dtype),
-                         causal=causal, tile_size=tile_size)
+                         mask=mask, tile_size=tile_size)
     outs, lses = zip(*(finish_forward(acc) for acc in accs))
     out = [q_from_heads(o).astype(q.dtype, copy=False) for o in outs]
-    return unshard(out, layout, axis=1), unshard([rows_from_heads(x) for x in lses], layout, axis=2)
+    S = q.shape[1]
+    return (unshard(out, layout, axis=1, seq_len=S),
+            unshard([rows_from_heads(x) for x in lses], layout, axis=2, seq_len=S))
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
-                            scale=None, tile_size=None, step=steps.DEFAULT):
+                            scale=None, tile_size=None, step=steps.DEFAULT, **mask_options):
     """Gradients (dq, dk, dv) over N devices in lockstep: dQ_j stays with
     device j; block src's dK, dV collect every device's share as the block
     passes, and are home after the last round."""
-    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, backward=True)
+    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options,
+                                  backward=True)
     n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
     qs, ks, vs, outs, douts = (shard(x, n, layout) for x in (q, k, v, out, dout))
     lses = shard(lse, n, layout, axis=2)
@@ -62,7 +66,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
             src = (j - t) % n
             grads = Grads(dq[j], *new_kv_grads(blocks[src], acc))
             step.backward(grads, queries[j], rows[j], as_dtype(blocks[src], acc),
-                          causal=causal, tile_size=tile_size)
+                          mask=mask, tile_size=tile_size)
             if dkv[src] is not None:            # what the devices before j added (the ring's order)
                 grads.dk += dkv[src][0]
                 grads.dv += dkv[src][1]
@@ -70,4 +74,4 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
     dq = [q_from_heads(x * acc.type(scale)).astype(q.dtype, copy=False) for x in dq]
     dk = [kv_from_heads(x[0]).astype(k.dtype, copy=False) for x in dkv]
     dv = [kv_from_heads(x[1]).astype(v.dtype, copy=False) for x in dkv]
-    return tuple(unshard(g, layout, axis=1) for g in (dq, dk, dv))
+    return tuple(unshard(g, layout, axis=1, seq_len=q.shape[1]) for g in (dq, dk, dv))

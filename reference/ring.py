@@ -17,7 +17,9 @@ returns; the loops below never write a block after sending it.
 
 Shapes are the user layout (flash-attn): q (B, c, Hq, D), k, v (B, c, Hkv, D),
 lse (B, Hq, c), with ``c`` this device's tokens and ``q_pos``, ``k_pos`` their
-global positions (NumPy int64, shape (c,)).
+global positions (NumPy int64, shape (c,)). `mask` (`reference.masks.Mask`, or
+the bool `causal`) says which keys each query sees, from positions alone, so
+it is the same object on every device.
 """
 
 import time
@@ -28,15 +30,17 @@ import numpy as np
 from . import steps
 from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
 from .layouts import array_module
+from .masks import resolve
 from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward, to_host
 
 KV, DKV = 1, 2            # tags of the two kinds of message in flight
 
 
-def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, step=None):
+def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step=None, mask=None, causal=None):
     """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
     `step`: a `reference.step.Step` or a name of `reference.steps` (None: "auto")."""
-    step, n = _step(step, q), comm.size
+    mask = resolve(mask, causal)
+    step, n = _step(step, q, dropout=mask.dropout), comm.size
     log = RoundLog(n, step.label)
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
@@ -49,7 +53,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, step=
         # the mask made from the positions that travel with the block
         with log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype),
-                                  causal=causal, tile_size=tile_size)
+                                  mask=mask, tile_size=tile_size)
         log.record(t, counts, block, sent=block if in_flight is not None else ())
         # "receive K_(k-1), V_(k-1) from device (j - 1) mod N"
         if in_flight is not None:
@@ -59,12 +63,14 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, step=
     return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
 
 
-def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale, tile_size, step=None):
+def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step=None, mask=None,
+                  causal=None):
     """Backward on this device. K, V and their gradients dK, dV travel the ring;
     dQ stays home. After the last round one more hop brings every dK, dV back
     to the device that owns those keys. Returns (dq, dk, dv) in the user
     layout, and a RoundLog."""
-    step, n = _step(step, q, backward=True), comm.size
+    mask = resolve(mask, causal)
+    step, n = _step(step, q, backward=True, dropout=mask.dropout), comm.size
     log = RoundLog(n, step.label)
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     acc = queries.q.dtype
@@ -78,7 +84,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale,
         grads = Grads(dq, *new_kv_grads(block, acc))
         with log.computing(t):
             counts = step.backward(grads, queries, rows, as_dtype(block, acc),
-                                   causal=causal, tile_size=tile_size)
+                                   mask=mask, tile_size=tile_size)
         # add what the devices before us added to this block, and send it on (home, after the last round)
         if grads_in_flight is not None:
             with log.waiting(t):
@@ -99,8 +105,9 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale,
 
 # -- pieces of the loops ---------------------------------------------------
 
-def _step(step, q, backward=False):
-    return steps.check_step("auto" if step is None else step, array_module(q), backward=backward)
+def _step(step, q, backward=False, dropout=False):
+    return steps.check_step("auto" if step is None else step, array_module(q), backward=backward,
+                            dropout=dropout)
 
 
 def own_block(k, v, k_pos, rank):

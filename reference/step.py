@@ -23,8 +23,12 @@ The contract (what a new kernel implements; `reference.steps` registers it):
 a `Step` subclass with ``forward_tiles(acc, queries, block, plan)`` and
 ``backward_tiles(grads, queries, rows, block, plan)`` (called with a plan of
 at least one tile). `Step.forward` and `Step.backward` do the rest once for
-every version: plan the tiles from positions, note which rows can see a key,
-count the work for the trace.
+every version: plan the tiles from positions and the mask (``mask=``, a
+`reference.masks.Mask`; ``causal=True`` still works), note which rows can see
+a key, count the work for the trace. The tiles read the mask from
+``queries.mask`` (a MASKED tile's mask is ``visible(q_pos, k_pos,
+queries.mask)``); a version that applies dropout (``has_dropout``) weighs P V
+by `masks.keep_weights`, as version 1 does.
 Faster versions sit beside this one (`step_v2`, `step_v3`,
 `gpu_impl.fused`), each checked against it (tests/test_step.py).
 
@@ -41,14 +45,15 @@ Shapes: the compute layout of `reference.heads`: q (B, Hkv, c, G, D), k, v
 ``(B, Hkv, R, D)``, R = tq * G rows ordered query-major.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
 
 from .heads import accumulate_dtype, q_to_heads, rows_to_heads
 from .layouts import array_module
-from .tiles import MASKED, any_visible, tile_plan, tile_shape, visible
+from .masks import CAUSAL, any_visible, count_visible_pairs, keep_weights, resolve, visible
+from .tiles import MASKED, tile_plan, tile_shape
 
 
 # -- what a step takes ----------------------------------------------------
@@ -56,9 +61,12 @@ from .tiles import MASKED, any_visible, tile_plan, tile_shape, visible
 @dataclass
 class Queries:
     """Q_j: this device's queries, pre-scaled, in the accumulation dtype, with
-    their global positions (NumPy, on the host: masks are made from them)."""
+    their global positions (NumPy, on the host: masks are made from them) and
+    the mask they see keys through (`reference.masks.Mask`; `Step.forward`
+    sets it from its `mask` argument)."""
     q: object            # (B, Hkv, c, G, D)
     pos: np.ndarray      # (c,) int64
+    mask: object = CAUSAL
 
     @classmethod
     def prepare(cls, q, n_kv_heads, q_pos, scale):
@@ -148,28 +156,37 @@ class Step:
     name = "v1"
     array_modules = ("numpy", "cupy")    # the array modules it computes with
     has_backward = True
+    has_dropout = False                  # True: its tiles apply `masks.keep_weights`
     takes_workers = False                # True: its constructor takes `workers` threads
 
     def tile(self, tile_size, head_dim):
         """The (tq, tk) this version computes with."""
         return tile_shape(tile_size)
 
-    def forward(self, acc, queries, block, *, causal, tile_size):
-        """Accumulate attention of `queries` to `block` into `acc`. Returns StepCounts."""
-        block = block._replace(pos=to_host(block.pos))
-        plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), causal)
-        acc.seen |= any_visible(queries.pos, block.pos, causal)
+    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
+        """Accumulate attention of `queries` to `block` into `acc`. Returns StepCounts.
+        `mask`: a `reference.masks.Mask` (or `causal`, a bool, as before masks)."""
+        queries, block, mask = self._with_mask(queries, block, mask, causal)
+        plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)
+        acc.seen |= any_visible(queries.pos, block.pos, mask)
         if plan:                                         # a block no query sees costs nothing more
             self.forward_tiles(acc, queries, block, plan)
-        return _count(plan, skipped, queries.pos, block.pos)
+        return _count(plan, skipped, queries.pos, block.pos, mask)
 
-    def backward(self, grads, queries, rows, block, *, causal, tile_size):
+    def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None):
         """Add this block's share to `grads` (dQ, and the block's dK, dV). Returns StepCounts."""
-        block = block._replace(pos=to_host(block.pos))
-        plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), causal)
+        queries, block, mask = self._with_mask(queries, block, mask, causal)
+        plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)
         if plan:
             self.backward_tiles(grads, queries, rows, block, plan)
-        return _count(plan, skipped, queries.pos, block.pos)
+        return _count(plan, skipped, queries.pos, block.pos, mask)
+
+    def _with_mask(self, queries, block, mask, causal):
+        """The queries carrying the mask (the tiles read it there), the block's positions on the host."""
+        mask = resolve(mask, causal)
+        if mask.dropout and not self.has_dropout:
+            raise ValueError(f"step {self.name!r} has no dropout; use step='v1'")
+        return replace(queries, mask=mask), block._replace(pos=to_host(block.pos)), mask
 
     def forward_tiles(self, acc, queries, block, plan):
         raise NotImplementedError
@@ -186,12 +203,10 @@ class Step:
         return f"<step {self.label}>"
 
 
-def _count(plan, skipped, q_pos, k_pos):
-    counts = StepCounts(tiles_computed=len(plan), tiles_skipped=skipped)
-    for qs, ks, kind in plan:
-        counts.pairs += (int(visible(q_pos[qs], k_pos[ks]).sum()) if kind == MASKED
-                         else len(q_pos[qs]) * len(k_pos[ks]))
-    return counts
+def _count(plan, skipped, q_pos, k_pos, mask):
+    # a skipped tile has no visible pair, so the block's visible pairs are the tiles'
+    return StepCounts(tiles_computed=len(plan), tiles_skipped=skipped,
+                      pairs=count_visible_pairs(q_pos, k_pos, mask))
 
 
 def finish_forward(acc):
@@ -216,31 +231,49 @@ def to_host(x):
 
 class ReadableStep(Step):
     """Version 1: the formulas of the module docstring, one tile at a time,
-    every (batch, head) at once, any array module."""
+    every (batch, head) at once, any array module; with dropout, P V becomes
+    (P Z) V and dP becomes (dO V^T) Z, Z regenerated per tile from positions."""
     name = "v1"
+    has_dropout = True
 
     def forward_tiles(self, acc, queries, block, plan):
         xp = array_module(queries.q)
         guard = not all_finite(xp, block.v)             # a NaN or inf in V: guard the masked pairs
         for qs, ks, kind in plan:
-            mask = visible(queries.pos[qs], block.pos[ks]) if kind == MASKED else None
+            mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
             forward_tile(tile_rows(acc.o, qs), tile_rows(acc.m, qs), tile_rows(acc.l, qs),
-                         tile_rows(queries.q, qs), block.k[:, :, ks], block.v[:, :, ks], mask, guard)
+                         tile_rows(queries.q, qs), block.k[:, :, ks], block.v[:, :, ks], mask, guard,
+                         dropout_rows(queries, block, qs, ks))
 
     def backward_tiles(self, grads, queries, rows, block, plan):
         xp = array_module(queries.q)
         guard = not all_finite(xp, queries.q, rows.do, rows.delta, block.k, block.v)
         for qs, ks, kind in plan:
-            mask = visible(queries.pos[qs], block.pos[ks]) if kind == MASKED else None
+            mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
             backward_tile(tile_rows(grads.dq, qs), grads.dk[:, :, ks], grads.dv[:, :, ks],
                           tile_rows(queries.q, qs), tile_rows(rows.do, qs), tile_rows(rows.lse, qs),
-                          tile_rows(rows.delta, qs), block.k[:, :, ks], block.v[:, :, ks], mask, guard)
+                          tile_rows(rows.delta, qs), block.k[:, :, ks], block.v[:, :, ks], mask, guard,
+                          dropout_rows(queries, block, qs, ks))
 
 
-def forward_tile(o, m, l, q, k, v, mask, guard=False):
+def dropout_rows(queries, block, qs, ks):
+    """Z of one tile as rows (B, Hkv, R, tk), R = tq * G query-major (query head
+    h = kv head * G + g), or None without dropout."""
+    B, Hkv, _, G, _ = queries.q.shape
+    xp = array_module(queries.q)
+    z = keep_weights(queries.mask, np.arange(B), np.arange(Hkv * G), queries.pos[qs], block.pos[ks],
+                     xp, queries.q.dtype.type)                  # (B, Hq, tq, tk)
+    if z is None:
+        return None
+    tq, tk = z.shape[-2:]
+    return z.reshape(B, Hkv, G, tq, tk).transpose(0, 1, 3, 2, 4).reshape(B, Hkv, tq * G, tk)
+
+
+def forward_tile(o, m, l, q, k, v, mask, guard=False, z=None):
     """One tile of the online softmax. o (B,Hkv,R,D), m, l (B,Hkv,R) are views
     of the accumulator, updated in place; q (B,Hkv,R,D), k, v (B,Hkv,tk,D);
-    mask (tq, tk) or None (every pair visible). `guard`: V may hold NaN or inf."""
+    mask (tq, tk) or None (every pair visible). `guard`: V may hold NaN or inf.
+    `z` (B,Hkv,R,tk): dropout weights, or None: they weigh P V, not the sum l."""
     xp = array_module(q)
     s = q @ k.swapaxes(-1, -2)                           # S = Q K^T   (B, Hkv, R, tk)
     if mask is not None:
@@ -253,13 +286,15 @@ def forward_tile(o, m, l, q, k, v, mask, guard=False):
     alpha = xp.exp(m - m_safe)                           # rescales the old l and O
     l[...] = l * alpha + p.sum(axis=-1)
     vis = mask_rows(mask, q.shape[-2], xp) if guard else None   # (R, tk) or None
-    o[...] = o * alpha[..., None] + masked_product(p, v, vis)   # O = O alpha + P V
+    pz = p if z is None else p * z                       # P Z: dropout leaves l alone
+    o[...] = o * alpha[..., None] + masked_product(pz, v, vis)  # O = O alpha + P Z V
     m[...] = m_new
 
 
-def backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, guard=False):
+def backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, guard=False, z=None):
     """One tile of the backward; dq (B,Hkv,R,D), dk, dv (B,Hkv,tk,D) are views
-    added to in place. `guard`: the inputs may hold NaN or inf."""
+    added to in place. `guard`: the inputs may hold NaN or inf. `z`: dropout
+    weights (B,Hkv,R,tk) or None; delta = rowsum(dO * out) already holds them."""
     xp = array_module(q)
     s = q @ k.swapaxes(-1, -2) - lse[..., None]          # S - lse   (B, Hkv, R, tk)
     if mask is not None:                                 # after lse: -inf - NaN would be NaN, not -inf
@@ -267,8 +302,11 @@ def backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, guard=False):
     p = xp.exp(s)                                        # P = exp(S - lse), exactly 0 where masked
     vis = mask_rows(mask, q.shape[-2], xp) if guard else None    # (R, tk) or None
     vis_t = None if vis is None else vis.T
-    dv += masked_product(p.swapaxes(-1, -2), do, vis_t)  # dV += P^T dO   (B, Hkv, tk, D)
+    pz = p if z is None else p * z
+    dv += masked_product(pz.swapaxes(-1, -2), do, vis_t)  # dV += (P Z)^T dO   (B, Hkv, tk, D)
     dp = do @ v.swapaxes(-1, -2)                         # dP = dO V^T    (B, Hkv, R, tk)
+    if z is not None:
+        dp *= z                                          # dP = (dO V^T) Z
     ds = p * (dp - delta[..., None])                     # dS = P (dP - delta)
     if vis is not None:                                  # 0 x NaN: P = 0 does not clear a NaN dP - delta
         xp.copyto(ds, 0, where=~vis)

@@ -24,7 +24,8 @@ Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a tile.
 import numpy as np
 
 from .step import ReadableStep, all_finite, mask_rows, masked_product
-from .tiles import MASKED, visible
+from .masks import visible
+from .tiles import MASKED
 
 LOG2E = float(np.log2(np.e))
 
@@ -33,6 +34,7 @@ class ExactBase2Step(ReadableStep):
     """Version 2: exact max, base 2, folded columns, one head at a time."""
     name = "v2"
     array_modules = ("numpy",)
+    has_dropout = False
 
     # -- forward ----------------------------------------------------------
 
@@ -44,13 +46,14 @@ class ExactBase2Step(ReadableStep):
                 for qs, tiles in by_tile(plan, 0):
                     self.forward_rows(acc.o[b, h, qs], acc.m[b, h, qs], acc.l[b, h, qs], q[b, h, qs],
                                       head, queries.pos[qs], block.pos,
-                                      [(slice(0, len(queries.pos[qs])), ks, kind) for ks, kind in tiles])
+                                      [(slice(0, len(queries.pos[qs])), ks, kind) for ks, kind in tiles],
+                                      queries.mask)
 
     def prepare_head(self, k, v):
         """[K, 1] and [V, 1] (ck, D+1), and whether V holds a NaN or inf."""
         return Head(k1=augment(k, 1.0), v1=augment(v, 1.0), guard=not all_finite(np, v))
 
-    def forward_rows(self, o, m, l, q, head, q_pos, k_pos, blocks):
+    def forward_rows(self, o, m, l, q, head, q_pos, k_pos, blocks, rule=True):
         """The online softmax of a run of query rows of one head over `blocks`,
         a list of (query slice within the run, key slice, kind).
         o (tq, G, D), m, l (tq, G): views of the accumulator, updated at the end;
@@ -67,7 +70,7 @@ class ExactBase2Step(ReadableStep):
         for qr, ks, kind in blocks:
             rows = slice(qr.start * G, qr.stop * G)      # the block's rows of the run
             s = buf[:(rows.stop - rows.start) * len(head.k1[ks])].reshape(-1, len(head.k1[ks]))   # (rows, tk)
-            tile_pos = (q_pos[qr], k_pos[ks]) if kind == MASKED else None    # positions make the mask
+            tile_pos = (q_pos[qr], k_pos[ks], rule) if kind == MASKED else None   # what makes the mask
             m2[rows] = self.update(ol[rows], m2[rows], q2[rows], s, head, ks, tile_pos, inc[rows])
         o[...] = ol[:, :D].reshape(tq, G, D)
         l[...] = ol[:, D].reshape(tq, G)
@@ -76,7 +79,8 @@ class ExactBase2Step(ReadableStep):
 
     def update(self, ol, m2, q2, s, head, ks, tile_pos, inc):
         """One exact tile: scores into `s`, then `exact_tile`. `tile_pos`: the
-        (query, key) positions of a masked tile, None for a full one. Returns the new m2."""
+        (query, key) positions and the mask rule of a masked tile, None for a
+        full one. Returns the new m2."""
         mask = None if tile_pos is None else visible(*tile_pos)
         shifted_scores(s, q2, head.k1[ks], mask)
         vis = mask_rows(mask, len(s), np) if head.guard else None
@@ -103,7 +107,7 @@ class ExactBase2Step(ReadableStep):
         guard = not (rows_finite and all_finite(np, k, v))       # NaN or inf: guard masked pairs
         for ks, tiles in columns:
             self.backward_cols(grads.dq[b, h], grads.dk[b, h, ks], grads.dv[b, h, ks], q, q2, do, do1,
-                               k[ks], k1[ks], v1[ks], queries.pos, block.pos[ks], tiles, guard)
+                               k[ks], k1[ks], v1[ks], queries.pos, block.pos[ks], tiles, guard, queries.mask)
 
     def backward_cols(self, *args):
         backward_cols(*args)
@@ -116,7 +120,7 @@ class Head:
         self.k1, self.v1, self.guard, self.lazy = k1, v1, guard, lazy
 
 
-def backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard):
+def backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard, rule=True):
     """The backward of one key tile of one head over its query tiles.
     dq (c, G, D), dk, dv (tk, D): views, added to; q, do (c, G, D);
     q2, do1 (c, G, D+1) = [Q log2(e), -lse], [dO, -delta]; k (tk, D); k1, v1 (tk, D+1).
@@ -130,7 +134,7 @@ def backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, gu
         tq = len(q_pos[qs])
         R = tq * G
         p, ds = buf_p[:R * tk].reshape(R, tk), buf_ds[:R * tk].reshape(R, tk)
-        mask = visible(q_pos[qs], k_pos) if kind == MASKED else None
+        mask = visible(q_pos[qs], k_pos, rule) if kind == MASKED else None
         shifted_scores(p, q2[qs].reshape(R, D + 1), k1, None)   # S - lse, base 2
         exp2_visible(p, mask)                                    # P = exp(S - lse), 0 where masked
         vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None

@@ -35,7 +35,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from .step_v2 import ExactBase2Step, by_tile, exp2_visible, shifted_scores
-from .tiles import FULL, MASKED, visible
+from .masks import visible
+from .tiles import FULL, MASKED
 
 SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
 V_LIMIT = 2.0 ** 64     # above this |V|, O could overflow under a lazy shift: stay exact
@@ -67,7 +68,7 @@ class LazyThreadedStep(ExactBase2Step):
         def unit(b, h, qs, blocks):
             with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
                 self.forward_rows(acc.o[b, h, qs], acc.m[b, h, qs], acc.l[b, h, qs], q[b, h, qs],
-                                  heads[b, h], queries.pos[qs], block.pos, blocks)
+                                  heads[b, h], queries.pos[qs], block.pos, blocks, queries.mask)
 
         pairs = [(b, h) for b in range(B) for h in range(Hkv)]
         units = sorted(((b, h, qs, blocks) for qs, blocks in forward_units(plan, c, G) for b, h in pairs),

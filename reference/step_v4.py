@@ -27,7 +27,8 @@ import numpy as np
 
 from .step_v2 import ExactBase2Step
 from .step_v3 import SUM_LIMIT, LazyThreadedStep
-from .tiles import FULL, SKIP, classify, visible
+from .masks import visible
+from .tiles import FULL, SKIP, classify
 
 SUB = 64          # the side of a sub-tile: masked tiles are computed SUB x SUB at a time
 
@@ -52,10 +53,10 @@ class SubTiledStep(LazyThreadedStep):
         """A masked tile with a lazy shift: in sub-tiles; else as version 3."""
         if tile_pos is None or not head.lazy or not np.isfinite(m2).all():
             return super().update(ol, m2, q2, s, head, ks, tile_pos, inc)
-        q_pos, k_pos = tile_pos
+        q_pos, k_pos, rule = tile_pos
         G = len(q2) // len(q_pos)
         k1, v1 = head.k1[ks], head.v1[ks]
-        for qa, lo, hi, masks in sub_rows(q_pos, k_pos, self.sub):
+        for qa, lo, hi, masks in sub_rows(q_pos, k_pos, rule, self.sub):
             rows = slice(qa.start * G, qa.stop * G)
             if hi == lo:                                 # no query of these rows sees a key
                 inc[rows] = 0
@@ -74,19 +75,19 @@ class SubTiledStep(LazyThreadedStep):
 
     # -- backward ---------------------------------------------------------
 
-    def backward_cols(self, dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard):
+    def backward_cols(self, dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard, rule=True):
         """Version 2's `backward_cols`, with the masked tiles in sub-tiles (not
         when the inputs hold NaN or inf: the guarded products are version 2's)."""
         if guard or all(kind == FULL for _, kind in tiles):
-            return super().backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard)
+            return super().backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard, rule)
         full = [(qs, kind) for qs, kind in tiles if kind == FULL]
         if full:
-            super().backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, full, guard)
+            super().backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, full, guard, rule)
         G, D = q.shape[1], q.shape[2]
         for qs, kind in tiles:
             if kind == FULL:
                 continue
-            for qa, lo, hi, masks in sub_rows(q_pos[qs], k_pos, self.sub):
+            for qa, lo, hi, masks in sub_rows(q_pos[qs], k_pos, rule, self.sub):
                 if hi == lo:
                     continue
                 rows = slice(qs.start + qa.start, qs.start + qa.stop)
@@ -104,20 +105,22 @@ class SubTiledStep(LazyThreadedStep):
                 dk[lo:hi] += ds.T @ q[rows].reshape(Ra, D)             # dK += dS^T Q
 
 
-def sub_rows(q_pos, k_pos, sub=SUB):
-    """A masked tile (queries `q_pos`, keys `k_pos`) cut into runs of `sub`
-    queries. For each run: its query slice, the span [lo, hi) of keys covered
-    by its visible sub-tiles (lo = hi: none), and the masks of the sub-tiles
-    of that span that are not fully visible, as [(key slice, (queries, keys) bool)].
-    Neighbouring runs that see the same span without a mask are one run: one product.
-    Every head of a block has the same positions, so the answer is cached."""
-    return _sub_rows(q_pos.tobytes(), k_pos.tobytes(), q_pos.dtype.str, sub)
+def sub_rows(q_pos, k_pos, rule=True, sub=SUB):
+    """A masked tile (queries `q_pos`, keys `k_pos`, the mask `rule`: a
+    `reference.masks.Mask` or causal bool) cut into runs of `sub` queries. For
+    each run: its query slice, the span [lo, hi) of keys covered by its
+    visible sub-tiles (lo = hi: none), and the masks of the sub-tiles of that
+    span that are not fully visible, as [(key slice, (queries, keys) bool)].
+    Neighbouring runs that see the same span without a mask are one run: one
+    product. Every head of a block has the same positions, so the answer is
+    cached (the key holds the rule itself: a Mask is compared by identity)."""
+    return _sub_rows(q_pos.tobytes(), k_pos.tobytes(), q_pos.dtype.str, rule, sub)
 
 
 @functools.lru_cache(maxsize=512)
-def _sub_rows(q_bytes, k_bytes, dtype, sub):
+def _sub_rows(q_bytes, k_bytes, dtype, rule, sub):
     q_pos, k_pos = np.frombuffer(q_bytes, dtype), np.frombuffer(k_bytes, dtype)
-    kinds = classify(q_pos, k_pos, sub, True)          # masked tiles exist only under the causal rule
+    kinds = classify(q_pos, k_pos, sub, rule)
     runs = []
     for a in range(kinds.shape[0]):
         qa = slice(a * sub, min((a + 1) * sub, len(q_pos)))
@@ -127,7 +130,7 @@ def _sub_rows(q_bytes, k_bytes, dtype, sub):
         for c in range(seen[0], seen[-1] + 1) if len(seen) else ():
             if kinds[a, c] != FULL:
                 kc = slice(c * sub, min((c + 1) * sub, len(k_pos)))
-                masks.append((kc, visible(q_pos[qa], k_pos[kc])))
+                masks.append((kc, visible(q_pos[qa], k_pos[kc], rule)))
         last = runs[-1] if runs else None
         if last and not masks and not last[3] and (last[1], last[2]) == (lo, hi):
             runs[-1] = (slice(last[0].start, qa.stop), lo, hi, [])

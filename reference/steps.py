@@ -59,14 +59,17 @@ def module_name(xp):
     return getattr(xp, "__name__", "numpy").split(".")[0]
 
 
-def check_step(step, xp, *, backward=False):
-    """A Step usable with arrays of `xp` (and with a backward if asked), or a clear ValueError."""
-    step = get(step, xp=xp)
+def check_step(step, xp, *, backward=False, dropout=False):
+    """A Step usable with arrays of `xp` (and with a backward, or dropout, if
+    asked), or a clear ValueError. With dropout, "auto" is the readable step."""
+    step = get(DEFAULT if dropout and step == "auto" else step, xp=xp)
     if module_name(xp) not in step.array_modules:
         raise ValueError(f"step {step.name!r} computes with {', '.join(step.array_modules)} arrays, "
                          f"got {module_name(xp)} arrays")
     if backward and not step.has_backward:
         raise ValueError(f"step {step.name!r} has no backward; use step='v1' or 'auto' for gradients")
+    if dropout and not step.has_dropout:
+        raise ValueError(f"step {step.name!r} has no dropout; use step='v1' or 'auto' with dropout")
     return step
 
 

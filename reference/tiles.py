@@ -9,13 +9,20 @@ rule "key k is visible to query q iff pos_k <= pos_q", a tile is
 - MASKED otherwise: computed with the mask ``q_pos[:, None] >= k_pos[None, :]``.
 
 Both rules follow from the pair rule by taking the extreme pair of the tile,
-so they hold for every layout. The attention step and the cost model both read
-this plan, so the work they count is the work that is done.
+so they hold for every layout. Other masks (`reference.masks`: windows,
+documents, padding) are classified exactly from the number of visible pairs
+in each tile, counted without building the mask (`masks.visible_counts`):
+SKIP at none, FULL at all of them. The attention step and the cost model both
+read this plan, so the work they count is the work that is done.
 
 Legend: ``c`` queries, ``ck`` keys, ``T`` tiles.
 """
 
 import numpy as np
+
+from .masks import as_mask, visible_counts
+# the pair rule and its counts live in `masks`; importable from here as they were
+from .masks import any_visible, count_visible_pairs, visible  # noqa: F401
 
 SKIP, FULL, MASKED = 0, 1, 2
 DEFAULT_TILE_SIZE = 256
@@ -40,11 +47,15 @@ def tile_edges(n, t):
     return np.arange(0, n, t)
 
 
-def classify(q_pos, k_pos, tile_size, causal=True):
-    """Kind of every tile, an int array ``(Tq, Tk)`` of SKIP, FULL or MASKED."""
+def classify(q_pos, k_pos, tile_size, mask=True):
+    """Kind of every tile, an int array ``(Tq, Tk)`` of SKIP, FULL or MASKED.
+    `mask`: a `reference.masks.Mask`, or a bool (causal or not)."""
+    mask = as_mask(mask)
     tq, tk = tile_shape(tile_size)
     qe, ke = tile_edges(len(q_pos), tq), tile_edges(len(k_pos), tk)
-    if not causal:
+    if not mask.causal_only:
+        return _classify_by_count(q_pos, k_pos, qe, ke, tq, tk, mask)
+    if not mask.causal:
         return np.full((len(qe), len(ke)), FULL, dtype=np.int8)
     q_min, q_max = np.minimum.reduceat(q_pos, qe), np.maximum.reduceat(q_pos, qe)  # (Tq,)
     k_min, k_max = np.minimum.reduceat(k_pos, ke), np.maximum.reduceat(k_pos, ke)  # (Tk,)
@@ -54,38 +65,27 @@ def classify(q_pos, k_pos, tile_size, causal=True):
     return kinds
 
 
-def tile_plan(q_pos, k_pos, tile_size, causal=True):
+def _classify_by_count(q_pos, k_pos, qe, ke, tq, tk, mask):
+    """Exact kinds from each tile's visible pairs: none SKIP, all FULL."""
+    groups = [slice(j, j + tk) for j in ke]
+    per_query = visible_counts(q_pos, k_pos, mask, groups)                 # (Tk, c)
+    pairs = np.add.reduceat(per_query, qe, axis=1).T                        # (Tq, Tk)
+    rows = np.diff(np.append(qe, len(q_pos)))[:, None]                       # (Tq, 1)
+    cols = np.diff(np.append(ke, len(k_pos)))[None, :]                       # (1, Tk)
+    kinds = np.full(pairs.shape, MASKED, dtype=np.int8)
+    kinds[pairs == rows * cols] = FULL
+    kinds[pairs == 0] = SKIP
+    return kinds
+
+
+def tile_plan(q_pos, k_pos, tile_size, mask=True):
     """The tiles to compute, in order: a list of ``(q_slice, k_slice, kind)``,
     and the number of tiles skipped."""
     tq, tk = tile_shape(tile_size)
-    kinds = classify(q_pos, k_pos, (tq, tk), causal)
+    kinds = classify(q_pos, k_pos, (tq, tk), mask)
     plan = []
     for a, i in enumerate(tile_edges(len(q_pos), tq)):
         for b, j in enumerate(tile_edges(len(k_pos), tk)):
             if kinds[a, b] != SKIP:
                 plan.append((slice(i, i + tq), slice(j, j + tk), int(kinds[a, b])))
     return plan, int((kinds == SKIP).sum())
-
-
-def visible(q_pos, k_pos, causal=True):
-    """The mask from positions: True where key k is visible to query q. ``(c, ck)``"""
-    if not causal:
-        return np.ones((len(q_pos), len(k_pos)), dtype=bool)
-    return q_pos[:, None] >= k_pos[None, :]
-
-
-def any_visible(q_pos, k_pos, causal=True):
-    """(c,) bool: which queries can see at least one of the keys."""
-    if len(k_pos) == 0:
-        return np.zeros(len(q_pos), dtype=bool)
-    if not causal:
-        return np.ones(len(q_pos), dtype=bool)
-    return q_pos >= k_pos.min()
-
-
-def count_visible_pairs(q_pos, k_pos, causal=True):
-    """Visible (query, key) pairs without building the mask: for each query, the
-    number of keys at or before it."""
-    if not causal:
-        return len(q_pos) * len(k_pos)
-    return int(np.searchsorted(np.sort(k_pos), q_pos, side="right").sum())

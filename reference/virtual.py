@@ -4,7 +4,8 @@ Each virtual device is a thread running exactly the per-device code that MPI
 ranks and GPUs run; `VirtualRing` is their communication object. Devices share
 no memory: a message is a copy, delivered to the next device's mailbox. The
 public functions take and return arrays in natural token order, and shard and
-unshard them with the chosen layout.
+unshard them with the chosen layout. Any S: the layout pads it to its multiple
+(`layouts.padded_length`) and the mask hides the padding (`masks`, seq_len).
 
     out, lse, trace = ring_attention(q, k, v, n_devices=4, layout="striped", trace=True)
     print(trace.table())
@@ -17,6 +18,7 @@ import threading
 
 from . import checks, ring, steps
 from .layouts import array_module, check_layout, positions, shard, unshard
+from .masks import layout_mask
 from .trace import Trace
 
 POLL_S = 0.05
@@ -75,45 +77,56 @@ def _secondary(e):
     return isinstance(e, RuntimeError) and str(e) == "another virtual device failed"
 
 
-def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, backward=False):
-    """Check every argument before any work; returns (scale, Step)."""
+def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options, backward=False):
+    """Check every argument before any work; returns (scale, Step, Mask)."""
     B, S, Hq, Hkv, D = checks.check_qkv(q, k, v)
     check_layout(layout, S, n_devices)
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
-    return scale, steps.check_step(step, array_module(q), backward=backward)
+    mask = layout_mask(S, n_devices, layout, causal=causal, **mask_options)
+    return scale, steps.check_step(step, array_module(q), backward=backward, dropout=mask.dropout), mask
 
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
-                   tile_size=None, step=steps.DEFAULT, trace=False):
+                   tile_size=None, step=steps.DEFAULT, trace=False, window=None, cu_seqlens=None,
+                   segment_ids=None, dropout=0.0, seed=0):
     """Exact attention over N virtual devices. Returns (out, lse) or (out, lse, Trace).
     `step`: a name of `reference.steps` ("v1", the readable step, by default;
-    "auto": the fastest for the arrays) or a `reference.step.Step`."""
-    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step)
-    pos = positions(q.shape[1], n_devices, layout)
+    "auto": the fastest for the arrays) or a `reference.step.Step`.
+    Mask options (`reference.masks`): a sliding `window`, packed documents
+    (`cu_seqlens` or `segment_ids`), `dropout` with its `seed`; any S."""
+    mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
+    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options)
+    S = q.shape[1]
+    pos = positions(S, n_devices, layout)                              # (N, c), padded
     qs, ks, vs = (shard(x, n_devices, layout) for x in (q, k, v))
 
     def device(j, comm):
         return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm,
-                                 causal=causal, scale=scale, tile_size=tile_size, step=step)
+                                 mask=mask, scale=scale, tile_size=tile_size, step=step)
 
     outs, lses, logs = zip(*run_devices(n_devices, device))
-    out, lse = unshard(outs, layout, axis=1), unshard(lses, layout, axis=2)
+    out, lse = unshard(outs, layout, axis=1, seq_len=S), unshard(lses, layout, axis=2, seq_len=S)
     return (out, lse, Trace.from_logs(logs)) if trace else (out, lse)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
-                            scale=None, tile_size=None, step=steps.DEFAULT, trace=False):
-    """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace)."""
-    scale, step = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, backward=True)
+                            scale=None, tile_size=None, step=steps.DEFAULT, trace=False, window=None,
+                            cu_seqlens=None, segment_ids=None, dropout=0.0, seed=0):
+    """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace);
+    mask options as `ring_attention` (dropout drops the forward's pairs again)."""
+    mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
+    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options,
+                                  backward=True)
     checks.check_grads_inputs(q, out, lse, dout)
-    pos = positions(q.shape[1], n_devices, layout)
+    S = q.shape[1]
+    pos = positions(S, n_devices, layout)
     qs, ks, vs, outs, douts = (shard(x, n_devices, layout) for x in (q, k, v, out, dout))
     lses = shard(lse, n_devices, layout, axis=2)
 
     def device(j, comm):
         return ring.ring_backward(qs[j], ks[j], vs[j], outs[j], lses[j], douts[j], pos[j], pos[j],
-                                  comm, causal=causal, scale=scale, tile_size=tile_size, step=step)
+                                  comm, mask=mask, scale=scale, tile_size=tile_size, step=step)
 
     dqs, dks, dvs, logs = zip(*run_devices(n_devices, device))
-    grads = tuple(unshard(g, layout, axis=1) for g in (dqs, dks, dvs))
+    grads = tuple(unshard(g, layout, axis=1, seq_len=S) for g in (dqs, dks, dvs))
     return grads + (Trace.from_logs(logs),) if trace else grads

@@ -93,7 +93,8 @@ REFERENCE = [
     ("tile 0", lambda: ring_attention(*arrays(), n_devices=2, tile_size=0), ValueError, "tile_size", "positive"),
     ("scale inf", lambda: ring_attention(*arrays(), n_devices=2, scale=np.inf), ValueError, "scale", "finite"),
     ("causal str", lambda: attention(*arrays(), causal="yes"), TypeError, "causal", "a bool"),
-    ("n_devices 3", lambda: ring_attention(*arrays(), n_devices=3), ValueError, "n_devices", "multiple"),
+    ("n_devices 0", lambda: ring_attention(*arrays(), n_devices=0), ValueError, "n_devices", "positive int"),
+    ("window 0", lambda: ring_attention(*arrays(), n_devices=2, window=0), ValueError, "window", "positive int"),
 ]
 
 
