@@ -3,7 +3,8 @@
 #   make test        the test suite (what CI runs)
 #   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
-#   make gpu-check   GPU tests and benchmark table (on a machine with a CUDA 13 GPU)
+#   make gpu-check   the prepared GPU validation -> bench/results/gpu_check.md (a CUDA 13 GPU;
+#                    installs nothing: GPU_CHECK="--wheels DIR" installs carried wheels first)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -35,8 +36,12 @@ BENCH ?= --quick
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
 
-gpu-check: $(VENV)/.installed
-	bash scripts/gpu_check.sh
+GPU_CHECK ?=
+
+# No .venv dependency: a GPU machine may have no package index. The script uses
+# .venv/bin/python where it exists, else python3 with CuPy and mpi4py installed.
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
