@@ -51,11 +51,19 @@ def backend(args, comm, index):
         synchronize=lambda: cupy.cuda.Device().synchronize(), array_module=cupy, busy="compute_s")
 
 
-def main(argv=None):
+def parse(argv=None):
+    """(parser, args), the tile defaulting to the step's own: the fused kernel's
+    (fused.DEFAULT_TILE, which fits its shared memory), else mpi_impl's."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.tile_size is None:
-        parser.set_defaults(tile_size=fused.DEFAULT_TILE if args.step == "fused" else DEFAULT_TILE)
+        args.tile_size = fused.DEFAULT_TILE if args.step == "fused" else DEFAULT_TILE
+        parser.set_defaults(tile_size=args.tile_size)      # cli.main parses again
+    return parser, args
+
+
+def main(argv=None):
+    parser, args = parse(argv)
     try:
         index = use_local_device() if local_rank_from_env() is not None else None   # before MPI starts
     except GpuUnavailable as e:

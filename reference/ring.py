@@ -13,6 +13,7 @@ the communication object differs. It has two verbs and two attributes:
 
 A buffer passed to `start_shift` must not be written until `finish_shift`
 returns; the loops below never write a block after sending it.
+`reference.lockstep` is the same algorithm with all devices in one loop.
 
 On a GPU the step only queues kernels, and the loop must not wait for them
 before the next transfer starts (paper, section 1: communication overlaps
@@ -20,7 +21,6 @@ computation). So nothing here reads device memory on the host: a block's
 positions and owner stay on the host (NumPy) beside its device K, V, and a
 communication object with a ``clock`` (CUDA events, `gpu_impl.transfer`)
 times the step on the device instead of the host's clocks.
-`reference.lockstep` is the same algorithm with all devices in one loop.
 
 Shapes are the user layout (flash-attn): q (B, c, Hq, D), k, v (B, c, Hkv, D),
 lse (B, Hq, c), with ``c`` this device's tokens and ``q_pos``, ``k_pos`` their

@@ -218,11 +218,9 @@ def fused_against_readable(ctx):
 
 def parse_cli(args):
     """gpu_impl's parser and mpi_impl's option check on these arguments (no MPI, no GPU)."""
-    from gpu_impl.__main__ import build_parser
+    from gpu_impl.__main__ import parse
     from mpi_impl.cli import check_args
-    parsed = build_parser().parse_args(args)
-    if parsed.tile_size is None:
-        parsed.tile_size = 128
+    _, parsed = parse(args)
     problem = check_args(parsed, RANKS)
     if problem:
         raise ValueError(problem)

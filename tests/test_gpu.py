@@ -559,6 +559,42 @@ def test_mpi_ranks_on_queued_gpus(n, transfer, tmp_path):
     np.testing.assert_array_equal(results["env_local_ranks"], np.arange(n))
 
 
+@needs_mpiexec
+def test_cli_on_queued_gpus_checks_every_layout():
+    """python -m gpu_impl on 3 ranks, each on a GPU made of NumPy
+    (tests/gpu/cli_worker.py): every layout forward and backward within the
+    check's float64 tolerance with rectangular tiles, the transfer path MPI
+    chose and why, the critical path from device time; then --step fused
+    without --tile-size runs with the kernel's own tile."""
+    worker = str(Path(__file__).resolve().parent / "gpu" / "cli_worker.py")
+    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                  "--dtype", "float64", "--tile-size", "4x6", "--layout", "all", "--check", "--backward")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "QueuedDevice (NumPy)" in lines[0] and "transfer staged [auto: MPIX_Query_cuda_support() = 0]" in lines[0]
+    assert "tile=(4, 6)" in lines[0] and "forward+backward" in lines[0]
+    rows = [line.split() for line in lines if line.split()[:1] in (["contiguous"], ["striped"], ["zigzag"])]
+    assert [r[0] for r in rows] == ["contiguous", "striped", "zigzag"], proc.stdout
+    assert all(float(r[1]) <= 1e-10 for r in rows), proc.stdout
+    assert "busiest rank's device time (CUDA events)" in proc.stdout
+    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "2", "--head-dim", "8", "--layout", "striped",
+                  "--step", "fused", "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"tile={fused.DEFAULT_TILE}" in proc.stdout and "step fused" in proc.stdout, proc.stdout
+
+
+def test_cli_tile_sizes():
+    """--tile-size takes T or TQxTK; gpu_impl's default is the step's own tile."""
+    from gpu_impl.__main__ import parse
+    assert parse(["--tile-size", "64x32"])[1].tile_size == (64, 32)
+    assert parse(["--tile-size", "96"])[1].tile_size == 96
+    assert parse(["--step", "fused"])[1].tile_size == fused.DEFAULT_TILE
+    assert parse([])[1].tile_size == 128
+    for bad in ("0", "4x0", "4x5x6", "x4", "big"):
+        with pytest.raises(SystemExit):
+            parse(["--tile-size", bad])
+
+
 # -- the fused kernel's source -------------------------------------------------------
 
 def nvcc_compile(source, head_dim, tile, out, kv_half=False):
@@ -623,7 +659,7 @@ def emulated_kernels(tmp_path_factory):
         half = int(dtype == np.float16)
         lib = tmp_path_factory.mktemp("emulated") / f"attend_d{head_dim}_{tq}x{tk}_h{half}.so"
         proc = subprocess.run([GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                               f"-I{ROOT}", f"-I{EMULATOR.parent}", f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}",
+                               f"-I{ROOT}", f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}",
                                f"-DTK={tk}", f"-DKV_HALF={half}", f'-DKERNEL="{fused.SOURCE}"',
                                "-o", str(lib), str(EMULATOR)],
                               capture_output=True, text=True, timeout=120)
@@ -837,10 +873,17 @@ def test_gpu_check_fails_without_mpiexec(tmp_path):
 
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
-def test_gpu_bench_says_no_gpu():
+def test_gpu_bench_says_no_gpu(tmp_path):
+    """Without a GPU the section says so, and includes gpu-check's results
+    from a GPU machine where there are some (a dry run's are not results)."""
     from bench import gpu_bench
     text, pngs = gpu_bench.run(quick=True)
     assert text.startswith("No GPU here") and "make gpu-check" in text and pngs == []
+    results = tmp_path / "gpu_check.md"
+    results.write_text("Results of `make gpu-check`\n\n### rates: ok\n")
+    assert "### rates: ok" in gpu_bench.no_gpu_section("none", results)
+    results.write_text("Dry run (nothing measured) of `make gpu-check`\n\n### rates: ok\n")
+    assert "### rates" not in gpu_bench.no_gpu_section("none", results)
 
 
 class NumpyAsCupy:

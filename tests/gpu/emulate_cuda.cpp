@@ -8,10 +8,10 @@
 // some thread of a block never reaches hangs the emulation, as it would hang
 // the GPU: the test has a timeout.
 //
-// With -DKV_HALF=1 the kernel reads float16 K and V: tests/gpu/cuda_fp16.h
-// stands in for CUDA's header with the compiler's _Float16.
+// With -DKV_HALF=1 the kernel reads float16 K and V as their bits; the
+// compiler's _Float16 converts them here, where the GPU uses one PTX instruction.
 //
-//   g++ -std=c++20 -O1 -shared -fPIC -pthread -Wno-unknown-pragmas -Itests/gpu \
+//   g++ -std=c++20 -O1 -shared -fPIC -pthread -Wno-unknown-pragmas \
 //       -DHEAD_DIM=16 -DTQ=64 -DTK=32 -DKERNEL='"gpu_impl/kernels/attend_block_v1.cu"' \
 //       -o emulated.so tests/gpu/emulate_cuda.cpp
 
@@ -32,7 +32,8 @@ static std::barrier<>* block_barrier = nullptr;
 #define __launch_bounds__(n)
 inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, sizeof f); return f; }
-using std::isfinite;
+inline float half_to_float(unsigned short h) { _Float16 x; std::memcpy(&x, &h, sizeof x); return float(x); }
+#define HALF_TO_FLOAT half_to_float
 using std::max;
 using std::min;
 

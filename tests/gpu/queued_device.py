@@ -131,8 +131,25 @@ def fake_cupy():
     cupy.__getattr__ = lambda name: wrap(getattr(np, name))
     cupy.ndarray = DeviceArray
     cupy.asnumpy = lambda x: x.get() if isinstance(x, DeviceArray) else np.asarray(x)
-    cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
+                                    getDeviceProperties=lambda index: {"name": b"QueuedDevice (NumPy)"})
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device)
     return cupy
+
+
+class _Device:
+    """cupy.cuda.Device: use() does nothing, synchronize() waits for both streams."""
+
+    def __init__(self, index=0):
+        self.id = index
+
+    def use(self):
+        pass
+
+    def synchronize(self):
+        gpu = _gpu()
+        if gpu is not None:
+            gpu.run_until(lambda: not gpu.compute.items and not gpu.copy.items)
 
 
 FAKE_CUPY = fake_cupy()
@@ -242,6 +259,7 @@ class QueuedDevice:
         """A CuPy call from the host: it runs after the compute stream's queue (queue order)."""
         if not self.in_kernel:
             self.run_until(lambda: not self.compute.items)
+            self.clock += 1                                 # it takes its time too
 
     def host_read(self):
         if not self.in_kernel:
