@@ -30,8 +30,6 @@ Legend: ``a`` a device array, ``host`` a NumPy array (pinned where it matters).
 
 import os
 
-import numpy as np
-
 INSTALL_HINT = "pip install 'striped-attention[gpu]' (the cupy-cuda13x package)"
 
 # the local rank as launchers export it: Open MPI, MPICH/Hydra, Slurm, PMIx, MVAPICH2, Cray PALS
@@ -165,8 +163,3 @@ class CupyDevice:
     def upload(self, host, a, stream):
         """Queue host (pinned) -> device `a` on `stream`; `host` must stay untouched until done."""
         a.set(host, stream=stream)
-
-
-def host_array(a):
-    """True for a NumPy array (positions, the owner: they travel as they are)."""
-    return isinstance(a, np.ndarray)
