@@ -30,7 +30,9 @@ with events instead:
   this object uploaded itself is already in copy-stream order;
 - MPI reads a pinned send buffer when Isend is posted, and writes a pinned
   receive buffer that an earlier upload may still be reading: ``outgoing``
-  waits (on the host) for the copy stream, which holds only copies.
+  waits (on the host) for the copy stream. That stream holds copies and their
+  waits, so in the forward the host may wait for the step before last (which
+  the last upload waited for), never for the step just queued.
 Receive buffers are allocated once per tag (two sets, as RingComm's) and
 reused round after round, never taken from the pool while kernels run.
 

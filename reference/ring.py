@@ -61,7 +61,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, causal, scale, tile_size, step=
             with log.waiting(t):
                 block = KVBlock(*comm.finish_shift(in_flight))
     out, lse = finish_forward(acc)                                     # O / l, m + log(l)
-    log.close()
+    log.close()                                                        # a device clock is read now
     return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
 
 
@@ -99,7 +99,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, causal, scale,
     with log.waiting(n - 1):
         dk, dv = comm.finish_shift(grads_in_flight)                    # home again
     dq *= acc.type(scale)
-    log.close()
+    log.close()                                                        # a device clock is read now
     return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(k.dtype, copy=False),
             kv_from_heads(dv).astype(v.dtype, copy=False), log)
 
