@@ -51,6 +51,8 @@ REALISTIC = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "-
 TRACED = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8",
           "--kv-heads", "2", "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"]
 FUSED_SHAPES = [(64, np.float32), (64, np.float16), (128, np.float32), (128, np.float16)]
+FUSED_SEQ = 4096        # the fused kernel against the readable step: 4 striped blocks of 1024
+RATE_BLOCK = 4096       # the rates: one block pair of 4096 queries x 4096 keys
 
 
 @dataclass
@@ -179,7 +181,7 @@ def gpu_tests(ctx):
 # -- 4. fused against readable -----------------------------------------------------------
 
 def fused_against_readable(ctx):
-    """Max |fused - readable| over |readable| at model shapes: 4 striped blocks of 1024, GQA 8/2."""
+    """Max |fused - readable| over |readable| at model shapes: 4 striped blocks, GQA 8/2."""
     from gpu_impl import fused
     if ctx.dry:
         tiles = [fused.fused_tile(None, d) for d, _ in FUSED_SHAPES]
@@ -191,9 +193,9 @@ def fused_against_readable(ctx):
     rows, ok = [], True
     for head_dim, dtype in FUSED_SHAPES:
         rng = np.random.default_rng(head_dim)
-        q = rng.standard_normal((1, 4096, 8, head_dim)).astype(dtype)
-        k, v = (rng.standard_normal((1, 4096, 2, head_dim)).astype(dtype) for _ in range(2))
-        pos = positions(4096, 4, "striped")
+        q = rng.standard_normal((1, FUSED_SEQ, 8, head_dim)).astype(dtype)
+        k, v = (rng.standard_normal((1, FUSED_SEQ, 2, head_dim)).astype(dtype) for _ in range(2))
+        pos = positions(FUSED_SEQ, 4, "striped")
         queries = Queries.prepare(cupy.asarray(shard(q, 4, "striped")[3]), 2, pos[3], head_dim ** -0.5)
         accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
         plain, kernel = steps.get("v1"), steps.get("fused")
@@ -208,7 +210,7 @@ def fused_against_readable(ctx):
         ok &= good
         rows.append(f"| {head_dim} | {np.dtype(dtype).name} | {fused.fused_tile(None, head_dim)} | {err:.1e} | "
                     f"{'ok' if good else 'FAILED'} |")
-    head = ("Fused kernel against the readable step (both accumulate in float32), S = 4096 on 4 striped "
+    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {FUSED_SEQ} on 4 striped "
             "blocks, Hq = 8, Hkv = 2, causal; error scaled by max(1, |readable|), limit 1e-4.\n\n"
             "| D | inputs | fused tile | max error | |\n| ---: | :--- | :--- | ---: | :--- |\n")
     return Result(ok, head + "\n".join(rows))
@@ -383,13 +385,13 @@ def timed(cupy, fn, repeat=3):
 
 
 def rates(ctx):
-    """One block pair, every tile visible: c = 4096 queries x 4096 keys, Hq = 8, Hkv = 2, float16."""
+    """One block pair, every tile visible: RATE_BLOCK queries x keys, Hq = 8, Hkv = 2, float16."""
     if ctx.dry:
         return Result(True, f"dry run: torch {module_version('torch')}")
     import cupy
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
-    c, hq, hkv = 4096, 8, 2
+    c, hq, hkv = RATE_BLOCK, 8, 2
     rows = []
     for head_dim in (64, 128):
         useful = 4 * head_dim * c * c * hq
@@ -409,7 +411,7 @@ def rates(ctx):
                      flash or float("nan"), useful / flash / 1e12 if flash else float("nan")))
     table = "| D | step | ms | TFLOP/s (useful) |\n| ---: | :--- | ---: | ---: |\n" + "\n".join(
         f"| {d} | {name} | {s * 1e3:.2f} | {r:.1f} |" for d, name, s, r in rows)
-    return Result(True, "One block pair, every tile visible: 4096 queries x 4096 keys, Hq = 8, Hkv = 2, "
+    return Result(True, f"One block pair, every tile visible: {c} queries x {c} keys, Hq = 8, Hkv = 2, "
                         "float16 inputs; useful FLOPs 4 D per pair per query head.\n\n" + table)
 
 

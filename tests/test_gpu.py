@@ -856,6 +856,30 @@ def test_gpu_check_dry_run_starts_every_step(tmp_path):
     assert "--seq-len 65536 --head-dim 128 --dtype float16" in text and "--backward --check" in text
 
 
+def test_gpu_check_measuring_steps_run_on_a_queued_gpu(monkeypatch, tmp_path):
+    """The steps of make gpu-check that measure in-process (the environment
+    table, the fused kernel against the readable step, the sanitizer's launch,
+    the rates) run to the end on a GPU made of NumPy, at small sizes, the
+    readable step standing in for the kernel: their Python has run before a
+    GPU's time is spent on it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(gpu_check, "FUSED_SEQ", 64)
+    monkeypatch.setattr(gpu_check, "RATE_BLOCK", 32)
+    monkeypatch.setattr(fused, "launch_kernel", lambda acc, queries, block, tile, causal: ReadableStep().forward(
+        acc, queries, ring.as_dtype(block, np.float32), causal=causal, tile_size=tile))
+    ctx = gpu_check.Context(dry=False, python=sys.executable, mpiexec=MPIEXEC or "mpiexec", work=tmp_path)
+    with QueuedDevice("copies-early").installed():
+        assert "QueuedDevice (NumPy)" in gpu_check.environment(ctx).text
+        result = gpu_check.fused_against_readable(ctx)
+        assert result.ok and result.text.count("| ok |") == 4, result.text
+        gpu_check.one_fused_launch()
+        result = gpu_check.rates(ctx)
+        assert result.ok and result.text.count("fused v1") == 2, result.text
+
+
 def test_gpu_check_fails_without_mpiexec(tmp_path):
     """Without mpiexec the ring tests cannot run: the check fails (status 1),
     says so, and runs no further step."""

@@ -131,8 +131,9 @@ def fake_cupy():
     cupy.__getattr__ = lambda name: wrap(getattr(np, name))
     cupy.ndarray = DeviceArray
     cupy.asnumpy = lambda x: x.get() if isinstance(x, DeviceArray) else np.asarray(x)
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                    getDeviceProperties=lambda index: {"name": b"QueuedDevice (NumPy)"})
+    properties = {"name": b"QueuedDevice (NumPy)", "totalGlobalMem": 2**30, "major": 0, "minor": 0}
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda index: properties,
+                                    runtimeGetVersion=lambda: 0, driverGetVersion=lambda: 0)
     cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device)
     return cupy
 
