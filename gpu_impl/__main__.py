@@ -1,7 +1,7 @@
 """The command line of gpu_impl: mpi_impl's, on GPUs, plus the transfer path.
 
     mpiexec -n 4 python -m mpi4py -m gpu_impl --layout all --check
-    mpiexec -n 4 python -m mpi4py -m gpu_impl --seq-len 16384 --step fused --backward
+    mpiexec -n 4 python -m mpi4py -m gpu_impl --seq-len 16384 --step fused
     mpiexec -n 2 python -m mpi4py -m gpu_impl --seq-len 16384 --transfer staged --step fused --tile-size 32x32
 
 Same options and table as ``python -m mpi_impl`` (see `mpi_impl.cli`). Each rank
