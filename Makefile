@@ -5,7 +5,8 @@
 #   make train       train the small transformer over MPI ranks, draw its loss curve (train_loss.png)
 #   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
-#   make gpu-check   GPU tests and benchmark table (on a machine with a CUDA 13 GPU)
+#   make gpu-check   the prepared GPU validation -> bench/results/gpu_check.md (a CUDA 13 GPU;
+#                    installs nothing: GPU_CHECK="--wheels DIR" installs carried wheels first)
 #   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
 
 PYTHON ?= python3
@@ -62,8 +63,12 @@ BENCH ?= --quick
 bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
 
-gpu-check: $(VENV)/.installed
-	bash scripts/gpu_check.sh
+GPU_CHECK ?=
+
+# No .venv dependency: a GPU machine may have no package index. The script uses
+# .venv/bin/python where it exists, else python3 with CuPy and mpi4py installed.
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK)
 
 wheel-check: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/wheel_check.sh

@@ -58,10 +58,19 @@ def gpu_missing():
     return None
 
 
-def no_gpu_section(reason):
-    return (f"No GPU here, so nothing was measured: {reason}.\n\n"
-            "On a machine with a CUDA 13 GPU, `make gpu-check` runs the GPU tests and this table "
-            "(`scripts/gpu_check.sh`).\n")
+CHECK_RESULTS = RESULTS / "gpu_check.md"      # what `make gpu-check` wrote on a GPU machine
+
+
+def no_gpu_section(reason, check_results=None):
+    """Says why nothing was measured here, and includes the results `make gpu-check`
+    wrote on a GPU machine (bench/results/gpu_check.md) where there are some."""
+    text = (f"No GPU here, so nothing was measured: {reason}.\n\n"
+            "On a machine with a CUDA 13 GPU, `make gpu-check` (`scripts/gpu_check.py`) runs the GPU "
+            "validation and writes bench/results/gpu_check.md, which this section includes.\n")
+    path = Path(check_results or CHECK_RESULTS)
+    if path.exists() and path.read_text().startswith("Results"):
+        text += "\n" + path.read_text()
+    return text
 
 
 def run(quick=True, results_dir=None):

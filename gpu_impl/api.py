@@ -1,14 +1,18 @@
-"""ring_attention and ring_attention_backward on this rank's CuPy shards.
+"""ring_attention and ring_attention_backward on this rank's CuPy shards: mpi_impl's, on a GPU.
 
-The per-device loop is `reference.ring` (Algorithm 1) and the per-device step
-is `reference.step`, both run with CuPy as the array module; what is specific
-to GPUs is the communication object (`gpu_impl.transfer.DeviceRing`) and,
-optionally, the fused forward kernel (`gpu_impl.fused`, ``step="fused"``).
+The per-device loop (`reference.ring`, Algorithm 1), the step (`reference.step`,
+or the fused kernel, ``step="fused"``), the collective checks and the
+communication object (`mpi_impl.comm.RingComm`) are mpi_impl's, run with CuPy
+arrays. What this module adds is what only a GPU needs: every rank checks that
+CuPy finds a GPU and that its arrays are CuPy arrays on one device, all ranks
+agree on the transfer path (`gpu_impl.transfer.choose_transfer`), and RingComm
+gets the memory object of that path.
 
+    import gpu_impl
+    gpu_impl.use_local_device()                        # first: before MPI starts
     from mpi4py import MPI
-    import cupy, gpu_impl, reference
+    import cupy, reference
     comm = MPI.COMM_WORLD
-    gpu_impl.use_local_device(comm)                    # before creating arrays
     q, k, v = (cupy.asarray(reference.shard(x, comm.size, "striped")[comm.rank]) for x in (q, k, v))
     out, lse = gpu_impl.ring_attention(q, k, v, comm=comm, layout="striped")
 
@@ -16,131 +20,76 @@ Shapes (this rank's shard, in the layout's local order): q (B, c, Hq, D), k, v
 (B, c, Hkv, D), out like q, lse (B, Hq, c), with c = S // N.
 """
 
+import functools
 
-from mpi_impl import agree, gather_trace
-from mpi_impl.attention import TRACE_CHOICES, shard_mask
-from reference import checks, ring, steps
-from reference.layouts import check_layout, positions
-from reference.tiles import tile_shape
+import mpi_impl
+from mpi_impl import agree
+from mpi_impl.comm import RingComm
+from reference import steps
 
 from . import fused
-from .device import CupyDevice, device_for_local_rank, local_rank, require_cupy
-from .transfer import DeviceRing, choose_transfer
-
-
-def use_local_device(comm):
-    """Make this rank's GPU current (ranks deal over the node's GPUs by local
-    rank); returns its index. Call before creating the arrays."""
-    cupy = require_cupy()
-    index = device_for_local_rank(local_rank(comm), cupy.cuda.runtime.getDeviceCount())
-    cupy.cuda.Device(index).use()
-    return index
+from .device import CupyDevice, require_cupy, use_local_device
+from .transfer import choose_transfer, memory_for
 
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
                    transfer="auto", step="auto", trace=False, seq_len=None, **mask_options):
-    """Exact attention of this rank's query shard to every rank's keys.
-
-    Returns (out, lse); with ``trace=True`` also the Trace of every rank
-    (collective), with ``trace="rank"`` this rank's RoundLog (as mpi_impl).
-    `step`: "auto" (the readable step, v1, on CuPy), "v1", "fused" or a
-    `reference.step.Step`. `seq_len` and the mask options (window, cu_seqlens,
-    segment_ids, dropout, seed) as in `mpi_impl.ring_attention`.
-    Collective: every rank of `comm` must call it."""
-    options = dict(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                   transfer=transfer, step=step, trace=trace, seq_len=seq_len, mask_options=mask_options)
-    cupy, scale, step, mask = _agree(comm, (q, k, v), (), options, "forward")
-    q_pos = positions(q.shape[1] * comm.Get_size(), comm.Get_size(), layout)[comm.Get_rank()]
-    with CupyDevice(cupy, q.device.id) as device, _DupRing(comm, device, transfer) as ring_comm:
-        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, mask=mask,
-                                          scale=scale, tile_size=tile_size, step=step)
-        device.synchronize()
-    return (out, lse) + _trace_result(log, comm, trace)
+    """Exact attention of this rank's query shard to every rank's keys:
+    `mpi_impl.ring_attention` on CuPy arrays. Returns (out, lse), and the trace
+    as mpi_impl does for ``trace=True`` or ``"rank"``. `transfer`: "auto" (ask
+    MPI), "staged", "cuda-aware" or "cuda-aware-unchecked"; `step`: "auto" (v1
+    on CuPy), "v1", "fused" or a `reference.step.Step`; `seq_len` and the mask
+    options (window, cu_seqlens, segment_ids, dropout, seed) as in mpi_impl. Collective."""
+    device, make_ring = _gpu_ring(comm, (q, k, v), (), transfer=transfer, step=step, tile_size=tile_size)
+    with device:
+        return mpi_impl.ring_attention(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,
+                                       tile_size=tile_size, step=step, trace=trace, make_ring=make_ring,
+                                       seq_len=seq_len, **mask_options)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
                             scale=None, tile_size=None, transfer="auto", step="auto", trace=False,
                             seq_len=None, **mask_options):
-    """Gradients (dq, dk, dv) of this rank's shard; K, V, dK, dV travel the
-    ring and dK, dV end on the rank that owns those keys. ``step`` (one with a
-    backward) and ``trace`` as in `ring_attention`. Collective."""
-    options = dict(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                   transfer=transfer, step=step, trace=trace, seq_len=seq_len, mask_options=mask_options)
-    cupy, scale, step, mask = _agree(comm, (q, k, v), (out, lse, dout), options, "backward")
-    q_pos = positions(q.shape[1] * comm.Get_size(), comm.Get_size(), layout)[comm.Get_rank()]
-    with CupyDevice(cupy, q.device.id) as device, _DupRing(comm, device, transfer) as ring_comm:
-        dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
-                                             mask=mask, scale=scale, tile_size=tile_size, step=step)
-        device.synchronize()
-    return (dq, dk, dv) + _trace_result(log, comm, trace)
+    """Gradients (dq, dk, dv) of this rank's shard: `mpi_impl.ring_attention_backward`
+    on CuPy arrays; options as `ring_attention` (a step with a backward). Collective."""
+    device, make_ring = _gpu_ring(comm, (q, k, v), (out, lse, dout), transfer=transfer, step=step,
+                                  tile_size=tile_size)
+    with device:
+        return mpi_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=comm, layout=layout,
+                                                causal=causal, scale=scale, tile_size=tile_size, step=step,
+                                                trace=trace, make_ring=make_ring, seq_len=seq_len,
+                                                **mask_options)
 
 
-class _DupRing:
-    """A DeviceRing on a duplicate of `comm` (so ring messages never meet the
-    caller's), freed on exit."""
-
-    def __init__(self, comm, device, transfer):
-        self._dup = comm.Dup()
-        self.ring = DeviceRing(self._dup, device, transfer)
-
-    def __enter__(self):
-        return self.ring
-
-    def __exit__(self, *exc):
-        self._dup.Free()
-
-
-def _agree(comm, qkv, grads, options, kind):
-    """Every rank checks CuPy, the GPU and its inputs, then all agree
-    (`mpi_impl.agree`: the same clear error on every rank, never a hang).
-    Returns (cupy, scale, Step, Mask)."""
+def _gpu_ring(comm, qkv, grads, *, transfer, step, tile_size):
+    """The GPU's checks on every rank, agreed collectively (`mpi_impl.agree`:
+    the same clear error everywhere, never a hang); returns (CupyDevice of q,
+    the RingComm factory with that path's memory object)."""
     found = {}
 
     def describe():
-        found["cupy"] = require_cupy()
-        return _describe(found["cupy"], comm, qkv, grads, kind=kind, found=found, **options)
+        cupy = found["cupy"] = require_cupy()
+        _check_arrays(cupy, qkv + grads)
+        found["path"], _ = choose_transfer(transfer)
+        chosen = steps.check_step(step, cupy, backward=bool(grads))
+        if chosen.name == "fused":
+            fused.check_dtype(qkv[0].dtype)
+            fused.fused_tile(tile_size, qkv[0].shape[-1])
+        return dict(transfer=found["path"])
 
-    scale = agree(comm, describe)["scale"]
-    return found["cupy"], scale, found["step"], found["mask"]
+    agree(comm, describe)
+    device = CupyDevice(found["cupy"], qkv[0].device.id)
+    return device, functools.partial(RingComm.on, memory=memory_for(found["path"], device))
 
 
-def _describe(cupy, comm, qkv, grads, *, kind, layout, causal, scale, tile_size, transfer, step,
-              trace, found, seq_len, mask_options):
-    """This rank's checks, before any communication; what every rank must agree on."""
-    q, k, v = qkv
+def _check_arrays(cupy, arrays):
     names = ("q", "k", "v", "out", "lse", "dout")
-    for name, x in zip(names, qkv + grads):
+    for name, x in zip(names, arrays):
         if not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name} must be a CuPy array (this rank's shard on its GPU), got "
                             f"{type(x).__module__}.{type(x).__name__}; use mpi_impl for NumPy arrays")
-        if x.device.id != q.device.id:
-            raise ValueError(f"{name} is on GPU {x.device.id} but q is on GPU {q.device.id}")
-    if trace not in TRACE_CHOICES or isinstance(trace, int) and not isinstance(trace, bool):
-        raise ValueError(f"trace must be one of {TRACE_CHOICES}, got {trace!r}")
-    _, c, _, _, D = checks.check_qkv(q, k, v, seq_axis_name="c")
-    if grads:
-        checks.check_grads_inputs(q, *grads)
-    n = comm.Get_size()
-    check_layout(layout, c * n, n)
-    path, _ = choose_transfer(transfer)
-    scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                                 head_dim=D)
-    found["mask"] = mask = shard_mask(c, n, layout, causal, seq_len, mask_options)
-    found["step"] = chosen = steps.check_step(step, cupy, backward=kind == "backward", dropout=mask.dropout)
-    if chosen.name == "fused":
-        fused.check_dtype(q.dtype)
-        fused.fused_tile(tile_size, D)
-        if not mask.plain:
-            raise ValueError(f"step 'fused' knows only causal=True/False, got {mask}; use step='v1' or 'auto'")
-    return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), dtype=str(q.dtype), layout=layout,
-                causal=bool(causal), scale=scale, tile_size=tile_shape(tile_size), transfer=path,
-                step=chosen.name, trace=trace, mask=mask.describe())
-
-
-def _trace_result(log, comm, trace):
-    if trace == "rank":
-        return (log,)
-    return (gather_trace(log, comm),) if trace else ()
+        if x.device.id != arrays[0].device.id:
+            raise ValueError(f"{name} is on GPU {x.device.id} but q is on GPU {arrays[0].device.id}")
 
 
 __all__ = ["ring_attention", "ring_attention_backward", "use_local_device"]

@@ -1,5 +1,4 @@
-"""Finding CuPy and a GPU, choosing this rank's GPU, and the few device verbs
-the transfers need.
+"""Finding CuPy and a GPU, choosing this rank's GPU, and the device verbs the transfers need.
 
 Nothing here imports CuPy at import time: `require_cupy` does it when a GPU
 function is called, and says what is missing (the package, or a CUDA device)
@@ -12,16 +11,30 @@ on it, and on a node with 4 GPUs gives each rank its own:
     local rank:  0 1 2 3 4 5      n_gpus = 4
     device:      0 1 2 3 0 1
 
+Choose the GPU *before* MPI starts (before ``from mpi4py import MPI``): a
+CUDA-aware MPI sets up CUDA for the device current at ``MPI_Init``, and with
+none chosen every rank would first touch GPU 0. Launchers export the local rank
+(`LOCAL_RANK_VARIABLES`), so `use_local_device()` reads it from there; with an
+unknown launcher it falls back to asking MPI (`local_rank(comm)`), after init.
+
 `CupyDevice` holds the two streams of a rank: ``compute`` (the caller's stream:
 every kernel of the step runs on it) and ``copy`` (host <-> device copies of the
-staged transfer, which must not wait behind queued kernels),
-and the verbs `reference.ring`'s communication object needs from a device:
-synchronize, allocate, download to pinned host memory, upload.
+staged transfer, which must not wait behind queued kernels), and the verbs the
+ring's memory objects (`gpu_impl.transfer`) use: events to order the streams
+and time the step, device and pinned buffers, asynchronous copies.
+tests/gpu/queued_device.py implements the same verbs on NumPy with streams
+that really run later, so that a missing event gives a wrong answer on a CPU.
 
 Legend: ``a`` a device array, ``host`` a NumPy array (pinned where it matters).
 """
 
+import os
+
 INSTALL_HINT = "pip install 'striped-attention[gpu]' (the cupy-cuda13x package)"
+
+# the local rank as launchers export it: Open MPI, MPICH/Hydra, Slurm, PMIx, MVAPICH2, Cray PALS
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
+                        "PMIX_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID")
 
 
 class GpuUnavailable(RuntimeError):
@@ -54,14 +67,39 @@ def device_for_local_rank(local_rank, n_gpus):
     return local_rank % n_gpus
 
 
+def local_rank_from_env(environ=None):
+    """This process's local rank as the launcher exported it, or None (no
+    launcher, or one that exports none of `LOCAL_RANK_VARIABLES`)."""
+    environ = os.environ if environ is None else environ
+    for name in LOCAL_RANK_VARIABLES:
+        value = environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return None
+
+
 def local_rank(comm):
-    """This rank's index among the ranks on its node (MPI shared-memory split)."""
+    """This rank's index among the ranks on its node (MPI shared-memory split; collective)."""
     from mpi4py import MPI
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
         return node.Get_rank()
     finally:
         node.Free()
+
+
+def use_local_device(comm=None):
+    """Make this rank's GPU current and return its index. Call it first, before
+    ``from mpi4py import MPI`` and before creating arrays: the local rank comes
+    from the launcher's environment; `comm` (collective) is asked only where no
+    launcher variable is set."""
+    cupy = require_cupy()
+    rank = local_rank_from_env()
+    if rank is None:
+        rank = 0 if comm is None else local_rank(comm)
+    index = device_for_local_rank(rank, cupy.cuda.runtime.getDeviceCount())
+    cupy.cuda.Device(index).use()
+    return index
 
 
 class CupyDevice:
@@ -87,17 +125,30 @@ class CupyDevice:
     def __exit__(self, *exc):
         return self.device.__exit__(*exc)
 
-    @property
-    def name(self):
-        props = self.xp.cuda.runtime.getDeviceProperties(self.index)
-        return f"GPU {self.index} ({props['name'].decode()})"
+    def is_device(self, a):
+        return isinstance(a, self.xp.ndarray)
 
-    def synchronize(self):
-        """Wait until every kernel queued on the compute stream has finished."""
-        self.compute.synchronize()
+    def event(self, stream, timing=False):
+        """An event recorded on `stream`: it completes when the work queued
+        there so far has. `timing` events can be read by `elapsed`."""
+        ev = self.xp.cuda.Event(disable_timing=not timing)
+        ev.record(stream)
+        return ev
 
-    def empty_like(self, a):
-        return self.xp.empty_like(a)
+    def wait(self, stream, event):
+        """Work queued on `stream` from now on starts after `event` completes (the host does not wait)."""
+        stream.wait_event(event)
+
+    def elapsed(self, start, end):
+        """Seconds between two timing events (waits for `end`)."""
+        end.synchronize()
+        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def empty(self, shape, dtype):
+        """A device buffer. Allocated while the compute stream is current: CuPy's
+        pool then hands its memory back only to work ordered after the compute stream."""
+        with self.compute:
+            return self.xp.empty(shape, dtype=dtype)
 
     def pinned_empty(self, shape, dtype):
         """A NumPy array in page-locked memory: the GPU copies it asynchronously
@@ -105,65 +156,10 @@ class CupyDevice:
         import cupyx
         return cupyx.empty_pinned(shape, dtype=dtype)
 
-    def download(self, a, out):
-        """Device -> host into `out`, finished when this returns."""
-        a.get(stream=self.copy, out=out, blocking=False)
-        self.copy.synchronize()
+    def download(self, a, host, stream):
+        """Queue device -> host (pinned) on `stream`; done when the stream reaches it."""
+        a.get(stream=stream, out=host, blocking=False)
 
-    def upload(self, host):
-        """Host -> a new device array, finished when this returns (so that
-        `host` may be reused at once)."""
-        a = self.xp.empty(host.shape, dtype=host.dtype)
-        a.set(host, stream=self.copy)
-        self.copy.synchronize()
-        return a
-
-    def byte_view(self, a):
-        """The bytes of a contiguous array, for MPI.BYTE messages (float16 has
-        no MPI datatype everywhere)."""
-        if not a.flags.c_contiguous:       # reshape would copy, and MPI would fill the copy
-            raise ValueError("ring buffers must be C-contiguous")
-        return a.reshape(-1).view(self.xp.uint8)
-
-
-class NumpyDevice:
-    """CupyDevice's verbs on host memory: NumPy standing in for CuPy, so that the
-    transfers (`gpu_impl.transfer`) run, and are tested, on a machine without a
-    GPU. `events`, if given, records the order of synchronize, download, upload."""
-
-    def __init__(self, events=None):
-        import numpy
-        self.xp, self.events, self.pinned_allocations = numpy, events, 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def _note(self, what):
-        if self.events is not None:
-            self.events.append(what)
-
-    def synchronize(self):
-        self._note("synchronize")
-
-    def empty_like(self, a):
-        return self.xp.empty_like(a)
-
-    def pinned_empty(self, shape, dtype):
-        self.pinned_allocations += 1
-        return self.xp.empty(shape, dtype=dtype)
-
-    def download(self, a, out):
-        self._note("download")
-        self.xp.copyto(out, a)
-
-    def upload(self, host):
-        self._note("upload")
-        return host.copy()
-
-    def byte_view(self, a):
-        if not a.flags.c_contiguous:
-            raise ValueError("ring buffers must be C-contiguous")
-        return a.reshape(-1).view(self.xp.uint8)
+    def upload(self, host, a, stream):
+        """Queue host (pinned) -> device `a` on `stream`; `host` must stay untouched until done."""
+        a.set(host, stream=stream)

@@ -16,11 +16,17 @@ The kernel skips the tiles no query can see by itself, from positions on the
 GPU; the counts the trace records are the plan's (`reference.step.Step`), for
 the same tile shape.
 
-Shapes (compute layout, float32): q (B, Hkv, c, G, D) pre-scaled, k, v
-(B, Hkv, ck, D), q_pos (c,), k_pos (ck,) NumPy int. A tile is TQ queries of
-one query head by TK keys; the default (64, 32) fits D <= 128 in 48 KiB of
-shared memory. Version 1 is correct and simple, not fast: one thread per row,
-no tensor cores, no GQA sharing of the K/V tile across the G query heads.
+Shapes (compute layout): q (B, Hkv, c, G, D) float32 pre-scaled, k, v
+(B, Hkv, ck, D) float32 or float16 (read as they travel: a float16 block is
+not cast to float32 every round), q_pos (c,), k_pos (ck,) NumPy int, checked
+against the arrays before every launch (a wrong length would read out of
+bounds). Positions are uploaded once per distinct array and kept on the GPU
+(`DevicePositions`): the queries' every round, and each block's in every later
+call. A tile is TQ queries of one query head by TK keys; the default (64, 32)
+fits D <= 128 in 48 KiB of shared memory (the command line uses it when no
+--tile-size is given). The kernel follows reference/step.py's NaN rule.
+Version 1 is correct and simple, not fast: one thread per row, no tensor
+cores, no GQA sharing of the K/V tile across the G query heads.
 """
 
 import functools
@@ -43,16 +49,16 @@ def kernel_source():
     return SOURCE.read_text()
 
 
-def compile_options(head_dim, tile):
+def compile_options(head_dim, tile, kv_half=False):
     """The -D options that size the kernel; the same for nvcc and NVRTC."""
     tq, tk = tile
-    return ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}")
+    return ("-std=c++17", f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}", f"-DKV_HALF={int(kv_half)}")
 
 
 def fused_tile(tile_size, head_dim):
     """(TQ, TK) for the kernel, or a ValueError if it cannot be launched."""
     tq, tk = DEFAULT_TILE if tile_size is None else tile_shape(tile_size)
-    shared = (2 * tk * head_dim + tk * tq) * 4 + tk * 8 + 8   # Ks, Vs, S (float32), k positions
+    shared = (2 * tk * head_dim + tk * tq) * 4 + tk * 9 + 8   # Ks, Vs, S (float32), k positions, flags
     if tq > MAX_THREADS or shared > MAX_SHARED_BYTES:
         raise ValueError(f"tile_size {(tq, tk)} does not fit step='fused' at head dim {head_dim}: "
                          f"at most {MAX_THREADS} queries and (2*TK*D + TK*TQ)*4 bytes of shared "
@@ -68,10 +74,35 @@ def check_dtype(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(head_dim, tq, tk):
+def _kernel(head_dim, tq, tk, kv_half):
     import cupy
-    module = cupy.RawModule(code=kernel_source(), options=compile_options(head_dim, (tq, tk)))
+    module = cupy.RawModule(code=kernel_source(), options=compile_options(head_dim, (tq, tk), kv_half))
     return module.get_function(f"attend_block_v{VERSION}")
+
+
+class DevicePositions:
+    """Positions on the GPU, uploaded once per distinct array: a NumPy array is
+    looked up by its length and ends, and used only if its contents are equal
+    (a cheap host compare, no device sync); at most `size` kept, oldest dropped."""
+
+    def __init__(self, size=64):
+        self.size, self._kept, self.uploads = size, {}, 0
+
+    def get(self, xp, pos):
+        pos = np.asarray(pos, dtype=np.int64)
+        key = (pos.size, int(pos[0]), int(pos[-1])) if pos.size else (0,)
+        for host, device in self._kept.get(key, ()):
+            if np.array_equal(host, pos):
+                return device
+        if sum(len(v) for v in self._kept.values()) >= self.size:
+            self._kept.clear()
+        device = xp.asarray(pos)
+        self.uploads += 1
+        self._kept.setdefault(key, []).append((pos.copy(), device))
+        return device
+
+
+POSITIONS = {}      # GPU index -> its DevicePositions
 
 
 class FusedStep(Step):
@@ -79,6 +110,8 @@ class FusedStep(Step):
     name = "fused"
     array_modules = ("cupy",)
     has_backward = False
+    takes_masks = False
+    reads_float16 = True        # reference.ring hands it float16 blocks as they travel
 
     def tile(self, tile_size, head_dim):
         return fused_tile(tile_size, head_dim)
@@ -90,6 +123,7 @@ class FusedStep(Step):
         mask = resolve(mask, causal)
         if not mask.plain:
             raise ValueError(f"step 'fused' knows only causal=True/False, got {mask}; use step='v1'")
+        check_launch(acc, queries, block)
         counts = super().forward(acc, queries, block, mask=mask, tile_size=tile_size)
         if counts.tiles_computed:
             launch_kernel(acc, queries, block, self.tile(tile_size, queries.q.shape[-1]), mask.causal)
@@ -99,16 +133,40 @@ class FusedStep(Step):
         """Nothing per tile: `forward` runs every tile of the plan in one launch."""
 
 
+def check_launch(acc, queries, block):
+    """A ValueError unless the arrays are what the kernel indexes: it reads
+    q, k, v, positions and the accumulator by these shapes, unchecked."""
+    q, k, v = queries.q, block.k, block.v
+    if q.ndim != 5 or k.ndim != 4:
+        raise ValueError(f"step 'fused' needs q (B, Hkv, c, G, D) and k, v (B, Hkv, ck, D), "
+                         f"got q {q.shape}, k {k.shape}")
+    B, Hkv, c, G, D = q.shape
+    want = {"k": (k, (B, Hkv, k.shape[2], D)), "v": (v, k.shape), "acc.o": (acc.o, q.shape),
+            "acc.m": (acc.m, q.shape[:-1]), "acc.l": (acc.l, q.shape[:-1])}
+    for name, (x, shape) in want.items():
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"step 'fused': {name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
+                             f"(q {tuple(q.shape)})")
+    for name, x, length in (("queries.pos", queries.pos, c), ("block.pos", block.pos, k.shape[2])):
+        if np.shape(x) != (length,):
+            raise ValueError(f"step 'fused': {name} has shape {np.shape(x)}, expected ({length},)")
+    for name, x in (("q", q), ("acc.o", acc.o), ("acc.m", acc.m), ("acc.l", acc.l)):
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(f"step 'fused' needs C-contiguous float32 {name}, got {x.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype not in (np.float32, np.float16) or x.dtype != k.dtype or not x.flags.c_contiguous:
+            raise ValueError(f"step 'fused' needs C-contiguous k and v, both float32 or both float16, "
+                             f"got {name} {x.dtype}")
+
+
 def launch_kernel(acc, queries, block, tile, causal):
     """One launch: grid (query tiles, G, B * Hkv), TQ threads, one query row each."""
     import cupy
     q, k, v = queries.q, block.k, block.v
     B, Hkv, c, G, D = q.shape
-    for name, x in (("q", q), ("k", k), ("v", v), ("acc.o", acc.o), ("acc.m", acc.m), ("acc.l", acc.l)):
-        if x.dtype != np.float32 or not x.flags.c_contiguous:
-            raise ValueError(f"step 'fused' needs C-contiguous float32 {name}, got {x.dtype}")
     tq, tk = tile
     grid = ((c + tq - 1) // tq, G, B * Hkv)
-    _kernel(D, tq, tk)(grid, (tq,), (
-        q, k, v, cupy.asarray(queries.pos, dtype=cupy.int64), cupy.asarray(block.pos, dtype=cupy.int64),
+    positions = POSITIONS.setdefault(q.device.id, DevicePositions())
+    _kernel(D, tq, tk, k.dtype == np.float16)(grid, (tq,), (
+        q, k, v, positions.get(cupy, queries.pos), positions.get(cupy, block.pos),
         acc.o, acc.m, acc.l, np.int32(c), np.int32(k.shape[2]), np.int32(G), np.int32(bool(causal))))

@@ -116,7 +116,8 @@ def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, step="auto
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                                  head_dim=D)
     mask = shard_mask(c, n, layout, causal, seq_len, mask_options)
-    chosen = steps.check_step(step, array_module(q), backward=kind == "backward", dropout=mask.dropout)
+    chosen = steps.check_step(step, array_module(q), backward=kind == "backward", dropout=mask.dropout,
+                              plain_mask=mask.causal_only)
     if found is not None:
         found["step"], found["mask"] = chosen, mask
     return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),

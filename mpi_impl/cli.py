@@ -85,6 +85,7 @@ class Backend:
     to_host: Callable = _same
     synchronize: Callable = _nothing
     array_module: object = np           # what `--step auto` chooses for
+    busy: str = "compute_cpu_s"         # the RoundLog time the critical path sums (a GPU's: compute_s)
 
 
 NUMPY = Backend("numpy", ring_attention, ring_attention_backward)
@@ -113,7 +114,8 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads Hkv (default: Hq, as --heads)")
     ap.add_argument("--head-dim", type=int, default=64, help="head dim D")
     ap.add_argument("--dtype", choices=DTYPES, default="float32")
-    ap.add_argument("--tile-size", type=int, default=128, help="tile side, queries and keys")
+    ap.add_argument("--tile-size", type=tile_arg, default=128,
+                    help="tile side T (T queries by T keys), or TQxTK for a rectangle")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
     ap.add_argument("--step", choices=steps.NAMES, default="auto",
                     help="block step version (reference.steps): auto is the fastest validated one for the arrays")
@@ -205,7 +207,7 @@ def main(argv=None, backend=NUMPY, parser=None):
 def report(rows, args, comm, backend):
     """Rank 0: print the table, write the trace and the plot; the exit status
     (1 if --check found an error above the tolerance, or NaN)."""
-    print(format_table(rows, args, comm.Get_size(), backend.name))
+    print(format_table(rows, args, comm.Get_size(), backend.name, busy=backend.busy))
     if args.trace_out:
         write_trace(args.trace_out, rows, args, comm.Get_size())
     if args.plot:
@@ -233,7 +235,7 @@ def abort_job(comm):
 
 def check_args(args, n_ranks):
     """A message for options that cannot run on n_ranks, or None."""
-    for name in ("seq_len", "batch", "heads", "head_dim", "tile_size", "repeat", "threads"):
+    for name in ("seq_len", "batch", "heads", "head_dim", "repeat", "threads"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
@@ -258,6 +260,14 @@ def backend_problem(args, backend):
     if args.dtype == "bfloat16" and backend.array_module is not np:
         return f"--dtype bfloat16 is NumPy's (ml_dtypes); the {backend.name} backend has no bfloat16 arrays"
     return None
+
+
+def tile_arg(text):
+    """--tile-size: "128" -> 128, "64x32" -> (64, 32) (queries x keys)."""
+    parts = text.lower().split("x")
+    if len(parts) > 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected a tile side T >= 1 or TQxTK, got {text!r}")
+    return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
 def make_steps(args, backend):
@@ -339,14 +349,15 @@ def run_layout(args, layout, backend, comm):
         best = timed if best is None or timed[0] < best[0] else best     # one run's arrays held, not all
         for name, log in (("forward", timed[4]), ("backward", timed[5])):
             if log is not None:
-                least_cpu[name] = np.minimum(least_cpu.get(name, log.compute_cpu_s), log.compute_cpu_s)
+                busy = getattr(log, backend.busy)
+                least_cpu[name] = np.minimum(least_cpu.get(name, busy), busy)
     wall, out, lse, grads, fwd_log, bwd_log = best
     # The critical path takes the max over ranks of each round's CPU time, and a
     # max of noisy times is biased upwards, most for balanced layouts whose ranks
     # are all near it: each (round, rank) keeps its least CPU time over the repeats.
-    fwd_log.compute_cpu_s = least_cpu["forward"]
+    setattr(fwd_log, backend.busy, least_cpu["forward"])
     if bwd_log is not None:
-        bwd_log.compute_cpu_s = least_cpu["backward"]
+        setattr(bwd_log, backend.busy, least_cpu["backward"])
     traces = {"forward": gather_trace(fwd_log, comm)}
     if bwd_log is not None:
         traces["backward"] = gather_trace(bwd_log, comm)
@@ -356,7 +367,7 @@ def run_layout(args, layout, backend, comm):
     if rank != 0:
         return None
     return Row(layout=layout, wall_s=wall, error=error, errors=errors, traces=traces, peak_rss_kb=rss,
-               critical_cpu_s=sum(t.critical_path("compute_cpu_s") for t in traces.values()),
+               critical_cpu_s=sum(t.critical_path(backend.busy) for t in traces.values()),
                wait_fraction=_wait_fraction(traces.values()),
                predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal,
                                       **mask_options(args)))
@@ -430,7 +441,7 @@ def _scaled_error(actual, expected):
 
 # -- output ------------------------------------------------------------------
 
-def format_table(rows, args, n_ranks, backend_name="numpy"):
+def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"):
     """layout | max error | critical path | wall | speedups measured | predicted."""
     base = next((r for r in rows if r.layout == "contiguous"), None)
     passes = "forward+backward" if args.backward else "forward"
@@ -447,7 +458,8 @@ def format_table(rows, args, n_ranks, backend_name="numpy"):
         err = f"{r.error:>9.1e}" if args.check else f"{'-':>9}"
         lines.append(f"{r.layout:<11} {err} {r.critical_cpu_s * 1e3:>8.1f}ms {r.wall_s * 1e3:>7.1f}ms "
                      f"{speed} {crit} {r.predicted:>9.2f} {r.wait_fraction:>12.1%}")
-    lines.append("crit. path: sum over rounds of the busiest rank's CPU time in the step; "
+    what = "CPU time" if busy == "compute_cpu_s" else "device time (CUDA events)"
+    lines.append(f"crit. path: sum over rounds of the busiest rank's {what} in the step; "
                  "speedups: contiguous / layout; predicted: reference.cost, tiles")
     return "\n".join(lines)
 

@@ -30,9 +30,13 @@ MPI moves the data only inside MPI calls unless the library has an asynchronous
 progress thread; a transfer that did not progress during the step finishes in
 `finish_shift`, and the ring's RoundLog counts that as wait time.
 
-Arrays may be NumPy, or CuPy with a CUDA-aware MPI (receive buffers come from
-the same array module, and the stream is synchronized before MPI reads or
-writes device memory).
+Where the bytes live is the `memory` object's business (three verbs, below):
+`HostMemory`, the default, hands MPI the arrays as they are (NumPy; or CuPy
+with a CUDA-aware MPI, after synchronizing the stream) and receives into arrays
+of the same module; `gpu_impl.transfer` adds device buffers ordered with CUDA
+events, and staging through pinned host memory. A memory object may also carry
+a `clock` for the ring's RoundLog (CUDA events on a GPU), exposed as
+``RingComm.clock``.
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
         from mpi_impl.comm import RingComm; ring = RingComm(MPI.COMM_WORLD); \\
@@ -78,8 +82,10 @@ class _Pool:
 class RingComm:
     """This rank's end of the ring over an mpi4py communicator."""
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm, memory=None):
         self.comm = mpi_comm
+        self.memory = memory or HostMemory()
+        self.clock = getattr(self.memory, "clock", None)
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self._pools = {}            # tag -> _Pool
@@ -88,10 +94,10 @@ class RingComm:
         self.buffer_sets_allocated = 0
 
     @classmethod
-    def on(cls, mpi_comm):
+    def on(cls, mpi_comm, memory=None):
         """A RingComm on a duplicate of `mpi_comm` (collective), so that ring
         messages never meet the caller's. Release it with `free()`."""
-        return cls(mpi_comm.Dup())
+        return cls(mpi_comm.Dup(), memory)
 
     def free(self):
         self.comm.Free()
@@ -101,11 +107,11 @@ class RingComm:
         `arrays` to the next rank. `arrays` must not be written until
         `finish_shift` returns."""
         arrays = tuple(arrays)
-        _ready_for_mpi(arrays)
+        outgoing = self.memory.outgoing(arrays, tag)       # what MPI reads: ready, on the host or device
         received = self._take_receive_buffers(arrays, tag)
-        shift = Shift(tag, [], arrays, received, round=self._started.get(tag, 0))
+        shift = Shift(tag, [], outgoing, received, round=self._started.get(tag, 0))
         self._started[tag] = shift.round + 1
-        for i, (out, into) in enumerate(zip(arrays, received)):
+        for i, (out, into) in enumerate(zip(outgoing, received)):
             mpi_tag, out_bytes, into_bytes = tag * TAG_STRIDE + i, byte_view(out), byte_view(into)
             # receive first, so a matching send never waits in an unexpected-message queue;
             # uint8 views carry their MPI type (bytes) themselves, so this module needs
@@ -128,7 +134,7 @@ class RingComm:
         self._in_flight.remove(shift)
         pool = self._pools[shift.tag]
         pool.held = next(i for i, s in enumerate(pool.sets) if s is shift.received)
-        return shift.received
+        return self.memory.arrived(shift.received, shift.tag)
 
     @contextmanager
     def _naming_failure(self, shift, index):
@@ -161,11 +167,31 @@ class RingComm:
             # the ring never gets here; another caller holding buffers longer does
             raise RuntimeError(f"tag {tag}: all {N_BUFFER_SETS} receive buffer sets are busy; "
                                "finish a shift before starting the next one")
-        xp = array_module(arrays[0])
-        buffers = tuple(xp.empty(a.shape, dtype=a.dtype) for a in arrays)
+        buffers = tuple(self.memory.receive_like(a) for a in arrays)
         pool.sets.append(buffers)
         self.buffer_sets_allocated += 1
         return buffers
+
+
+class HostMemory:
+    """MPI reads and writes the arrays themselves: receive buffers are new
+    arrays of each array's own module. The three verbs a memory object has:
+
+        outgoing(arrays, tag) -> what MPI sends (the same arrays here, made ready)
+        receive_like(a)       -> a buffer MPI may write a twin of `a` into
+        arrived(received, tag) -> what `finish_shift` hands the caller
+    """
+    clock = None
+
+    def outgoing(self, arrays, tag):
+        _ready_for_mpi(arrays)
+        return arrays
+
+    def receive_like(self, a):
+        return array_module(a).empty(a.shape, dtype=a.dtype)
+
+    def arrived(self, received, tag):
+        return received
 
 
 def _address(a):
@@ -188,9 +214,11 @@ def _ready_for_mpi(arrays):
     """Always make sure a GPU buffer is ready before any MPI operation: MPI
     knows nothing of CUDA streams, so kernels writing `arrays`, or still reading
     a receive buffer about to be reused, must have finished."""
-    xp = array_module(arrays[0])
-    if xp.__name__ == "cupy":
-        xp.cuda.get_current_stream().synchronize()
+    for a in arrays:
+        xp = array_module(a)
+        if xp.__name__ == "cupy":
+            xp.cuda.get_current_stream().synchronize()
+            return
 
 
 def rank_name(mpi_comm, rank=None):

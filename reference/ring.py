@@ -15,6 +15,13 @@ A buffer passed to `start_shift` must not be written until `finish_shift`
 returns; the loops below never write a block after sending it.
 `reference.lockstep` is the same algorithm with all devices in one loop.
 
+On a GPU the step only queues kernels, and the loop must not wait for them
+before the next transfer starts (paper, section 1: communication overlaps
+computation). So nothing here reads device memory on the host: a block's
+positions and owner stay on the host (NumPy) beside its device K, V, and a
+communication object with a ``clock`` (CUDA events, `gpu_impl.transfer`)
+times the step on the device instead of the host's clocks.
+
 Shapes are the user layout (flash-attn): q (B, c, Hq, D), k, v (B, c, Hkv, D),
 lse (B, Hq, c), with ``c`` this device's tokens and ``q_pos``, ``k_pos`` their
 global positions (NumPy int64, shape (c,)). `mask` (`reference.masks.Mask`, or
@@ -41,7 +48,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step=None, ma
     `step`: a `reference.step.Step` or a name of `reference.steps` (None: "auto")."""
     mask = resolve(mask, causal)
     step, n = _step(step, q, dropout=mask.dropout), comm.size
-    log = RoundLog(n, step.label)
+    log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
     acc = ForwardAcc.zeros(queries.q)                                  # Out_j
@@ -52,7 +59,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step=None, ma
         # "Out_j <- AccumulateAttentionFragment(Out_j, Q_j, K_k, V_k, Mask)",
         # the mask made from the positions that travel with the block
         with log.computing(t):
-            counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype),
+            counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step),
                                   mask=mask, tile_size=tile_size)
         log.record(t, counts, block, sent=block if in_flight is not None else ())
         # "receive K_(k-1), V_(k-1) from device (j - 1) mod N"
@@ -60,6 +67,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step=None, ma
             with log.waiting(t):
                 block = KVBlock(*comm.finish_shift(in_flight))
     out, lse = finish_forward(acc)             # "normalize(Out_j)": O / l, m + log(l)
+    log.close()                                # a device clock is read now
     return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
 
 
@@ -71,7 +79,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
     layout, and a RoundLog."""
     mask = resolve(mask, causal)
     step, n = _step(step, q, backward=True, dropout=mask.dropout), comm.size
-    log = RoundLog(n, step.label)
+    log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     acc = queries.q.dtype
     rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)        # dO_j, lse_j, delta_j
@@ -83,7 +91,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         # this round's share of the block's gradients
         grads = Grads(dq, *new_kv_grads(block, acc))
         with log.computing(t):
-            counts = step.backward(grads, queries, rows, as_dtype(block, acc),
+            counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
                                    mask=mask, tile_size=tile_size)
         # add what the devices before us added to this block, and send it on (home, after the last round)
         if grads_in_flight is not None:
@@ -99,6 +107,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
     with log.waiting(n - 1):
         dk, dv = comm.finish_shift(grads_in_flight)                    # home again
     dq *= acc.type(scale)
+    log.close()                                                        # a device clock is read now
     return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(k.dtype, copy=False),
             kv_from_heads(dv).astype(v.dtype, copy=False), log)
 
@@ -112,13 +121,19 @@ def _step(step, q, backward=False, dropout=False):
 
 def own_block(k, v, k_pos, rank):
     """This device's own K, V (compute layout, as they came: blocks travel in
-    the input dtype), with their positions and owner, as the block that travels."""
-    xp = array_module(k)
-    return KVBlock(kv_to_heads(k), kv_to_heads(v), xp.asarray(k_pos), xp.asarray(np.array([rank])))
+    the input dtype), with their positions and owner, as the block that travels.
+    Positions and owner are NumPy wherever K, V live: the host reads them
+    (tile plans, the trace) without waiting for a device."""
+    return KVBlock(kv_to_heads(k), kv_to_heads(v), np.asarray(k_pos, dtype=np.int64),
+                   np.array([rank], dtype=np.int64))
 
 
-def as_dtype(block, dtype):
-    """The block with K, V in the accumulation dtype (float16 blocks travel as float16)."""
+def as_dtype(block, dtype, step=None):
+    """The block with K, V in the accumulation dtype (float16 blocks travel as
+    float16); left as it is for a step that reads float16 itself
+    (``step.reads_float16``, the fused kernel)."""
+    if getattr(step, "reads_float16", False) and block.k.dtype == np.float16:
+        return block
     return block._replace(k=block.k.astype(dtype, copy=False), v=block.v.astype(dtype, copy=False))
 
 
@@ -130,20 +145,28 @@ def new_kv_grads(block, dtype):
 
 
 class RoundLog:
-    """Per-round record of one device: the trace row, plus timings."""
+    """Per-round record of one device: the trace row, plus timings.
+
+    With a `clock` (a device's: ``mark()`` records an event on the compute
+    stream, ``seconds(a, b)`` reads the time between two), ``compute_s`` is the
+    step's time on the device and ``wait_s`` the time the device sat idle
+    before the next round's step (waiting for its block), both read in
+    `close`; ``compute_cpu_s`` stays the host's time queueing the step.
+    Without one, wall and CPU clocks around the calls."""
 
     FIELDS = ("source", "tiles_computed", "tiles_skipped", "pairs", "bytes_sent",
               "compute_s", "compute_cpu_s", "wait_s")
 
-    def __init__(self, n_rounds, step=""):
+    def __init__(self, n_rounds, step="", clock=None):
         for name in self.FIELDS:
             setattr(self, name, np.zeros(n_rounds, dtype=float if name.endswith("_s") else np.int64))
         self.step = step            # the step version that ran
+        self.clock, self._marks = clock, []      # [(t, start event, end event)]
 
     def record(self, t, counts, block, *, sent):
         """The step's counts, the device `block` started on (read from the
         block: it travels with it) and the bytes of `sent` (arrays)."""
-        self.source[t] = int(to_host(block.source)[0])
+        self.source[t] = int(to_host(block.source)[0])     # NumPy: no wait for the device
         self.tiles_computed[t] = counts.tiles_computed
         self.tiles_skipped[t] = counts.tiles_skipped
         self.pairs[t] = counts.pairs
@@ -151,18 +174,36 @@ class RoundLog:
 
     @contextmanager
     def computing(self, t):
-        """Wall and CPU time of the step in round t."""
+        """Wall and CPU time of the step in round t (device time with a clock)."""
+        start = self.clock.mark() if self.clock else None
         wall, cpu = time.perf_counter(), time.thread_time()
         yield
-        self.compute_s[t] += time.perf_counter() - wall
         self.compute_cpu_s[t] += time.thread_time() - cpu
+        if self.clock:
+            self._marks.append((t, start, self.clock.mark()))
+        else:
+            self.compute_s[t] += time.perf_counter() - wall
 
     @contextmanager
     def waiting(self, t):
-        """Wall time spent waiting for a transfer in round t."""
+        """Wall time spent waiting for a transfer in round t (with a clock:
+        read from the device's idle time in `close`)."""
         wall = time.perf_counter()
         yield
-        self.wait_s[t] += time.perf_counter() - wall
+        if not self.clock:
+            self.wait_s[t] += time.perf_counter() - wall
+
+    def close(self):
+        """With a clock: read the device times (this waits for the last step),
+        and drop the clock, so that the log pickles (MPI gathers it)."""
+        clock, self.clock = self.clock, None
+        if not self._marks:
+            return
+        ends = [start for _, start, _ in self._marks[1:]] + [clock.mark()]
+        for (t, start, end), next_start in zip(self._marks, ends):
+            self.compute_s[t] += clock.seconds(start, end)
+            self.wait_s[t] += clock.seconds(end, next_start)   # idle until the next step started
+        self._marks = []
 
 
 def _nbytes(x):

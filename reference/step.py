@@ -158,6 +158,7 @@ class Step:
     has_backward = True
     has_dropout = False                  # True: its tiles apply `masks.keep_weights`
     takes_workers = False                # True: its constructor takes `workers` threads
+    takes_masks = True                   # False: causal=True/False only (reference.masks' plain)
 
     def tile(self, tile_size, head_dim):
         """The (tq, tk) this version computes with."""

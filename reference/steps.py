@@ -59,9 +59,10 @@ def module_name(xp):
     return getattr(xp, "__name__", "numpy").split(".")[0]
 
 
-def check_step(step, xp, *, backward=False, dropout=False):
-    """A Step usable with arrays of `xp` (and with a backward, or dropout, if
-    asked), or a clear ValueError. With dropout, "auto" is the readable step."""
+def check_step(step, xp, *, backward=False, dropout=False, plain_mask=True):
+    """A Step usable with arrays of `xp` (and with a backward, dropout, or a
+    mask beyond causal=True/False if asked), or a clear ValueError. With
+    dropout, "auto" is the readable step."""
     step = get(DEFAULT if dropout and step == "auto" else step, xp=xp)
     if module_name(xp) not in step.array_modules:
         raise ValueError(f"step {step.name!r} computes with {', '.join(step.array_modules)} arrays, "
@@ -70,6 +71,9 @@ def check_step(step, xp, *, backward=False, dropout=False):
         raise ValueError(f"step {step.name!r} has no backward; use step='v1' or 'auto' for gradients")
     if dropout and not step.has_dropout:
         raise ValueError(f"step {step.name!r} has no dropout; use step='v1' or 'auto' with dropout")
+    if not plain_mask and not step.takes_masks:
+        raise ValueError(f"step {step.name!r} knows only causal=True/False; use step='v1' or 'auto' "
+                         "with windows, documents or padding")
     return step
 
 

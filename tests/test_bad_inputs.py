@@ -18,7 +18,7 @@ import mpi_impl
 from reference import (attention, attention_backward, positions, ring_attention, ring_attention_backward,
                        shard, unshard)
 from strict_comm import StrictRing, World
-from test_gpu import OneRank, fake_cupy_module
+from test_gpu import OneRank
 
 B, S, Hq, Hkv, D = 1, 8, 4, 2, 4
 
@@ -124,10 +124,13 @@ MPI_IMPL = [
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    cupy, cupyx = fake_cupy_module()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
-    return cupy
+    import contextlib
+
+    from gpu_impl import api
+    from queued_device import FAKE_CUPY         # a cupy made of NumPy (tests/gpu, on the path via test_gpu)
+    monkeypatch.setitem(sys.modules, "cupy", FAKE_CUPY)
+    monkeypatch.setattr(api, "CupyDevice", lambda cupy, index: contextlib.nullcontext())   # no streams needed
+    return FAKE_CUPY
 
 
 def gpu_forward(**changes):

@@ -3,20 +3,27 @@ machine without a GPU, everything that can be checked without one.
 
 Without a GPU (CI):
 - importing gpu_impl needs neither CuPy nor a GPU; calling it says which is missing;
-- the transfer path decision and the rank -> GPU mapping;
-- every data-movement path of `gpu_impl.transfer.DeviceRing` (staged through
-  pinned buffers, and device buffers straight to MPI) with NumPy standing in
-  for CuPy (`gpu_impl.device.NumpyDevice`): over a fake MPI of threads, and on
-  real MPI ranks (tests/gpu/batch_worker.py --device numpy), forward and
-  backward bit for bit equal to the virtual ring's, and MPI never reading a
-  buffer before the device was synchronized;
-- the public functions end to end with NumPy dressed as CuPy (a fake `cupy`
-  module): the collective checks, CupyDevice's copies, the trace;
+- the transfer path: auto asks the MPI library (MPIX_Query_cuda_support, the
+  installed mpich wheel answers 0), cuda-aware from a library that says no
+  fails at once; the rank -> GPU mapping from the launcher's environment;
+- `mpi_impl.comm.RingComm` with the GPU memory objects (`gpu_impl.transfer`:
+  staged through pinned buffers, and device buffers straight to MPI) on a GPU
+  made of NumPy whose streams really run later (tests/gpu/queued_device.py),
+  copies as early or kernels as early as CUDA allows: over a fake MPI of
+  threads and on real MPI ranks (tests/gpu/batch_worker.py --device queued),
+  forward and backward bit for bit equal to the virtual ring's; the forward
+  never waits for its kernels before the transfer (overlap), and reads no
+  device memory on the host;
+- the public functions end to end on that GPU (the collective checks, the
+  transfer choice, mpi_impl's path, the trace);
 - the fused kernel's CUDA source compiles with nvcc for sm_90 (and NVRTC where
-  its library is installed), and a syntax error fails that check;
+  its library is installed), float32 and float16 blocks, and a syntax error
+  fails that check;
 - the fused kernel's logic: the same source compiled for the CPU
   (tests/gpu/emulate_cuda.cpp: a thread per CUDA thread, a barrier per block)
-  against the plain step, for random cases.
+  against the plain step, for random cases, at D = 64 and 128, float16 blocks,
+  NaN and inf where the NaN rule decides; its argument checks;
+- `make gpu-check`'s script: its dry run starts every step.
 With a GPU (`make gpu-check`): forward and backward against the dense
 reference (conftest tolerances per dtype) for random hypothesis cases on 1, 2
 and 4 ranks sharing one GPU, through both transfer paths; the fused kernel
@@ -25,30 +32,37 @@ against the plain step; the command line.
     .venv/bin/python -m pytest tests/test_gpu.py -q
 """
 
+import collections
 import dataclasses
 import os
 import queue
 import shutil
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import gpu_impl
 from conftest import Case, assert_close, cases
 from gpu_impl import fused
-from gpu_impl.device import GpuUnavailable, NumpyDevice, device_for_local_rank
-from gpu_impl.transfer import DeviceRing, choose_transfer
+from gpu_impl.device import GpuUnavailable, device_for_local_rank, local_rank_from_env
+from gpu_impl.transfer import choose_transfer, memory_for
+from mpi_impl.comm import RingComm
 from reference import attention, attention_backward, cost, ring
 from reference.ring import own_block
 from reference.step import ForwardAcc, Queries, ReadableStep, finish_forward
 from reference.tiles import any_visible
 from reference.layouts import positions, shard, unshard
 from reference.virtual import run_devices
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from queued_device import POLICIES, QueuedDevice, QueuedStep  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "gpu" / "batch_worker.py"
@@ -71,7 +85,12 @@ def _gpu_missing():
 
 
 GPU_MISSING = _gpu_missing()
-needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs a GPU: {GPU_MISSING}")
+_skip_without_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=f"needs a GPU: {GPU_MISSING}")
+
+
+def needs_gpu(test):
+    """Marked `gpu` (make gpu-check selects these and fails on any skip) and skipped without one."""
+    return pytest.mark.gpu(_skip_without_gpu(test))
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 
@@ -133,13 +152,38 @@ def test_cli_without_gpu_exits_with_the_reason():
 
 # -- decisions: transfer path, rank -> GPU ----------------------------------------
 
-def test_choose_transfer():
-    assert choose_transfer("auto")[0] == "staged"            # mpi4py cannot ask MPI
-    assert "cannot ask" in choose_transfer("auto")[1]
-    assert choose_transfer("staged") == ("staged", "requested")
-    assert choose_transfer("cuda-aware") == ("cuda-aware", "requested")
+def test_choose_transfer_asks_the_library():
+    """auto follows MPI's answer; cuda-aware from a library that says no fails at
+    once and says why; staged and cuda-aware-unchecked never ask."""
+    assert choose_transfer("auto", 1) == ("cuda-aware", "auto: MPIX_Query_cuda_support() = 1")
+    assert choose_transfer("auto", 0) == ("staged", "auto: MPIX_Query_cuda_support() = 0")
+    assert choose_transfer("auto", None)[0] == "staged"
+    assert "cannot be asked" in choose_transfer("auto", None)[1]
+    assert choose_transfer("cuda-aware", 1)[0] == "cuda-aware"
+    assert choose_transfer("cuda-aware", None)[0] == "cuda-aware"       # cannot ask: trust the caller
+    with pytest.raises(ValueError, match=r"says it is not CUDA-aware \(MPIX_Query_cuda_support\(\) returned 0\)"
+                                         r".*transfer='staged'"):
+        choose_transfer("cuda-aware", 0)
+    assert choose_transfer("staged", 0) == ("staged", "requested")
+    assert choose_transfer("cuda-aware-unchecked", 0)[0] == "cuda-aware"
     with pytest.raises(ValueError, match="transfer must be one of"):
         choose_transfer("nccl")
+
+
+@needs_mpiexec
+def test_mpich_wheel_says_it_is_not_cuda_aware():
+    """The installed MPI answers through ctypes (here the mpich wheel: 0), so
+    auto stages and cuda-aware fails with the reason (a fresh process: asking
+    initializes MPI)."""
+    code = ("import gpu_impl; print(gpu_impl.mpi_cuda_support()); print(gpu_impl.choose_transfer('auto')[0])\n"
+            "try:\n    gpu_impl.choose_transfer('cuda-aware')\nexcept ValueError as e:\n    print('refused:', e)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    answer, path, refusal = proc.stdout.splitlines()[:3]
+    assert answer in ("0", "1"), proc.stdout
+    if answer == "0":
+        assert path == "staged" and refusal.startswith("refused:") and "not CUDA-aware" in refusal
 
 
 def test_ranks_deal_over_gpus_by_local_rank():
@@ -151,7 +195,15 @@ def test_ranks_deal_over_gpus_by_local_rank():
         device_for_local_rank(-1, 2)
 
 
-# -- transfers with NumPy standing in for CuPy, over a fake MPI of threads --------
+def test_local_rank_comes_from_the_launcher_before_mpi():
+    assert local_rank_from_env({"OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
+    assert local_rank_from_env({"MPI_LOCALRANKID": "2", "SLURM_LOCALID": "5"}) == 2     # Hydra first
+    assert local_rank_from_env({"SLURM_LOCALID": "1"}) == 1
+    assert local_rank_from_env({"PMI_RANK": "4"}) is None                                 # a global rank
+    assert local_rank_from_env({"SLURM_LOCALID": ""}) is None
+
+
+# -- the ring on a GPU whose streams run later (tests/gpu/queued_device.py) ---------
 
 class FakeRequest:
     def __init__(self, wait=lambda: None):
@@ -159,211 +211,262 @@ class FakeRequest:
 
 
 class FakeComm:
-    """Isend / Irecv between threads: a send copies the bytes into the receiver's
-    mailbox for (source, tag); a receive's Wait copies them into its buffer.
-    Records ("Isend", index) in `events`, like tests/gpu/batch_worker.py."""
+    """Isend / Irecv between threads, reading and writing buffers outside any
+    stream order, as MPI does: the receiver copies the sender's buffer when
+    its receive completes (as late as MPI may read it), and the sender's
+    Wait returns only then."""
 
-    def __init__(self, rank, size, boxes, events):
-        self.rank, self.size, self.boxes, self.events = rank, size, boxes, events
+    def __init__(self, rank, size, boxes):
+        self.rank, self.size, self.boxes = rank, size, boxes
 
     def Get_rank(self): return self.rank
     def Get_size(self): return self.size
 
     def Isend(self, buf, dest, tag):
+        buf = buf[0] if isinstance(buf, list) else buf
         assert buf.dtype == np.uint8 and buf.ndim == 1
-        self.events.append(("Isend", tag % 16))
-        self.boxes[dest][(self.rank, tag)].put(buf.copy())
-        return FakeRequest()
+        done = threading.Event()
+        self.boxes[dest][(self.rank, tag)].put((buf, done))
+        return FakeRequest(lambda: _wait(done))
 
     def Irecv(self, buf, source, tag):
+        buf = buf[0] if isinstance(buf, list) else buf
+
         def wait():
-            buf[...] = self.boxes[self.rank][(source, tag)].get(timeout=10)
+            data, done = self.boxes[self.rank][(source, tag)].get(timeout=10)
+            buf.view(np.ndarray)[...] = data.view(np.ndarray)
+            done.set()
         return FakeRequest(wait)
+
+    def Free(self):
+        pass
+
+
+def _wait(event):
+    assert event.wait(timeout=10), "a send was never received"
 
 
 def fake_world(n):
-    boxes = [dict() for _ in range(n)]
-    for box in boxes:
-        for src in range(n):
-            for tag in range(64):
-                box[(src, tag)] = queue.Queue()
-    return boxes
+    """Each rank's mailboxes, one queue per (source, tag)."""
+    return [collections.defaultdict(queue.Queue) for _ in range(n)]
 
 
-def run_ring(n, transfer, device_fn):
-    """device_fn(rank, DeviceRing over FakeComm with a NumpyDevice, events) on n threads."""
+def _waitall(requests):
+    for r in requests:
+        r.Wait()
+
+
+@pytest.fixture
+def fake_mpi(monkeypatch):
+    """`from mpi4py import MPI` gives what RingComm asks of it for FakeComm
+    (MPI.BYTE, MPI.Request.Waitall), and MPI is never started in this process."""
+    mpi = types.ModuleType("mpi4py.MPI")
+    mpi.BYTE = "BYTE"
+    mpi.Request = types.SimpleNamespace(Waitall=_waitall)
+    package = types.ModuleType("mpi4py")
+    package.MPI = mpi
+    monkeypatch.setitem(sys.modules, "mpi4py", package)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", mpi)
+
+
+def run_ring(n, transfer, policy, device_fn):
+    """device_fn(rank, RingComm over FakeComm with the transfer's memory object
+    on a QueuedDevice, the device) on n threads, the fake cupy installed."""
     boxes = fake_world(n)
+    gpus = [QueuedDevice(policy) for _ in range(n)]
 
     def one(rank, _virtual):
-        events = []
-        dev = NumpyDevice(events)
-        return device_fn(rank, DeviceRing(FakeComm(rank, n, boxes, events), dev, transfer), dev, events)
+        gpu = gpus[rank]
+        with gpu.installed():
+            memory = memory_for(transfer, gpu)
+            return device_fn(rank, RingComm(FakeComm(rank, n, boxes), memory), gpu)
 
-    return run_devices(n, one)
-
-
-def sends_follow_synchronize(events):
-    """The batch worker's check of the event order (one definition for both)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_batch_worker", WORKER)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-    return worker.sends_follow_synchronize(events)
+    # Threads share sys.modules, so the fake cupy is installed once around them
+    # all; each thread's calls still go to its own device (installed per thread).
+    with gpus[0].installed():
+        return run_devices(n, one)
 
 
-@pytest.mark.parametrize("transfer", ["staged", "cuda-aware"])
-def test_device_ring_passes_blocks_round_the_ring(transfer):
-    """Three rounds on 3 ranks with two tags in flight at once: every rank gets
-    its left neighbour's arrays intact (float16 and int64), the staged path
-    allocates a pinned (send, recv) pair per array once and hands out copies, the
-    cuda-aware path never stages, and every shift follows a synchronize."""
-    n, rounds = 3, 3
+TRANSFER_PATHS = ("staged", "cuda-aware")
 
-    def device(rank, ring_comm, dev, events):
-        kv = (np.full((2, 5), rank, np.float16), np.arange(3, dtype=np.int64) + 10 * rank)
-        grads = (np.full((4,), -rank, np.float32),)
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("transfer", TRANSFER_PATHS)
+def test_ring_comm_passes_blocks_round_the_ring(transfer, policy, fake_mpi):
+    """Five rounds on 3 ranks with two tags in flight at once, arrays on the
+    device (float16, float32) beside host positions: every rank gets its left
+    neighbour's arrays intact, host arrays stay NumPy, device arrays stay on
+    the device, and the staged path allocates its buffers in the first rounds only."""
+    n, rounds = 3, 5
+
+    def device(rank, ring_comm, gpu):
+        xp = gpu.xp
+        kv = (xp.full((2, 5), rank, np.float16), np.arange(3, dtype=np.int64) + 10 * rank)
+        grads = (xp.full((4,), -rank, np.float32),)
+        allocated = []
         for t in range(rounds):
             h1, h2 = ring_comm.start_shift(kv, ring.KV), ring_comm.start_shift(grads, ring.DKV)
             new_kv, new_grads = ring_comm.finish_shift(h1), ring_comm.finish_shift(h2)
             src = (rank - t - 1) % n
-            np.testing.assert_array_equal(new_kv[0], np.full((2, 5), src, np.float16))
+            assert gpu.is_device(new_kv[0]) and gpu.is_device(new_grads[0])
+            assert type(new_kv[1]) is np.ndarray
+            np.testing.assert_array_equal(new_kv[0].get(), np.full((2, 5), src, np.float16))
             np.testing.assert_array_equal(new_kv[1], np.arange(3) + 10 * src)
-            assert new_kv[0].dtype == np.float16 and new_grads[0].dtype == np.float32
-            np.testing.assert_array_equal(new_grads[0], np.full((4,), -src, np.float32))
-            pinned = [b for bufs in ring_comm._pinned.values() for b in bufs]
-            assert not any(np.shares_memory(a, p) for a in new_kv + new_grads for p in pinned)
+            np.testing.assert_array_equal(new_grads[0].get(), np.full((4,), -src, np.float32))
+            allocated.append(ring_comm.buffer_sets_allocated)
             kv, grads = new_kv, new_grads
-        return dev.pinned_allocations, events
+        return allocated
 
-    for allocations, events in run_ring(n, transfer, device):
-        assert sends_follow_synchronize(events), events
-        if transfer == "staged":
-            assert allocations == 2 * 3                   # (send, recv) x 3 arrays, in round 0 only
-            assert events.count("download") == events.count("upload") == rounds * 3
-        else:
-            assert allocations == 0 and "download" not in events and "upload" not in events
+    for allocated in run_ring(n, transfer, policy, device):
+        assert allocated[1:] == [allocated[1]] * (rounds - 1)      # none after the first rounds
 
 
-def test_non_contiguous_blocks():
-    """Device buffers go to MPI as byte views, which a strided array has not:
-    the cuda-aware path refuses it; the staged path copies it into its
-    contiguous pinned buffer and delivers it intact."""
-    block = np.arange(16.0).reshape(4, 4)[:, ::2]
-
-    def cuda_aware(rank, ring_comm, dev, events):
-        with pytest.raises(ValueError, match="C-contiguous"):
-            ring_comm.start_shift((block,), ring.KV)
-
-    def staged(rank, ring_comm, dev, events):
-        return ring_comm.finish_shift(ring_comm.start_shift((block,), ring.KV))[0]
-
-    run_ring(1, "cuda-aware", cuda_aware)
-    np.testing.assert_array_equal(run_ring(1, "staged", staged)[0], block)
-
-
-def virtual_ring_results(case):
-    """out, lse, dq, dk, dv of the oracle (reference.virtual: the same ring and step
-    over VirtualRing, with the step the NumPy path chooses), in natural token order."""
-    import reference
+def queued_ring_results(case, transfer, policy, step_name="v1"):
+    """reference.ring over RingComm on QueuedDevices: out, lse, dq, dk, dv in
+    natural order, and each rank's forward log."""
     q, k, v, dout = case.inputs()
-    out, lse = reference.ring_attention(q, k, v, step="auto", **case.options())
-    return (out, lse) + reference.ring_attention_backward(q, k, v, out, lse, dout, step="auto",
-                                                          **case.options())
-
-
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases(max_devices=4))
-def test_ring_through_device_ring_equals_the_virtual_ring(case):
-    """reference.ring over DeviceRing (both paths, NumPy standing in for CuPy)
-    gives exactly the virtual ring's results: moving the blocks through pinned
-    buffers or as device buffers changes no bit."""
-    q, k, v, dout = case.inputs()
-    want = virtual_ring_results(case)
     pos = positions(case.S, case.n_devices, case.layout)
     shards = [shard(x, case.n_devices, case.layout) for x in (q, k, v, dout)]
     scale = case.scale if case.scale is not None else case.D ** -0.5
-    for transfer in ("staged", "cuda-aware"):
-        def device(j, ring_comm, dev, events):
-            qj, kj, vj, dj = (s[j] for s in shards)
-            kw = dict(causal=case.causal, scale=scale, tile_size=case.tile_size)
-            out, lse, _ = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, **kw)
-            grads = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, **kw)[:3]
-            return (out, lse) + grads
-        got = run_ring(case.n_devices, transfer, device)
+    kw = dict(causal=case.causal, scale=scale, tile_size=case.tile_size)
+
+    def device(j, ring_comm, gpu):
+        qj, kj, vj, dj = (gpu.asarray(s[j]) for s in shards)
+        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm,
+                                          step=QueuedStep(gpu, step_name), **kw)
+        grads = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm,
+                                   step=QueuedStep(gpu, "v1"), **kw)[:3]
+        return tuple(x.get() for x in (out, lse) + grads), log
+
+    got = run_ring(case.n_devices, transfer, policy, device)
+    results = []
+    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+        axis = 2 if name == "lse" else 1
+        results.append(unshard([g[0][i] for g in got], case.layout, axis=axis))
+    return results, [g[1] for g in got]
+
+
+def virtual_ring_results(case):
+    """out, lse, dq, dk, dv of the oracle (reference.virtual: the same ring and
+    the readable step over VirtualRing), in natural token order."""
+    import reference
+    q, k, v, dout = case.inputs()
+    out, lse = reference.ring_attention(q, k, v, **case.options())
+    return (out, lse) + reference.ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("transfer", TRANSFER_PATHS)
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=cases(max_devices=4))
+@example(case=Case(layout="striped", n_devices=4, B=1, S=32, Hq=4, Hkv=2, D=8, tile_size=4, causal=True,
+                   scale=None, dtype=np.float32, kind="gaussian", seed=5))       # every hazard can show on 4
+def test_ring_on_a_queued_gpu_equals_the_virtual_ring(transfer, policy, fake_mpi, case):
+    """reference.ring with RingComm's GPU memory objects, on a GPU whose copies
+    run as early (or kernels as early) as CUDA allows: exactly the virtual
+    ring's results, forward and backward. A missing event or a buffer reused
+    too early gives a kernel the wrong block here."""
+    got, _ = queued_ring_results(case, transfer, policy)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, virtual_ring_results(case)):
+        np.testing.assert_array_equal(g, w, err_msg=f"{name} ({transfer}, {policy}) of {case}")
+
+
+@pytest.mark.parametrize("transfer", TRANSFER_PATHS)
+def test_transfers_overlap_the_step(transfer, fake_mpi):
+    """The forward never waits on the host for the step's kernels before the
+    block's transfer completes: when each round's finish_shift starts, that
+    round's kernel is still queued, and the loop reads no device memory on
+    the host (owner and positions are NumPy). The RoundLog times the step with
+    the device's events."""
+    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=2, Hkv=1, D=4, tile_size=4, causal=True,
+                scale=None, dtype=np.float32, kind="gaussian", seed=1)
+    q, k, v, _ = case.inputs()
+    pos = positions(case.S, 3, case.layout)
+    pending_at_finish = []
+
+    def device(j, ring_comm, gpu):
+        finish = ring_comm.finish_shift
+
+        def watched_finish(shift):
+            pending_at_finish.append((j, gpu.kernels_pending, gpu.host_reads))
+            return finish(shift)
+        ring_comm.finish_shift = watched_finish
+        qj, kj, vj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v))
+        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, causal=True, scale=0.5,
+                                          tile_size=4, step=QueuedStep(gpu))
+        return log
+
+    logs = run_ring(3, transfer, "copies-early", device)
+    assert len(pending_at_finish) == 3 * 2
+    for rank, pending, reads in pending_at_finish:
+        assert pending >= 1, f"rank {rank}: the step had run before its round's transfer was waited for"
+        assert reads == 0, f"rank {rank}: the loop read device memory on the host"
+    for log in logs:
+        assert (log.compute_s > 0).all() and log.clock is None          # device times; the log pickles
+
+
+def test_public_functions_end_to_end_on_a_queued_gpu(monkeypatch, fake_mpi):
+    """gpu_impl.ring_attention and ring_attention_backward, everything but the
+    GPU: the collective checks, the transfer choice (auto asks MPI, here
+    answering 0), mpi_impl's path with the staged memory object on a queued
+    GPU, the trace; 3 ranks as threads, results equal to the dense reference.
+    With step='fused' the ring must launch the fused kernel (here the readable
+    step in its place, counted: CUDA cannot run on NumPy)."""
+    from gpu_impl import api, transfer as transfer_module
+    calls = []
+
+    def stand_in_for_the_kernel(acc, queries, block, tile, causal):
+        calls.append(1)
+        ReadableStep().forward(acc, queries, block, causal=causal, tile_size=tile)
+    monkeypatch.setattr(fused, "launch_kernel", stand_in_for_the_kernel)
+    monkeypatch.setattr(transfer_module, "mpi_cuda_support", lambda: 0)
+    monkeypatch.setattr(api, "CupyDevice", lambda cupy, index: _THREAD_GPU.gpu)
+    n, layout = 3, "striped"
+    gpus = [QueuedDevice(p) for p in ("copies-early", "copies-late", "copies-early")]
+    for step_name, dtype in (("auto", np.float64), ("fused", np.float32)):
+        case = Case(layout=layout, n_devices=n, B=1, S=12, Hq=4, Hkv=2, D=4, tile_size=2, causal=True,
+                    scale=None, dtype=dtype, kind="gaussian", seed=3)
+        q, k, v, dout = case.inputs()
+        out, lse = attention(q, k, v)
+        want = (out, lse) + attention_backward(q, k, v, out, lse, dout)
+        boxes, gathered, barrier = fake_world(n), [None] * n, threading.Barrier(n)
+
+        def device(j, _virtual):
+            gpu = gpus[j]
+            _THREAD_GPU.gpu = gpu
+            with gpu.installed():
+                return on_gpu(gpu, j)
+
+        def on_gpu(gpu, j):
+            comm = ThreadComm(j, n, boxes, gathered, barrier)
+            qj, kj, vj, dj = (gpu.asarray(shard(x, n, layout)[j]) for x in (q, k, v, dout))
+            o, l, trace = gpu_impl.ring_attention(qj, kj, vj, comm=comm, layout=layout, tile_size=2,
+                                                  step=step_name, trace=True)
+            grads = gpu_impl.ring_attention_backward(qj, kj, vj, o, l, dj, comm=comm, layout=layout,
+                                                     tile_size=2, transfer="staged")
+            return tuple(x.get() for x in (o, l) + grads), trace
+
+        with gpus[0].installed():
+            results = run_devices(n, device)
         for i, (name, w) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), want)):
             axis = 2 if name == "lse" else 1
-            np.testing.assert_array_equal(unshard([g[i] for g in got], case.layout, axis=axis), w,
-                                          err_msg=f"{name} ({transfer}) of {case}")
+            got = unshard([r[0][i] for r in results], layout, axis=axis)
+            assert_close(got, w, dtype, what=f"{name}, step {step_name}")
+        trace = results[0][1]
+        np.testing.assert_array_equal(trace.pairs, cost.predict(12, n, layout, 2).pairs)
+    assert len(calls) == n * n          # the fused run: N rounds on each of N ranks
 
 
-# -- the public functions end to end, NumPy dressed as CuPy ----------------------------
-
-class FakeDeviceArray(np.ndarray):
-    """A NumPy array that says it is CuPy's (reference.layouts.array_module reads
-    the type's module), with the few CuPy methods gpu_impl calls."""
-    __module__ = "cupy"
-    device = types.SimpleNamespace(id=0)
-
-    def get(self, stream=None, order="C", out=None, blocking=True):
-        if out is None:
-            return np.array(self)
-        np.copyto(out, self)
-        return out
-
-    def set(self, arr, stream=None):
-        np.copyto(self, arr)
-
-
-class FakeStream:
-    def __init__(self, null=False, non_blocking=False):
-        self.synchronized = 0
-
-    def synchronize(self):
-        self.synchronized += 1
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _on_device(obj):
-    """NumPy's function `obj`, returning FakeDeviceArray where it returns arrays
-    (types such as np.float32 pass through: they are dtypes too)."""
-    if not callable(obj) or isinstance(obj, type):
-        return obj
-
-    def wrapped(*args, **kwargs):
-        result = obj(*args, **kwargs)
-        return result.view(FakeDeviceArray) if type(result) is np.ndarray else result
-    return wrapped
-
-
-def fake_cupy_module():
-    """A module named cupy: NumPy's functions, device arrays that are FakeDeviceArray."""
-    cupy = types.ModuleType("cupy")
-    cupy.__getattr__ = lambda name: _on_device(getattr(np, name))
-    cupy.ndarray = FakeDeviceArray
-    cupy.asarray = lambda x, dtype=None: np.array(x, dtype=dtype).view(FakeDeviceArray)
-    cupy.empty = lambda shape, dtype=float: np.empty(shape, dtype).view(FakeDeviceArray)
-    cupy.asnumpy = np.asarray
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                    getDeviceProperties=lambda i: {"name": b"FakeGPU"})
-    current = FakeStream()
-    cupy.cuda = types.SimpleNamespace(runtime=runtime, Stream=FakeStream, Device=lambda i=0: FakeStream(),
-                                      get_current_stream=lambda: current)
-    cupyx = types.ModuleType("cupyx")
-    cupyx.empty_pinned = lambda shape, dtype=float: np.empty(shape, dtype)
-    return cupy, cupyx
+_THREAD_GPU = threading.local()
 
 
 class ThreadComm(FakeComm):
-    """FakeComm plus what `mpi_impl.agree` and gpu_impl.api ask for: allgather
+    """FakeComm plus what `mpi_impl.agree` and RingComm.on ask for: allgather
     (every thread's value, in rank order), Dup and Free."""
 
-    def __init__(self, rank, size, boxes, events, gathered, barrier):
-        super().__init__(rank, size, boxes, events)
+    def __init__(self, rank, size, boxes, gathered, barrier):
+        super().__init__(rank, size, boxes)
         self.gathered, self.barrier = gathered, barrier
 
     def allgather(self, x):
@@ -379,53 +482,6 @@ class ThreadComm(FakeComm):
 
     def Free(self):
         pass
-
-
-@pytest.mark.parametrize("transfer, step_name", [("auto", "auto"), ("cuda-aware", "v1"), ("staged", "fused")])
-def test_public_functions_end_to_end_with_numpy_dressed_as_cupy(monkeypatch, transfer, step_name):
-    """gpu_impl.ring_attention and ring_attention_backward, everything but the GPU:
-    the collective checks, CupyDevice's streams and copies, DeviceRing, the
-    trace; 3 ranks as threads, results equal to the dense reference. With
-    step='fused' the ring must launch the fused kernel (here the readable step
-    in its place, counted: CUDA cannot run on NumPy)."""
-    import threading
-    from reference.step import ReadableStep
-    cupy, cupyx = fake_cupy_module()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
-    calls = []
-
-    def stand_in_for_the_kernel(acc, queries, block, tile, causal):
-        calls.append(1)
-        ReadableStep().forward(acc, queries, block, causal=causal, tile_size=tile)
-    monkeypatch.setattr(fused, "launch_kernel", stand_in_for_the_kernel)
-    n, layout = 3, "striped"
-    dtype = np.float32 if step_name == "fused" else np.float64
-    case = Case(layout=layout, n_devices=n, B=1, S=12, Hq=4, Hkv=2, D=4, tile_size=2, causal=True,
-                scale=None, dtype=dtype, kind="gaussian", seed=3)
-    q, k, v, dout = case.inputs()
-    out, lse = attention(q, k, v)
-    want = (out, lse) + attention_backward(q, k, v, out, lse, dout)
-    shards = [[cupy.asarray(s) for s in shard(x, n, layout)] for x in (q, k, v, dout)]
-    boxes, gathered, barrier = fake_world(n), [None] * n, threading.Barrier(n)
-
-    def device(j, _virtual):
-        comm = ThreadComm(j, n, boxes, [], gathered, barrier)
-        qj, kj, vj, dj = (s[j] for s in shards)
-        o, l, trace = gpu_impl.ring_attention(qj, kj, vj, comm=comm, layout=layout, tile_size=2,
-                                              transfer=transfer, step=step_name, trace=True)
-        grads = gpu_impl.ring_attention_backward(qj, kj, vj, o, l, dj, comm=comm, layout=layout,
-                                                 tile_size=2, transfer=transfer)
-        return (o, l) + grads, trace
-
-    results = run_devices(n, device)
-    for i, (name, w) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), want)):
-        axis = 2 if name == "lse" else 1
-        got = unshard([np.asarray(r[0][i]) for r in results], layout, axis=axis)
-        assert_close(got, w, dtype, what=name)
-    trace = results[0][1]
-    np.testing.assert_array_equal(trace.pairs, cost.predict(12, n, layout, 2).pairs)
-    assert len(calls) == (n * n if step_name == "fused" else 0)        # N rounds on each of N ranks
 
 
 # -- real MPI ranks: the batch worker ------------------------------------------------
@@ -482,33 +538,71 @@ def assert_batch(batch, results):
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("transfer", ["staged", "cuda-aware"])
+@pytest.mark.parametrize("transfer", TRANSFER_PATHS)
 @pytest.mark.parametrize("n", [1, 3])
-def test_mpi_ranks_with_numpy_standing_in(n, transfer, tmp_path):
-    """DeviceRing on real MPI ranks, NumPy standing in for CuPy: random cases
-    give exactly the virtual ring's results, sends follow a synchronize, local
-    ranks are 0..n-1 on this one node."""
+def test_mpi_ranks_on_queued_gpus(n, transfer, tmp_path):
+    """RingComm with the GPU memory objects on real MPI ranks, each on a GPU
+    made of NumPy whose streams run later: random cases give exactly the
+    virtual ring's results; local ranks are 0..n-1 on this one node, from MPI
+    and from the launcher's environment alike."""
     batch = draw_cases(n, 6)
-    results = run_batch(n, batch, tmp_path, "--device", "numpy", "--transfer", transfer)
+    results = run_batch(n, batch, tmp_path, "--device", "queued", "--transfer", transfer)
     for i, case in enumerate(batch):
         for name, want in zip(("out", "lse", "dq", "dk", "dv"), virtual_ring_results(case)):
             np.testing.assert_array_equal(results[f"{i}/{name}"], want, err_msg=f"{name} of {case}")
-    assert bool(results["order_ok"])
     np.testing.assert_array_equal(results["local_ranks"], np.arange(n))
+    np.testing.assert_array_equal(results["env_local_ranks"], np.arange(n))
+
+
+@needs_mpiexec
+def test_cli_on_queued_gpus_checks_every_layout():
+    """python -m gpu_impl on 3 ranks, each on a GPU made of NumPy
+    (tests/gpu/cli_worker.py): every layout forward and backward within the
+    check's float64 tolerance with rectangular tiles, the transfer path MPI
+    chose and why, the critical path from device time; then --step fused
+    without --tile-size runs with the kernel's own tile."""
+    worker = str(Path(__file__).resolve().parent / "gpu" / "cli_worker.py")
+    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                  "--dtype", "float64", "--tile-size", "4x6", "--layout", "all", "--check", "--backward")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "QueuedDevice (NumPy)" in lines[0] and "transfer staged [auto: MPIX_Query_cuda_support() = 0]" in lines[0]
+    assert "tile=(4, 6)" in lines[0] and "forward+backward" in lines[0]
+    rows = [line.split() for line in lines if line.split()[:1] in (["contiguous"], ["striped"], ["zigzag"])]
+    assert [r[0] for r in rows] == ["contiguous", "striped", "zigzag"], proc.stdout
+    assert all(float(r[1]) <= 1e-10 for r in rows), proc.stdout
+    assert "busiest rank's device time (CUDA events)" in proc.stdout
+    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "2", "--head-dim", "8", "--layout", "striped",
+                  "--step", "fused", "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"tile={fused.DEFAULT_TILE}" in proc.stdout and "step fused" in proc.stdout, proc.stdout
+
+
+def test_cli_tile_sizes():
+    """--tile-size takes T or TQxTK; gpu_impl's default is the step's own tile."""
+    from gpu_impl.__main__ import parse
+    assert parse(["--tile-size", "64x32"])[1].tile_size == (64, 32)
+    assert parse(["--tile-size", "96"])[1].tile_size == 96
+    assert parse(["--step", "fused"])[1].tile_size == fused.DEFAULT_TILE
+    assert parse([])[1].tile_size == 128
+    for bad in ("0", "4x0", "4x5x6", "x4", "big"):
+        with pytest.raises(SystemExit):
+            parse(["--tile-size", bad])
 
 
 # -- the fused kernel's source -------------------------------------------------------
 
-def nvcc_compile(source, head_dim, tile, out):
-    opts = [o for o in fused.compile_options(head_dim, tile) if o != "-std=c++17"]
+def nvcc_compile(source, head_dim, tile, out, kv_half=False):
+    opts = [o for o in fused.compile_options(head_dim, tile, kv_half) if o != "-std=c++17"]
     return subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "-cubin", *opts, "-o", str(out), str(source)],
                           capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("head_dim, tile", [(16, (64, 32)), (64, fused.DEFAULT_TILE), (128, (32, 16))])
-def test_fused_kernel_compiles_with_nvcc(head_dim, tile, tmp_path):
-    proc = nvcc_compile(fused.SOURCE, head_dim, tile, tmp_path / "k.cubin")
+@pytest.mark.parametrize("head_dim, tile, kv_half", [(16, (64, 32), False), (64, fused.DEFAULT_TILE, False),
+                                                     (128, (32, 16), True), (128, fused.DEFAULT_TILE, True)])
+def test_fused_kernel_compiles_with_nvcc(head_dim, tile, kv_half, tmp_path):
+    proc = nvcc_compile(fused.SOURCE, head_dim, tile, tmp_path / "k.cubin", kv_half)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "k.cubin").stat().st_size > 0
 
@@ -542,64 +636,169 @@ def test_fused_kernel_compiles_with_nvrtc():
 
 # The kernel's logic without a GPU: the same .cu source compiled for the CPU by
 # tests/gpu/emulate_cuda.cpp (a std::thread per CUDA thread, a std::barrier per
-# block), against the plain step. (D, tile) pairs: small square tiles, the
-# default tile with an odd head dim, odd rectangular tiles.
-EMULATED = [(16, (8, 4)), (5, fused.DEFAULT_TILE), (8, (3, 7))]
+# block), against the plain step. (D, tile, K/V dtype): small square tiles, the
+# default tile with an odd head dim, odd rectangular tiles, float16 blocks read
+# as they travel, and the head dims of real models, 64 and 128.
+EMULATED = [(16, (8, 4), np.float32), (5, fused.DEFAULT_TILE, np.float32), (8, (3, 7), np.float16),
+            (64, (16, 8), np.float32), (64, fused.DEFAULT_TILE, np.float16), (128, (8, 4), np.float16),
+            (128, fused.DEFAULT_TILE, np.float32)]
 
 
 @pytest.fixture(scope="module")
 def emulated_kernels(tmp_path_factory):
-    """{(D, tile): the fused kernel's launch function, compiled for the CPU}."""
+    """{(D, tile, dtype): the fused kernel's launch function, compiled for the CPU}."""
     import ctypes
     if GXX is None:
         pytest.skip("g++ not found")
+    builds = {}
+    for head_dim, (tq, tk), dtype in EMULATED:            # compiled side by side
+        half = int(dtype == np.float16)
+        lib = tmp_path_factory.mktemp("emulated") / f"attend_d{head_dim}_{tq}x{tk}_h{half}.so"
+        cmd = [GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas", f"-I{ROOT}",
+               f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}", f"-DKV_HALF={half}",
+               f'-DKERNEL="{fused.SOURCE}"', "-o", str(lib), str(EMULATOR)]
+        builds[head_dim, (tq, tk), dtype] = lib, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     kernels = {}
-    for head_dim, (tq, tk) in EMULATED:
-        lib = tmp_path_factory.mktemp("emulated") / f"attend_d{head_dim}_{tq}x{tk}.so"
-        proc = subprocess.run([GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                               f"-I{ROOT}", f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}",
-                               f'-DKERNEL="{fused.SOURCE}"', "-o", str(lib), str(EMULATOR)],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        kernels[head_dim, (tq, tk)] = ctypes.CDLL(str(lib)).launch_attend_block_v1
+    for key, (lib, proc) in builds.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        kernels[key] = ctypes.CDLL(str(lib)).launch_attend_block_v1
     return kernels
 
 
-def emulated_attend_block(launch, acc, q, k, v, q_pos, k_pos, *, causal, tile):
-    """fused.attend_block's launch, on the CPU: the same grid and arguments."""
+def emulated_attend_block(launch, acc, queries, block, *, causal, tile):
+    """fused.launch_kernel on the CPU: the same checks, grid and arguments."""
     import ctypes
+    fused.check_launch(acc, queries, block)
+    q = queries.q
     B, Hkv, c, G, D = q.shape
-    arrays = [np.ascontiguousarray(x) for x in (q, k, v, q_pos.astype(np.int64), k_pos.astype(np.int64))]
+    arrays = [np.ascontiguousarray(x) for x in (q, block.k, block.v, queries.pos.astype(np.int64),
+                                                block.pos.astype(np.int64))]
     pointers = [x.ctypes.data_as(ctypes.c_void_p) for x in arrays + [acc.o, acc.m, acc.l]]
-    ints = [ctypes.c_int(i) for i in (c, k.shape[2], G, int(causal))]
+    ints = [ctypes.c_int(i) for i in (c, block.k.shape[2], G, int(causal))]
     grid = [ctypes.c_int(i) for i in ((c + tile[0] - 1) // tile[0], G, B * Hkv)]
     launch(*grid, *pointers, *ints)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("head_dim, tile", EMULATED)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=cases(max_devices=4, dtypes=(np.float32,)))
-def test_fused_kernel_emulated_on_cpu_matches_plain_step(emulated_kernels, head_dim, tile, case):
-    """The fused kernel's source, run on the CPU, accumulates every rank's block
-    into device 0's queries, round after round, to the plain step's out and lse
-    (rows that see no key: out 0, lse -inf, no NaN)."""
-    case = dataclasses.replace(case, D=head_dim)
-    q, k, v, _ = case.inputs()
+def plain_and_emulated(launch, case, tile, inputs=None):
+    """Every rank's block accumulated into device 0's queries, round after round,
+    by the plain step and by the emulated kernel (K, V as they travel: float16
+    blocks stay float16 for the kernel). Returns ((out, lse) plain, (out, lse) kernel)."""
+    q, k, v, _ = case.inputs() if inputs is None else inputs
     pos = positions(case.S, case.n_devices, case.layout)
     scale = np.float32(case.scale if case.scale is not None else case.D ** -0.5)
     queries = Queries.prepare(shard(q, case.n_devices, case.layout)[0], case.Hkv, pos[0], scale)
     accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
     for j in range(case.n_devices):
         block = own_block(*(shard(x, case.n_devices, case.layout)[j] for x in (k, v)), pos[j], j)
-        ReadableStep().forward(accs[0], queries, block, causal=case.causal, tile_size=tile)
+        with np.errstate(invalid="ignore"):                # inf - inf where the inputs hold inf
+            ReadableStep().forward(accs[0], queries, ring.as_dtype(block, np.float32), causal=case.causal,
+                                   tile_size=tile)
         accs[1].seen |= any_visible(queries.pos, pos[j], case.causal)      # what Step.forward notes
-        emulated_attend_block(emulated_kernels[head_dim, tile], accs[1], queries.q, block.k, block.v,
-                              pos[0], pos[j], causal=case.causal, tile=tile)
-    (o0, l0), (o1, l1) = (finish_forward(a) for a in accs)
+        emulated_attend_block(launch, accs[1], queries, ring.as_dtype(block, np.float32, fused.FusedStep()),
+                              causal=case.causal, tile=tile)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return tuple(finish_forward(a) for a in accs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("head_dim, tile, dtype", EMULATED)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(max_devices=4, dtypes=(np.float32,)))
+def test_fused_kernel_emulated_on_cpu_matches_plain_step(emulated_kernels, head_dim, tile, dtype, case):
+    """The fused kernel's source, run on the CPU, gives the plain step's out and
+    lse (rows that see no key: out 0, lse -inf, no NaN)."""
+    case = dataclasses.replace(case, D=head_dim, dtype=dtype)
+    (o0, l0), (o1, l1) = plain_and_emulated(emulated_kernels[head_dim, tile, dtype], case, tile)
     assert not np.isnan(o1).any() and not np.isnan(l1).any()
     assert_close(o1, o0, np.float32, f"out of {case}", factor=case.tolerance_factor)
     assert_close(l1, l0, np.float32, f"lse of {case}", factor=case.tolerance_factor)
+
+
+def assert_same_nan_rule(got, want, what):
+    """NaN exactly where the plain step has NaN (and inf where it has inf), close elsewhere."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"NaN of {what}")
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"inf of {what}")
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-4, atol=1e-4, err_msg=what)
+
+
+def test_fused_kernel_emulated_follows_the_nan_rule(emulated_kernels):
+    """Two cases the rule decides (reference/step.py), one query row at
+    position 9 seeing keys 0..7 (striped on 2 devices, so two blocks):
+    1. a visible key whose weight underflows to 0 and whose V holds NaN: 0 x NaN = NaN;
+    2. a first block whose visible scores are all -inf (K = -inf) with NaN in V,
+       then finite keys: exp(-inf) x NaN = NaN, not a row skipped.
+    And NaN or inf anywhere in q, k, v (hypothesis below) reaches the rows the plain step's reach."""
+    head_dim, tile, dtype = EMULATED[0]
+    launch = emulated_kernels[head_dim, tile, dtype]
+    case = Case(layout="striped", n_devices=2, B=1, S=16, Hq=1, Hkv=1, D=head_dim, tile_size=tile,
+                causal=True, scale=1.0, dtype=np.float32, kind="gaussian", seed=0)
+    q, k, v, _ = (x.copy() for x in case.inputs())
+    underflow = (q.copy(), k.copy(), v.copy(), None)
+    underflow[0][0, 8, 0] = 0.0
+    underflow[0][0, 8, 0, 0] = 1.0              # query 8 (device 0): its score is k[..., 0]
+    underflow[1][0, :, 0, 0] = 0.0
+    underflow[1][0, 0, 0, 0] = 1000.0           # key 0 dominates: exp(0 - 1000) = 0 for the others
+    underflow[2][0, 2, 0, 0] = np.nan           # key 2 (visible to query 8) holds NaN
+    minus_inf = (q.copy(), k.copy(), v.copy(), None)
+    minus_inf[0][0, :, 0] = 1.0
+    minus_inf[1][0, 0::2, 0] = -np.inf          # device 0's keys (even positions): scores -inf
+    minus_inf[2][0, 0::2, 0, 0] = np.nan
+    for name, inputs in (("underflow", underflow), ("all -inf block", minus_inf)):
+        (o0, l0), (o1, l1) = plain_and_emulated(launch, case, tile, inputs)
+        assert np.isnan(o0).any(), f"{name}: the plain step should give NaN here"
+        assert_same_nan_rule(o1, o0, f"out, {name}")
+        assert_same_nan_rule(l1, l0, f"lse, {name}")
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(max_devices=4, dtypes=(np.float32,), kinds=("gaussian",)),
+       specials=st.lists(st.tuples(st.sampled_from("qkv"), st.integers(0, 10**6),
+                                   st.sampled_from([np.nan, np.inf, -np.inf])), min_size=1, max_size=3))
+def test_fused_kernel_emulated_nan_and_inf_reach_what_they_reach(emulated_kernels, case, specials):
+    head_dim, tile, dtype = EMULATED[0]
+    case = dataclasses.replace(case, D=head_dim)
+    q, k, v, dout = case.inputs()
+    arrays = dict(q=q, k=k, v=v)
+    for which, index, value in specials:
+        arrays[which].reshape(-1)[index % arrays[which].size] = value
+    (o0, l0), (o1, l1) = plain_and_emulated(emulated_kernels[head_dim, tile, dtype], case, tile,
+                                            (q, k, v, dout))
+    assert_same_nan_rule(o1, o0, f"out of {case}, {specials}")
+    assert_same_nan_rule(l1, l0, f"lse of {case}, {specials}")
+
+
+def test_fused_launch_checks_shapes_and_positions():
+    """What the kernel would read out of bounds is refused before a launch."""
+    q = np.zeros((1, 2, 8, 2, 4), np.float32)
+    k = np.zeros((1, 2, 6, 4), np.float32)
+    acc = ForwardAcc.zeros(q)
+    good = (Queries(q, np.arange(8)), ring.KVBlock(k, k, np.arange(6), np.array([0])))
+    fused.check_launch(acc, *good)
+    for bad, message in (((Queries(q, np.arange(7)), good[1]), r"queries.pos has shape \(7,\), expected \(8,\)"),
+                         ((good[0], good[1]._replace(pos=np.arange(5))), r"block.pos has shape \(5,\)"),
+                         ((good[0], good[1]._replace(v=k[:, :, :5].copy())), r"v has shape"),
+                         ((good[0], good[1]._replace(k=np.zeros((1, 1, 6, 4), np.float32))), r"k has shape"),
+                         ((good[0], good[1]._replace(v=k.astype(np.float16))), "both float32 or both float16"),
+                         ((Queries(q.astype(np.float64), np.arange(8)), good[1]), "float32 q")):
+        with pytest.raises(ValueError, match=message):
+            fused.check_launch(acc, *bad)
+    assert fused.FusedStep.reads_float16
+
+
+def test_fused_positions_are_uploaded_once():
+    """The same positions (equal contents, any array) are uploaded once; other
+    positions with the same length and ends are not mistaken for them."""
+    kept = fused.DevicePositions()
+    a, b = np.array([0, 4, 8]), np.array([0, 4, 8])
+    first = kept.get(np, a)
+    assert kept.get(np, b) is first and kept.uploads == 1
+    other = kept.get(np, np.array([0, 5, 8]))
+    assert other is not first and kept.uploads == 2
+    np.testing.assert_array_equal(other, [0, 5, 8])
 
 
 def test_fused_options_are_checked():
@@ -624,21 +823,89 @@ def test_fused_kernel_is_a_registered_forward_only_step():
 
 # -- make gpu-check and the benchmark, without a GPU ----------------------------------
 
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+GPU_CHECK_STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "command line", "trace",
+                   "sanitizer", "rates")
+
+
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
-def test_gpu_check_script_fails_clearly_without_gpu():
+def test_gpu_check_script_fails_clearly_without_gpu(tmp_path):
     """No GPU: the script stops with status 2 and the reason, checking nothing."""
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--no-install"], cwd=ROOT,
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--out", str(tmp_path / "r.md")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no usable GPU here, nothing was checked" in proc.stderr
-    assert "GPU tests" not in proc.stdout
+    assert "== environment" not in proc.stdout and not (tmp_path / "r.md").exists()
+
+
+@needs_mpiexec
+def test_gpu_check_dry_run_starts_every_step(tmp_path):
+    """--dry-run, here without a GPU: every step starts (tests collected, the
+    command lines parse, the sanitizer's launch script imports) and the
+    results file has one passing section per step, in order."""
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = out.read_text()
+    assert text.startswith("Dry run (nothing measured)") and "every step passed" in text
+    headings = [line for line in text.splitlines() if line.startswith("### ")]
+    assert [h[4:].split(":")[0] for h in headings] == list(GPU_CHECK_STEPS), headings
+    assert all(": ok (" in h for h in headings), headings
+    assert "15 GPU tests collected" in text or "GPU tests collected" in text
+    assert "test_gpu_ring_matches_reference[4-staged]" in text          # 4 ranks sharing the GPU
+    assert "2 GPU tests collected" in text                               # the race probe, both ways
+    assert "--seq-len 65536 --head-dim 128 --dtype float16" in text and "--backward --check" in text
+
+
+def test_gpu_check_measuring_steps_run_on_a_queued_gpu(monkeypatch, tmp_path):
+    """The steps of make gpu-check that measure in-process (the environment
+    table, the fused kernel against the readable step, the sanitizer's launch,
+    the rates) run to the end on a GPU made of NumPy, at small sizes, the
+    readable step standing in for the kernel: their Python has run before a
+    GPU's time is spent on it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(gpu_check, "FUSED_SEQ", 64)
+    monkeypatch.setattr(gpu_check, "RATE_BLOCK", 32)
+    monkeypatch.setattr(fused, "launch_kernel", lambda acc, queries, block, tile, causal: ReadableStep().forward(
+        acc, queries, ring.as_dtype(block, np.float32), causal=causal, tile_size=tile))
+    ctx = gpu_check.Context(dry=False, python=sys.executable, mpiexec=MPIEXEC or "mpiexec", work=tmp_path)
+    with QueuedDevice("copies-early").installed():
+        assert "QueuedDevice (NumPy)" in gpu_check.environment(ctx).text
+        result = gpu_check.fused_against_readable(ctx)
+        assert result.ok and result.text.count("| ok |") == 4, result.text
+        gpu_check.one_fused_launch()
+        result = gpu_check.rates(ctx)
+        assert result.ok and result.text.count("fused v1") == 2, result.text
+
+
+def test_gpu_check_fails_without_mpiexec(tmp_path):
+    """Without mpiexec the ring tests cannot run: the check fails (status 1),
+    says so, and runs no further step."""
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--mpiexec", str(tmp_path / "no-mpiexec"),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = out.read_text()
+    assert "mpiexec not found: the ring tests cannot run" in text and "FAILED: environment" in text
+    assert "### race probe" not in text
 
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
-def test_gpu_bench_says_no_gpu():
+def test_gpu_bench_says_no_gpu(tmp_path):
+    """Without a GPU the section says so, and includes gpu-check's results
+    from a GPU machine where there are some (a dry run's are not results)."""
     from bench import gpu_bench
     text, pngs = gpu_bench.run(quick=True)
     assert text.startswith("No GPU here") and "make gpu-check" in text and pngs == []
+    results = tmp_path / "gpu_check.md"
+    results.write_text("Results of `make gpu-check`\n\n### rates: ok\n")
+    assert "### rates: ok" in gpu_bench.no_gpu_section("none", results)
+    results.write_text("Dry run (nothing measured) of `make gpu-check`\n\n### rates: ok\n")
+    assert "### rates" not in gpu_bench.no_gpu_section("none", results)
 
 
 class NumpyAsCupy:
@@ -676,10 +943,11 @@ def test_gpu_ring_matches_reference(n, transfer, tmp_path):
     """Random cases (every layout, dtype, GQA, causal or not) on n ranks sharing
     the GPUs: forward and backward equal the dense reference. The cuda-aware
     path runs on managed memory, which any MPI can read, so it is tested even
-    where the MPI library is not CUDA-aware."""
+    where the MPI library is not CUDA-aware (cuda-aware-unchecked: MPI would say no)."""
     batch = draw_cases(n, CASES_PER_LAUNCH)
     extra = ["--managed"] if transfer == "cuda-aware" else []
-    results = run_batch(n, batch, tmp_path, "--device", "cupy", "--transfer", transfer, *extra)
+    path = "cuda-aware-unchecked" if transfer == "cuda-aware" else transfer
+    results = run_batch(n, batch, tmp_path, "--device", "cupy", "--transfer", path, *extra)
     assert_batch(batch, results)
 
 
@@ -705,6 +973,92 @@ def test_fused_step_matches_plain_step(case):
     (o0, l0), (o1, l1) = (finish_forward(a) for a in accs)
     assert_close(cupy.asnumpy(o1), cupy.asnumpy(o0), np.float32, "out", factor=case.tolerance_factor)
     assert_close(cupy.asnumpy(l1), cupy.asnumpy(l0), np.float32, "lse", factor=case.tolerance_factor)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_step_matches_plain_step_at_model_shapes(head_dim, dtype):
+    """The fused kernel against the readable step at the head dims of real
+    models, grouped-query heads (Hq = 8, Hkv = 2), float16 blocks read as they
+    travel, 4 striped blocks of 512 tokens, each with its default tile."""
+    import cupy
+    from reference import steps
+    case = Case(layout="striped", n_devices=4, B=1, S=2048, Hq=8, Hkv=2, D=head_dim, tile_size=None,
+                causal=True, scale=None, dtype=dtype, kind="gaussian", seed=head_dim)
+    q, k, v, _ = case.inputs()
+    pos = positions(case.S, 4, "striped")
+    queries = Queries.prepare(cupy.asarray(shard(q, 4, "striped")[1]), 2, pos[1], head_dim ** -0.5)
+    accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
+    for j in range(4):
+        block = own_block(*(cupy.asarray(shard(x, 4, "striped")[j]) for x in (k, v)), pos[j], j)
+        steps.get("v1").forward(accs[0], queries, ring.as_dtype(block, np.float32), causal=True, tile_size=128)
+        fused_step = steps.get("fused")
+        steps.get("fused").forward(accs[1], queries, ring.as_dtype(block, np.float32, fused_step),
+                                   causal=True, tile_size=None)
+    (o0, l0), (o1, l1) = (finish_forward(a) for a in accs)
+    assert_close(cupy.asnumpy(o1), cupy.asnumpy(o0), np.float32, f"out, D={head_dim}, {dtype.__name__}")
+    assert_close(cupy.asnumpy(l1), cupy.asnumpy(l0), np.float32, f"lse, D={head_dim}, {dtype.__name__}")
+
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}"""
+SPIN_CYCLES = 2_000_000          # about a millisecond
+
+
+@needs_gpu
+@pytest.mark.parametrize("slow", ["kernels", "copies"])
+def test_staged_upload_race_probe(slow, fake_mpi):
+    """The staged path's stream order on a real GPU: 3 ranks as threads on one
+    GPU (a fake MPI of threads moves the pinned buffers), with a spin kernel of
+    about a millisecond queued before every step (kernels lag: an upload that
+    does not wait for the step still reading its buffer overwrites it) or
+    before every upload (copies lag: a step that does not wait for its upload
+    reads the old block). Results must equal the virtual ring's."""
+    import cupy
+    from gpu_impl.device import CupyDevice
+    from gpu_impl.transfer import StagedBuffers
+    spin = cupy.RawKernel(SPIN_SOURCE, "spin")
+    case = Case(layout="striped", n_devices=3, B=1, S=3 * 256, Hq=4, Hkv=2, D=32, tile_size=64, causal=True,
+                scale=None, dtype=np.float64, kind="gaussian", seed=7)
+    q, k, v, dout = case.inputs()
+    pos = positions(case.S, 3, case.layout)
+    boxes = fake_world(3)
+
+    class SlowCopies(CupyDevice):
+        def upload(self, host, a, stream):
+            with stream:
+                spin((1,), (1,), (np.int64(SPIN_CYCLES),))
+            super().upload(host, a, stream)
+
+    class SlowStep(ReadableStep):
+        def forward(self, *args, **kwargs):
+            spin((1,), (1,), (np.int64(SPIN_CYCLES),))
+            return super().forward(*args, **kwargs)
+
+        def backward(self, *args, **kwargs):
+            spin((1,), (1,), (np.int64(SPIN_CYCLES),))
+            return super().backward(*args, **kwargs)
+
+    def device(j, _virtual):
+        with cupy.cuda.Stream(non_blocking=True):          # each rank's own compute stream
+            dev = (SlowCopies if slow == "copies" else CupyDevice)(cupy, 0)
+            ring_comm = RingComm(FakeComm(j, 3, boxes), StagedBuffers(dev))
+            qj, kj, vj, dj = (cupy.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
+            step = SlowStep() if slow == "kernels" else ReadableStep()
+            kw = dict(causal=True, scale=case.D ** -0.5, tile_size=64, step=step)
+            out, lse, _ = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, **kw)
+            grads = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, **kw)[:3]
+            return tuple(cupy.asnumpy(x) for x in (out, lse) + grads)
+
+    got = run_devices(3, device)
+    for i, (name, want) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), virtual_ring_results(case))):
+        axis = 2 if name == "lse" else 1
+        assert_close(unshard([g[i] for g in got], case.layout, axis=axis), want, np.float64,
+                     what=f"{name}, {slow} slowed")
 
 
 @needs_gpu

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import reference.virtual
 from conftest import BFLOAT16, MAX_HEAD_DIM, Case, assert_close, make_qkv, tile_sizes
 from reference.step_v4 import SubTiledStep
+from test_gpu import fake_mpi  # noqa: F401 (a fixture)
 from reference import (LAYOUTS, attention, attention_backward, cost, lockstep, positions, ring,
                        ring_attention, ring_attention_backward, shard, unshard)
 from reference.layouts import padded_length
@@ -512,44 +513,48 @@ def test_mpi_ranks_with_masks_equal_dense(tmp_path):
 
 @pytest.mark.parametrize("options", [dict(window=4, cu_seqlens=[0, 5, 11], dropout=0.3, seed=9),
                                      dict(causal=False, segment_ids=[0, 1, 0, 1, 2, 2, 2, 0, 1, 1, 2])])
-def test_gpu_impl_with_masks_through_its_cpu_stand_in(monkeypatch, options):
-    """gpu_impl's public functions (collective checks, device ring, the step on
-    'cupy' arrays) with the mask options and a length of 11 on 3 ranks (padded
-    to 12): equal to dense; the fused kernel refuses a mask it cannot apply."""
+def test_gpu_impl_with_masks_through_its_cpu_stand_in(monkeypatch, fake_mpi, options):
+    """gpu_impl's public functions (collective checks, mpi_impl's path with the
+    staged memory object on a GPU made of NumPy whose streams run later) with
+    the mask options and a length of 11 on 3 ranks (padded to 12): equal to
+    dense; the fused kernel refuses a mask it cannot apply, before any work."""
     import threading
 
     import gpu_impl
-    from test_gpu import ThreadComm, fake_cupy_module, fake_world
-    cupy, cupyx = fake_cupy_module()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    from gpu_impl import api, transfer as transfer_module
+    from queued_device import QueuedDevice
+    from test_gpu import ThreadComm, fake_world
+    monkeypatch.setattr(transfer_module, "mpi_cuda_support", lambda: 0)
+    where = threading.local()
+    monkeypatch.setattr(api, "CupyDevice", lambda cupy, index: where.gpu)
     n, layout, S = 3, "striped", 11
     rng = np.random.default_rng(4)
     q, k, v, dout = (rng.standard_normal((1, S, 2, 4)) for _ in range(4))
     out, lse = attention(q, k, v, **options)
     want = (out, lse) + attention_backward(q, k, v, out, lse, dout, **options)
-    shards = [[cupy.asarray(s) for s in shard(x, n, layout)] for x in (q, k, v, dout)]
+    gpus = [QueuedDevice("copies-late") for _ in range(n)]
     boxes, gathered, barrier = fake_world(n), [None] * n, threading.Barrier(n)
 
-    def device(j, _virtual):
-        comm = ThreadComm(j, n, boxes, [], gathered, barrier)
-        qj, kj, vj, dj = (s[j] for s in shards)
-        opts = dict(comm=comm, layout=layout, tile_size=2, seq_len=S, **options)
-        o, l = gpu_impl.ring_attention(qj, kj, vj, **opts)
-        return (o, l) + gpu_impl.ring_attention_backward(qj, kj, vj, o, l, dj, **opts)
+    def device(j, _virtual, fused=False):
+        where.gpu = gpus[j]
+        with gpus[j].installed():
+            comm = ThreadComm(j, n, boxes, gathered, barrier)
+            qj, kj, vj, dj = (gpus[j].asarray(shard(x, n, layout)[j]) for x in (q, k, v, dout))
+            if fused:
+                gpu_impl.ring_attention(*(x.astype(np.float32) for x in (qj, kj, vj)), comm=comm, layout=layout,
+                                        seq_len=S, step="fused",
+                                        **{k: x for k, x in options.items() if k not in ("dropout", "seed")})
+            opts = dict(comm=comm, layout=layout, tile_size=2, seq_len=S, **options)
+            o, l = gpu_impl.ring_attention(qj, kj, vj, **opts)
+            return tuple(x.get() for x in (o, l) + gpu_impl.ring_attention_backward(qj, kj, vj, o, l, dj, **opts))
 
-    results = run_devices(n, device)
+    with gpus[0].installed():
+        results = run_devices(n, device)
     for i, (name, w) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), want)):
         got = unshard([np.asarray(r[i]) for r in results], layout, axis=2 if name == "lse" else 1, seq_len=S)
         assert_close(got, w, np.float64, what=name)
-
-    def fused(j, _virtual):
-        comm = ThreadComm(j, n, boxes, [], gathered, barrier)
-        qj, kj, vj = (s[j].astype(np.float32) for s in shards[:3])
-        gpu_impl.ring_attention(qj, kj, vj, comm=comm, layout=layout, seq_len=S, step="fused",
-                                **{k: x for k, x in options.items() if k not in ("dropout", "seed")})
-    with pytest.raises(ValueError, match="step 'fused' knows only causal=True/False"):
-        run_devices(n, fused)
+    with gpus[0].installed(), pytest.raises(ValueError, match="step 'fused' knows only causal=True/False"):
+        run_devices(n, lambda j, v: device(j, v, fused=True))
 
 
 # -- the command line -----------------------------------------------------------
@@ -641,7 +646,7 @@ def test_ranks_must_agree_on_the_mask():
     q = np.ones((1, 4, 1, 2))
 
     def device(j, _virtual):
-        comm = ThreadComm(j, n, boxes, [], gathered, barrier)
+        comm = ThreadComm(j, n, boxes, gathered, barrier)
         try:
             mpi_impl.ring_attention(q, q, q, comm=comm, window=[None, 3][j], make_ring=None)
         except ValueError as e:

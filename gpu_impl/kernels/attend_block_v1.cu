@@ -8,14 +8,15 @@
 //
 // Version 1, the simplest fused kernel: one thread per query row (its q and o
 // in registers), a tile of TK keys and values and the tile's scores in shared
-// memory, float32 throughout.
+// memory, float32 arithmetic; K and V are read as they travel, float32 or
+// (with -DKV_HALF=1) float16, so float16 blocks are never cast in a copy.
 // Validated against the plain step by tests/test_gpu.py before it is timed
 // (like llm.c's dev/cuda kernels).
 //
-// Compute layout (float32, C-contiguous), BH = B * Hkv, G = Hq / Hkv:
-//   q, o  (BH, c, G, HEAD_DIM)   q pre-scaled by the softmax scale
-//   m, l  (BH, c, G)             running row max and row sum
-//   k, v  (BH, ck, HEAD_DIM)
+// Compute layout (C-contiguous), BH = B * Hkv, G = Hq / Hkv:
+//   q, o  (BH, c, G, HEAD_DIM)   float32; q pre-scaled by the softmax scale
+//   m, l  (BH, c, G)             float32 running row max and row sum
+//   k, v  (BH, ck, HEAD_DIM)     KV_T: float32, or float16 with KV_HALF
 //   q_pos (c,), k_pos (ck,)      global positions (int64): masks come from them
 // Grid (ceil(c / TQ), G, BH), TQ threads: block (x, g, bh) holds queries
 // x*TQ .. x*TQ+TQ-1 of query head g of group bh, the tile's rows.
@@ -24,6 +25,13 @@
 //   S = q K^T (masked: -inf where k_pos > q_pos)
 //   m_new = max(m, rowmax(S));  P = exp(S - m_new)
 //   l = l * exp(m - m_new) + rowsum(P);  o = o * exp(m - m_new) + P V
+//
+// NaN and inf follow reference/step.py's rule, as its readable step computes
+// it: a masked pair contributes nothing whatever its values; a visible pair
+// contributes P V even where P underflows to 0 (0 x NaN = NaN, 0 x inf = NaN);
+// a row whose scores so far are all -inf subtracts 0, not -inf, so that its
+// P is exp(-inf) = 0 rather than NaN. A row with no visible key keeps m = -inf,
+// l = 0, o = 0 (the caller's finish gives out 0, lse -inf).
 //
 // Compile-time sizes (nvcc -D or NVRTC options): HEAD_DIM, TQ, TK.
 // Check: nvcc -arch=sm_90 -cubin -DHEAD_DIM=64 gpu_impl/kernels/attend_block_v1.cu
@@ -38,11 +46,34 @@
 #define TK 32
 #endif
 
+#ifndef KV_HALF
+#define KV_HALF 0
+#endif
+
 #define NEG_INF __int_as_float(0xff800000)
 
+#if KV_HALF
+// float16 as its bits, converted by one PTX instruction: no header needed, so
+// nvcc and NVRTC compile it alike (the CPU emulation brings HALF_TO_FLOAT).
+typedef unsigned short kv_t;
+#ifndef HALF_TO_FLOAT
+__device__ inline float kv_float(unsigned short h)
+{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+#else
+inline float kv_float(unsigned short h) { return HALF_TO_FLOAT(h); }
+#endif
+#else
+typedef float kv_t;
+__device__ inline float kv_float(float x) { return x; }
+#endif
+
 extern "C" __global__ void __launch_bounds__(TQ)
-attend_block_v1(const float* __restrict__ q, const float* __restrict__ k,
-                const float* __restrict__ v,
+attend_block_v1(const float* __restrict__ q, const kv_t* __restrict__ k,
+                const kv_t* __restrict__ v,
                 const long long* __restrict__ q_pos, const long long* __restrict__ k_pos,
                 float* __restrict__ o, float* __restrict__ m, float* __restrict__ l,
                 int c, int ck, int G, int causal)
@@ -51,6 +82,7 @@ attend_block_v1(const float* __restrict__ q, const float* __restrict__ k,
     __shared__ float Vs[TK][HEAD_DIM];
     __shared__ float S[TK][TQ];
     __shared__ long long kp[TK];
+    __shared__ bool v_finite[TK];                  // row j of the V tile holds no NaN or inf
     __shared__ long long q_max_tile;
 
     const int tid = threadIdx.x;
@@ -83,8 +115,8 @@ attend_block_v1(const float* __restrict__ q, const float* __restrict__ k,
         q_max_tile = hi;
     }
 
-    const float* k_bh = k + bh * (long long)ck * HEAD_DIM;
-    const float* v_bh = v + bh * (long long)ck * HEAD_DIM;
+    const kv_t* k_bh = k + bh * (long long)ck * HEAD_DIM;
+    const kv_t* v_bh = v + bh * (long long)ck * HEAD_DIM;
 
     for (int k0 = 0; k0 < ck; k0 += TK) {
         const int nk = min(TK, ck - k0);
@@ -106,8 +138,15 @@ attend_block_v1(const float* __restrict__ q, const float* __restrict__ k,
 
         for (int idx = tid; idx < nk * HEAD_DIM; idx += TQ) {
             const int j = idx / HEAD_DIM, d = idx % HEAD_DIM;
-            Ks[j][d] = k_bh[(long long)(k0 + j) * HEAD_DIM + d];
-            Vs[j][d] = v_bh[(long long)(k0 + j) * HEAD_DIM + d];
+            Ks[j][d] = kv_float(k_bh[(long long)(k0 + j) * HEAD_DIM + d]);
+            Vs[j][d] = kv_float(v_bh[(long long)(k0 + j) * HEAD_DIM + d]);
+        }
+        __syncthreads();
+        for (int j = tid; j < nk; j += TQ) {
+            bool finite = true;
+            for (int d = 0; d < HEAD_DIM; ++d)
+                finite = finite && fabsf(Vs[j][d]) <= 3.402823466e38f;   // false for NaN and inf
+            v_finite[j] = finite;
         }
         __syncthreads();
         if (!active)
@@ -129,18 +168,20 @@ attend_block_v1(const float* __restrict__ q, const float* __restrict__ k,
         }
 
         const float m_new = fmaxf(m_r, tile_max);
-        // Hazard: a row that has seen no visible key yet has m_new = -inf, and
-        // exp(-inf - -inf) is NaN; such a row has nothing to add, so leave it.
-        if (m_new == NEG_INF)
-            continue;
-        const float alpha = expf(m_r - m_new);     // m_r = -inf gives 0: nothing to rescale
+        // Hazard: a row whose scores so far are all -inf has m_new = -inf, and
+        // exp(-inf - -inf) is NaN: subtract 0 instead, so that P = exp(-inf) = 0.
+        const float m_safe = m_new == NEG_INF ? 0.0f : m_new;
+        const float alpha = expf(m_r - m_safe);    // m_r = -inf gives 0: nothing to rescale
         l_r *= alpha;
         #pragma unroll
         for (int d = 0; d < HEAD_DIM; ++d)
             o_r[d] *= alpha;
         for (int j = 0; j < nk; ++j) {
-            const float p = expf(S[j][tid] - m_new);   // masked: exp(-inf) = 0
-            if (p == 0.0f)
+            if (causal && kp[j] > my_pos)
+                continue;                          // masked: nothing, whatever V holds
+            const float p = expf(S[j][tid] - m_safe);
+            // P = 0 adds nothing to a finite V row; to a NaN or inf it adds NaN (0 x inf)
+            if (p == 0.0f && v_finite[j])
                 continue;
             l_r += p;
             #pragma unroll

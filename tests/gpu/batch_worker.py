@@ -1,7 +1,7 @@
 """Run a batch of attention cases through gpu_impl's transfers on MPI ranks; rank 0 writes the results.
 
     mpiexec -n N python -m mpi4py tests/gpu/batch_worker.py CASES.json INPUTS.npz RESULTS.npz \
-        --device numpy|cupy --transfer staged|cuda-aware [--step auto|v1|fused] [--managed]
+        --device queued|cupy --transfer staged|cuda-aware [--step auto|v1|fused] [--managed]
 
 The file formats are tests/mpi/batch_worker.py's: CASES.json lists {"id",
 "layout", "causal", "scale", "tile_size"}, INPUTS.npz holds "<id>/q", "k", "v",
@@ -10,68 +10,46 @@ and the forward trace's "<id>/pairs", "source".
 
 --device cupy   runs `gpu_impl.ring_attention` and `ring_attention_backward` on
                 this rank's GPU (local rank), CuPy arrays, the chosen transfer.
---device numpy  runs the same ring (`reference.ring`) over the same
-                `gpu_impl.transfer.DeviceRing` with `gpu_impl.device.NumpyDevice`
-                standing in for the GPU: every data-movement path without one.
-                Each rank also records the order of its device and MPI calls,
-                and rank 0 writes "order_ok" (1 when every send followed a
-                synchronize) and "local_ranks".
+--device queued runs the same ring (`reference.ring`) over the same
+                `mpi_impl.comm.RingComm` and memory object on a GPU made of NumPy
+                whose streams run later (tests/gpu/queued_device.py; even ranks
+                run copies early, odd ranks kernels early): every data-movement
+                path, and its stream order, without a GPU. Rank 0 also writes
+                "local_ranks" (MPI's) and "env_local_ranks" (the launcher's).
 """
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
-from gpu_impl.device import NumpyDevice, local_rank
-from gpu_impl.transfer import TAG_STRIDE, DeviceRing
+from gpu_impl.device import local_rank, local_rank_from_env
+from gpu_impl.transfer import memory_for
+from mpi_impl.comm import RingComm
 from reference import ring, shard, unshard
 from reference.layouts import positions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from queued_device import POLICIES, QueuedDevice, QueuedStep  # noqa: E402
 
 AXES = dict(out=1, lse=2, dq=1, dk=1, dv=1)
 
 
-class RecordingComm:
-    """An mpi4py communicator that notes each Isend in a shared event list."""
-
-    def __init__(self, comm, events):
-        self._comm, self._events = comm, events
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-    def Isend(self, buf, dest, tag):
-        self._events.append(("Isend", tag % TAG_STRIDE))
-        return self._comm.Isend(buf, dest=dest, tag=tag)
-
-
-def sends_follow_synchronize(events):
-    """True when every shift (its first array's Isend, index 0) comes after a
-    synchronize that no earlier shift used: MPI never reads a buffer that a
-    queued kernel may still be writing."""
-    ready = False
-    for e in events:
-        if e == "synchronize":
-            ready = True
-        elif e == ("Isend", 0):
-            if not ready:
-                return False
-            ready = False
-    return True
-
-
-def run_numpy(q, k, v, dout, opts, comm, transfer, events):
+def run_queued(q, k, v, dout, opts, comm, transfer):
     n, rank = comm.Get_size(), comm.Get_rank()
     pos = positions(q.shape[1] * n, n, opts["layout"])[rank]
     kw = dict(causal=opts["causal"], scale=opts["scale"] or q.shape[-1] ** -0.5, tile_size=opts["tile_size"])
-    dup = comm.Dup()
-    device = NumpyDevice(events)
-    ring_comm = DeviceRing(RecordingComm(dup, events), device, transfer)
-    out, lse, log = ring.ring_forward(q, k, v, pos, pos, ring_comm, **kw)
-    dq, dk, dv, _ = ring.ring_backward(q, k, v, out, lse, dout, pos, pos, ring_comm, **kw)
-    dup.Free()
-    return (out, lse, dq, dk, dv), log
+    gpu = QueuedDevice(POLICIES[rank % 2])
+    with gpu.installed():
+        ring_comm = RingComm.on(comm, memory_for(transfer, gpu))
+        q, k, v, dout = (gpu.asarray(x) for x in (q, k, v, dout))
+        out, lse, log = ring.ring_forward(q, k, v, pos, pos, ring_comm, step=QueuedStep(gpu), **kw)
+        dq, dk, dv, _ = ring.ring_backward(q, k, v, out, lse, dout, pos, pos, ring_comm,
+                                           step=QueuedStep(gpu), **kw)
+        ring_comm.free()
+        return tuple(x.get() for x in (out, lse, dq, dk, dv)), log
 
 
 def run_cupy(q, k, v, dout, opts, comm, transfer, step):
@@ -84,13 +62,13 @@ def run_cupy(q, k, v, dout, opts, comm, transfer, step):
     return tuple(cupy.asnumpy(x) for x in (out, lse) + grads), log
 
 
-def run_case(case, data, comm, args, events):
+def run_case(case, data, comm, args):
     n, rank, layout = comm.Get_size(), comm.Get_rank(), case["layout"]
     q, k, v, dout = (shard(data[f"{case['id']}/{name}"], n, layout)[rank] for name in ("q", "k", "v", "dout"))
     tile = tuple(case["tile_size"]) if isinstance(case["tile_size"], list) else case["tile_size"]
     opts = dict(layout=layout, causal=case["causal"], scale=case["scale"], tile_size=tile)
-    if args.device == "numpy":
-        results, log = run_numpy(q, k, v, dout, opts, comm, args.transfer, events)
+    if args.device == "queued":
+        results, log = run_queued(q, k, v, dout, opts, comm, args.transfer)
     else:
         results, log = run_cupy(q, k, v, dout, opts, comm, args.transfer, args.step)
     gathered, logs = comm.gather(results), comm.gather(log)
@@ -104,33 +82,34 @@ def run_case(case, data, comm, args, events):
 
 
 def main(argv=None):
+    if "cupy" in (argv or sys.argv):
+        import gpu_impl
+        gpu_impl.use_local_device()         # before MPI starts (the launcher's local rank)
     ap = argparse.ArgumentParser()
     ap.add_argument("cases"), ap.add_argument("inputs"), ap.add_argument("results")
-    ap.add_argument("--device", choices=("numpy", "cupy"), required=True)
+    ap.add_argument("--device", choices=("queued", "cupy"), required=True)
     ap.add_argument("--transfer", default="auto")
     ap.add_argument("--step", default="auto")
     ap.add_argument("--managed", action="store_true",
                     help="CuPy arrays in managed memory, which any MPI can read: tests the "
                          "cuda-aware path where the MPI library is not CUDA-aware")
     args = ap.parse_args(argv)
+    from mpi4py import MPI
     comm = MPI.COMM_WORLD
     if args.device == "cupy":
         import cupy
-        import gpu_impl
-        gpu_impl.use_local_device(comm)
         if args.managed:
             cupy.cuda.set_allocator(cupy.cuda.MemoryPool(cupy.cuda.malloc_managed).malloc)
     with open(args.cases) as f:
         cases = json.load(f)
     data = np.load(args.inputs)
-    results, events = {}, []
+    results = {}
     for case in cases:
-        results.update(run_case(case, data, comm, args, events))
-    order_ok = comm.gather(sends_follow_synchronize(events) if args.device == "numpy" else True)
-    ranks = comm.gather(local_rank(comm))
+        results.update(run_case(case, data, comm, args))
+    ranks, env_ranks = comm.gather(local_rank(comm)), comm.gather(local_rank_from_env())
     if comm.Get_rank() == 0:
-        results["order_ok"] = np.array(all(order_ok))
         results["local_ranks"] = np.array(ranks)
+        results["env_local_ranks"] = np.array([-1 if r is None else r for r in env_ranks])
         np.savez(args.results, **results)
 
 

@@ -8,6 +8,9 @@
 // some thread of a block never reaches hangs the emulation, as it would hang
 // the GPU: the test has a timeout.
 //
+// With -DKV_HALF=1 the kernel reads float16 K and V as their bits; the
+// compiler's _Float16 converts them here, where the GPU uses one PTX instruction.
+//
 //   g++ -std=c++20 -O1 -shared -fPIC -pthread -Wno-unknown-pragmas \
 //       -DHEAD_DIM=16 -DTQ=64 -DTK=32 -DKERNEL='"gpu_impl/kernels/attend_block_v1.cu"' \
 //       -o emulated.so tests/gpu/emulate_cuda.cpp
@@ -24,10 +27,13 @@ thread_local Index3 threadIdx, blockIdx;
 static std::barrier<>* block_barrier = nullptr;
 
 #define __global__
+#define __device__
 #define __shared__ static
 #define __launch_bounds__(n)
 inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, sizeof f); return f; }
+inline float half_to_float(unsigned short h) { _Float16 x; std::memcpy(&x, &h, sizeof x); return float(x); }
+#define HALF_TO_FLOAT half_to_float
 using std::max;
 using std::min;
 
@@ -35,7 +41,7 @@ using std::min;
 
 // attend_block_v1 on a (gx, gy, gz) grid of TQ threads per block.
 extern "C" void launch_attend_block_v1(int gx, int gy, int gz,
-                                       const float* q, const float* k, const float* v,
+                                       const float* q, const kv_t* k, const kv_t* v,
                                        const long long* q_pos, const long long* k_pos,
                                        float* o, float* m, float* l, int c, int ck, int G, int causal)
 {

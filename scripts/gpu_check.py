@@ -1,0 +1,518 @@
+"""make gpu-check: what a first GPU must show, in one run of under 9 minutes, written to one Markdown file.
+
+    python scripts/gpu_check.py                        # what `make gpu-check` runs (bash scripts/gpu_check.sh)
+    python scripts/gpu_check.py --dry-run              # any machine: every step starts, nothing is measured
+    python scripts/gpu_check.py --only fused rates     # some steps
+    bash scripts/gpu_check.sh --wheels DIR             # first install carried wheels (no package index)
+
+For one machine with a CUDA 13 GPU, CuPy and mpi4py, and no package index:
+nothing is installed here. Each step has its own time limit and its own
+section in the results file (default bench/results/gpu_check.md, which
+BENCHMARKS.md includes through `bench.gpu_bench`):
+
+ 1. environment     GPU, CUDA, CuPy, MPI library and its CUDA-awareness, mpiexec
+                    (required: without it the ring tests cannot run), tools;
+ 2. race probe      the staged path with kernels, then copies, slowed down on purpose;
+ 3. GPU tests       tests/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
+                    GPU, both transfer paths, the fused kernel; any skip fails;
+ 4. fused kernel    against the readable step at D = 64 and 128, GQA, float16 and float32;
+ 5. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
+                    checks on the CPU in float64, so 2 query heads);
+ 6. trace           per round and rank: the step's GPU time and the GPU's idle
+                    time before the next step, at 8 query heads: do transfers overlap?;
+ 7. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
+ 8. rates           plain and fused steps against torch's flash attention, one block.
+
+Exit status: 0 every step passed; 1 a step failed; 2 no GPU (nothing was checked).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+OUT = ROOT / "bench" / "results" / "gpu_check.md"
+RANKS = 4
+BUDGET_S = 510          # no step starts after this: the whole check stays under 9 minutes
+REALISTIC = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1",
+             "--heads", "2", "--layout", "striped", "--backward", "--check", "--tile-size", "1024",
+             "--no-warmup"]
+TRACED = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8",
+          "--kv-heads", "2", "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"]
+FUSED_SHAPES = [(64, np.float32), (64, np.float16), (128, np.float32), (128, np.float16)]
+FUSED_SEQ = 4096        # the fused kernel against the readable step: 4 striped blocks of 1024
+RATE_BLOCK = 4096       # the rates: one block pair of 4096 queries x 4096 keys
+
+
+@dataclass
+class Context:
+    dry: bool
+    python: str
+    mpiexec: str
+    work: Path
+    notes: dict = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    ok: bool
+    text: str
+    skipped: str = ""           # a reason: the step could not run here (a tool is missing)
+
+
+# -- helpers -------------------------------------------------------------------------
+
+def run(cmd, timeout, env=None):
+    """(returncode, stdout + stderr) of cmd, or (124, what it printed) past the timeout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
+               MPIEXEC_TIMEOUT=str(timeout), **(env or {}))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 15)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, out + f"\n[timed out after {timeout} s]"
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def fenced(text, limit=60):
+    lines = text.strip().splitlines()
+    if len(lines) > limit:
+        lines = lines[:10] + [f"... ({len(lines) - limit} lines left out) ..."] + lines[-(limit - 10):]
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
+def mpirun(ctx, *args):
+    return [ctx.mpiexec, "-n", str(RANKS), ctx.python, "-m", "mpi4py", *args]
+
+
+def find_mpiexec(given, python):
+    if given:
+        return given if Path(given).exists() or shutil.which(given) else None
+    beside = Path(python).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def find_sanitizer():
+    for candidate in (shutil.which("compute-sanitizer"),
+                      *(Path(p) / "bin" / "compute-sanitizer" for p in
+                        (os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"))):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    return None
+
+
+def module_version(name):
+    try:
+        module = __import__(name)
+    except Exception as e:      # noqa: BLE001 - reported, not raised
+        return f"missing ({type(e).__name__}: {e})"
+    return getattr(module, "__version__", "present")
+
+
+# -- 1. environment --------------------------------------------------------------------
+
+def environment(ctx):
+    rows = [("python", sys.version.split()[0] + f" ({ctx.python})")]
+    rows += [(name, module_version(name)) for name in ("numpy", "cupy", "mpi4py", "pytest", "hypothesis", "torch")]
+    rows.append(("mpiexec", ctx.mpiexec or "NOT FOUND"))
+    rows.append(("compute-sanitizer", find_sanitizer() or "not found"))
+    code = ("import gpu_impl; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0]); "
+            "print(gpu_impl.mpi_cuda_support()); print(gpu_impl.choose_transfer('auto'))")
+    rc, out = run([ctx.python, "-c", code], 60)
+    lines = out.strip().splitlines()
+    rows.append(("MPI library", lines[0] if rc == 0 else f"cannot ask: {out.strip()[-300:]}"))
+    if rc == 0:
+        rows.append(("MPIX_Query_cuda_support()", lines[1]))
+        rows.append(("transfer='auto'", lines[2]))
+    if not ctx.dry:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        rows.append(("GPU", f"{cupy.cuda.runtime.getDeviceCount()} x {props['name'].decode()}, "
+                            f"{props['totalGlobalMem'] / 2**30:.0f} GiB, sm_{props['major']}{props['minor']}"))
+        rows.append(("CUDA runtime / driver", f"{cupy.cuda.runtime.runtimeGetVersion()} / "
+                                              f"{cupy.cuda.runtime.driverGetVersion()}"))
+    text = "| what | found |\n| :--- | :--- |\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
+    missing = [name for name in ("pytest", "hypothesis") if module_version(name).startswith("missing")]
+    if not ctx.mpiexec:
+        return Result(False, text + "\n\nmpiexec not found: the ring tests cannot run (give --mpiexec PATH, "
+                                    "or carry the mpich wheel: --wheels DIR).")
+    if missing:
+        return Result(False, text + f"\n\n{', '.join(missing)} missing: carry their wheels (--wheels DIR).")
+    return Result(True, text)
+
+
+# -- 2, 3. the tests -------------------------------------------------------------------
+
+def pytest_step(ctx, selection, timeout):
+    """tests/test_gpu.py -m gpu with `selection`; fails on any failure or skip."""
+    base = [ctx.python, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-k", selection,
+            "-p", "no:cacheprovider", "-q", "-rs"]
+    if ctx.dry:
+        rc, out = run(base + ["--collect-only"], 120)
+        collected = sum(1 for line in out.splitlines() if "::" in line)
+        return Result(rc == 0 and collected > 0, f"dry run: {collected} GPU tests collected\n\n" + fenced(out, 20))
+    rc, out = run(base, timeout, env={"MPIEXEC_TIMEOUT": "240"})
+    skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    ok = rc == 0 and not skipped
+    why = "" if ok else ("\n\nFAILED: " + ("tests were skipped although a GPU is present" if skipped
+                                           else f"pytest exit status {rc}"))
+    return Result(ok, fenced(out, 40) + why)
+
+
+def race_probe(ctx):
+    return pytest_step(ctx, "race_probe", 60)
+
+
+def gpu_tests(ctx):
+    return pytest_step(ctx, "not race_probe", 200)
+
+
+# -- 4. fused against readable -----------------------------------------------------------
+
+def fused_against_readable(ctx):
+    """Max |fused - readable| over |readable| at model shapes: 4 striped blocks, GQA 8/2."""
+    from gpu_impl import fused
+    if ctx.dry:
+        tiles = [fused.fused_tile(None, d) for d, _ in FUSED_SHAPES]
+        return Result(True, f"dry run: fused tiles {tiles} fit at D = 64 and 128")
+    import cupy
+    from reference import ring, steps
+    from reference.layouts import positions, shard
+    from reference.step import ForwardAcc, Queries, finish_forward
+    rows, ok = [], True
+    for head_dim, dtype in FUSED_SHAPES:
+        rng = np.random.default_rng(head_dim)
+        q = rng.standard_normal((1, FUSED_SEQ, 8, head_dim)).astype(dtype)
+        k, v = (rng.standard_normal((1, FUSED_SEQ, 2, head_dim)).astype(dtype) for _ in range(2))
+        pos = positions(FUSED_SEQ, 4, "striped")
+        queries = Queries.prepare(cupy.asarray(shard(q, 4, "striped")[3]), 2, pos[3], head_dim ** -0.5)
+        accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
+        plain, kernel = steps.get("v1"), steps.get("fused")
+        for j in range(4):
+            block = ring.own_block(*(cupy.asarray(shard(x, 4, "striped")[j]) for x in (k, v)), pos[j], j)
+            plain.forward(accs[0], queries, ring.as_dtype(block, np.float32), causal=True, tile_size=512)
+            kernel.forward(accs[1], queries, ring.as_dtype(block, np.float32, kernel), causal=True, tile_size=None)
+        (o0, l0), (o1, l1) = ((cupy.asnumpy(x) for x in finish_forward(a)) for a in accs)
+        err = max(float(np.abs(o1 - o0).max() / max(1.0, np.abs(o0).max())),
+                  float(np.abs(l1 - l0).max() / max(1.0, np.abs(l0).max())))
+        good = err <= 1e-4
+        ok &= good
+        rows.append(f"| {head_dim} | {np.dtype(dtype).name} | {fused.fused_tile(None, head_dim)} | {err:.1e} | "
+                    f"{'ok' if good else 'FAILED'} |")
+    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {FUSED_SEQ} on 4 striped "
+            "blocks, Hq = 8, Hkv = 2, causal; error scaled by max(1, |readable|), limit 1e-4.\n\n"
+            "| D | inputs | fused tile | max error | |\n| ---: | :--- | :--- | ---: | :--- |\n")
+    return Result(ok, head + "\n".join(rows))
+
+
+# -- 5, 6. the command line -------------------------------------------------------------------
+
+def parse_cli(args):
+    """gpu_impl's parser and mpi_impl's option check on these arguments (no MPI, no GPU)."""
+    from gpu_impl.__main__ import parse
+    from mpi_impl.cli import check_args
+    _, parsed = parse(args)
+    problem = check_args(parsed, RANKS)
+    if problem:
+        raise ValueError(problem)
+    return parsed
+
+
+def command_line(ctx):
+    cmd = mpirun(ctx, "-m", "gpu_impl", *REALISTIC)
+    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *REALISTIC])
+    if ctx.dry:
+        parse_cli(REALISTIC)
+        return Result(True, f"dry run: `{shown}` parses")
+    rc, out = run(cmd, 170)
+    return Result(rc == 0, f"`{shown}`\n\n" + fenced(out, 30) + ("" if rc == 0 else f"\n\nFAILED: exit status {rc}"))
+
+
+def trace(ctx):
+    path = ctx.work / "trace.json"
+    args = TRACED + ["--trace-out", str(path)]
+    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *TRACED])
+    if ctx.dry:
+        parse_cli(args)
+        table = overlap_table(example_trace_doc(), {"seconds": 1e-3, "bytes": 1, "path": "staged"})
+        return Result("transfers overlap the steps" in table, f"dry run: `{shown}` parses; the overlap "
+                                                              f"table is drawn from a trace")
+    rc, out = run(mpirun(ctx, "-m", "gpu_impl", *args), 110)
+    if rc != 0:
+        return Result(False, f"`{shown}`\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
+    from mpi_impl.cli import read_trace
+    doc = read_trace(path)
+    nbytes = int(doc["layouts"]["striped"]["forward"].bytes_sent[0].max())
+    alone = ctx.work / "shift.json"
+    rc, shift_out = run(mpirun(ctx, str(Path(__file__).resolve()), "--time-shifts", str(alone), str(nbytes)), 60)
+    shift = json.loads(alone.read_text()) if rc == 0 else None
+    text = f"`{shown}`\n\n" + fenced(out, 12) + "\n\n" + overlap_table(doc, shift)
+    return Result(True, text if shift else text + "\n\ntiming a shift alone failed:\n\n" + fenced(shift_out, 20))
+
+
+def overlap_table(doc, shift=None):
+    """Per round of striped (forward, then backward): each rank's step time on the
+    GPU and the GPU's idle time before its next step; and the verdict, against
+    `shift` ({"seconds", "bytes", "path"}: one forward block's shift timed alone)."""
+    lines = []
+    for kind in ("forward", "backward"):
+        tr = doc["layouts"]["striped"].get(kind)
+        if tr is None:
+            continue
+        n = tr.compute_s.shape[1]
+        lines.append(f"\n{kind}, striped: per round, each rank's step time / idle time before its next step (ms)\n")
+        lines.append("| round | " + " | ".join(f"rank {j}" for j in range(n)) + " | MB sent per rank |")
+        lines.append("| ---: " * (n + 2) + "|")
+        for t in range(tr.compute_s.shape[0]):
+            cells = " | ".join(f"{tr.compute_s[t, j] * 1e3:.1f} / {tr.wait_s[t, j] * 1e3:.1f}" for j in range(n))
+            lines.append(f"| {t} | {cells} | {tr.bytes_sent[t].max() / 1e6:.1f} |")
+        idle, busy = tr.wait_s[:-1].sum(), tr.compute_s.sum()
+        lines.append(f"\nGPU idle between steps (the last round's wait for the final transfer left out): "
+                     f"{idle * 1e3:.1f} ms against {busy * 1e3:.1f} ms in steps ({idle / max(busy, 1e-12):.1%}). "
+                     f"With {RANKS} ranks on one GPU the ranks time-share it, so a step's time includes "
+                     f"the others' kernels.")
+        if shift and kind == "forward":
+            per_round = tr.wait_s[:-1].mean(axis=1).max() if tr.wait_s.shape[0] > 1 else 0.0
+            hidden = per_round < 0.5 * shift["seconds"]
+            lines.append(f"\nOne block's shift alone ({shift['bytes'] / 1e6:.1f} MB, {shift['path']}): "
+                         f"{shift['seconds'] * 1e3:.1f} ms; idle per round in the ring (worst rank mean): "
+                         f"{per_round * 1e3:.1f} ms: transfers "
+                         f"{'overlap the steps' if hidden else 'do NOT overlap the steps'}.")
+    return "\n".join(lines)
+
+
+def time_shifts(out, nbytes):
+    """Under mpiexec: one K, V block of `nbytes` shifted round the ring alone,
+    through the path transfer='auto' picks; rank 0 writes the median time."""
+    import gpu_impl
+    gpu_impl.use_local_device()
+    import cupy
+    from mpi4py import MPI
+    from gpu_impl.device import CupyDevice
+    from gpu_impl.transfer import choose_transfer, memory_for
+    from mpi_impl.comm import RingComm
+    comm = MPI.COMM_WORLD
+    device = CupyDevice(cupy, cupy.cuda.Device().id)
+    path, _ = choose_transfer("auto")
+    ring = RingComm.on(comm, memory_for(path, device))
+    block = tuple(cupy.zeros(max(1, nbytes // 4), dtype=cupy.float16) for _ in range(2))     # K, V
+    times = []
+    for _ in range(7):
+        comm.Barrier()
+        start = time.perf_counter()
+        block = ring.finish_shift(ring.start_shift(block, 1))
+        device.compute.synchronize()                    # the upload is done (the compute stream waits for it)
+        times.append(time.perf_counter() - start)
+    seconds = comm.allreduce(float(np.median(times[1:])), op=MPI.MAX)
+    ring.free()
+    if comm.Get_rank() == 0:
+        Path(out).write_text(json.dumps({"seconds": seconds, "bytes": nbytes, "path": path}))
+
+
+def example_trace_doc():
+    """A trace document shaped like the command line's, for the dry run's table."""
+    from reference.trace import Trace
+    z = np.zeros((RANKS, RANKS))
+    tr = Trace(source=z.astype(int), tiles_computed=z.astype(int), tiles_skipped=z.astype(int), pairs=z.astype(int),
+               bytes_sent=z.astype(int), compute_s=z + 1e-3, compute_cpu_s=z, wait_s=z)
+    return {"layouts": {"striped": {"forward": tr}}}
+
+
+# -- 7. compute-sanitizer -------------------------------------------------------------------
+
+def one_fused_launch():
+    """One small fused launch per K/V dtype (what the sanitizer watches): a
+    partly masked block of 96 keys, D = 64, GQA, tiles cut short at both ends."""
+    import cupy
+    from reference import ring, steps
+    from reference.step import ForwardAcc, Queries
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float16):
+        q = cupy.asarray(rng.standard_normal((1, 100, 4, 64)).astype(dtype))
+        k, v = (cupy.asarray(rng.standard_normal((1, 96, 2, 64)).astype(dtype)) for _ in range(2))
+        queries = Queries.prepare(q, 2, np.arange(100) * 2 + 1, 0.125)
+        step = steps.get("fused")
+        acc = ForwardAcc.zeros(queries.q)
+        block = ring.as_dtype(ring.own_block(k, v, np.arange(96) * 2, 0), np.float32, step)
+        step.forward(acc, queries, block, causal=True, tile_size=None)
+    cupy.cuda.Device().synchronize()
+    print("one fused launch per dtype: done")
+
+
+def sanitizer(ctx):
+    tool = find_sanitizer()
+    me = [ctx.python, str(Path(__file__).resolve()), "--one-fused-launch"]
+    if ctx.dry:
+        rc, out = run(me + ["--dry-run"], 60)
+        return Result(rc == 0, f"dry run: the launch script starts ({out.strip()}); compute-sanitizer: "
+                               f"{tool or 'not found'}")
+    if tool is None:
+        return Result(True, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH)",
+                      skipped="compute-sanitizer not found")
+    parts, ok = [], True
+    for name in ("racecheck", "memcheck"):
+        rc, out = run([tool, "--tool", name, "--error-exitcode", "99", *me], 60)
+        good = rc == 0
+        ok &= good
+        summary = [line for line in out.splitlines() if "SUMMARY" in line or "done" in line]
+        parts.append(f"{name}: {'ok' if good else f'FAILED (exit {rc})'}\n\n" + fenced("\n".join(summary) or out, 20))
+    return Result(ok, "\n\n".join(parts))
+
+
+# -- 8. rates --------------------------------------------------------------------------------
+
+def timed(cupy, fn, repeat=3):
+    fn()
+    cupy.cuda.Device().synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        cupy.cuda.Device().synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def rates(ctx):
+    """One block pair, every tile visible: RATE_BLOCK queries x keys, Hq = 8, Hkv = 2, float16."""
+    if ctx.dry:
+        return Result(True, f"dry run: torch {module_version('torch')}")
+    import cupy
+    from reference import ring, steps
+    from reference.step import ForwardAcc, Queries
+    c, hq, hkv = RATE_BLOCK, 8, 2
+    rows = []
+    for head_dim in (64, 128):
+        useful = 4 * head_dim * c * c * hq
+        rng = np.random.default_rng(1)
+        q = rng.standard_normal((1, c, hq, head_dim)).astype(np.float16)
+        k, v = (rng.standard_normal((1, c, hkv, head_dim)).astype(np.float16) for _ in range(2))
+        queries = Queries.prepare(cupy.asarray(q), hkv, np.arange(c) + c, head_dim ** -0.5)
+        block = ring.own_block(cupy.asarray(k), cupy.asarray(v), np.arange(c), 0)
+        for name, step, tile in (("v1 (readable), tile 1024", steps.get("v1"), 1024),
+                                 ("fused v1, its tile", steps.get("fused"), None)):
+            b = ring.as_dtype(block, np.float32, step)
+            seconds = timed(cupy, lambda: step.forward(ForwardAcc.zeros(queries.q), queries, b, causal=True,
+                                                       tile_size=tile))
+            rows.append((head_dim, name, seconds, useful / seconds / 1e12))
+        flash = torch_flash(c, hq, hkv, head_dim)
+        rows.append((head_dim, "torch flash attention" if flash else "torch: not installed (or no CUDA)",
+                     flash or float("nan"), useful / flash / 1e12 if flash else float("nan")))
+    table = "| D | step | ms | TFLOP/s (useful) |\n| ---: | :--- | ---: | ---: |\n" + "\n".join(
+        f"| {d} | {name} | {s * 1e3:.2f} | {r:.1f} |" for d, name, s, r in rows)
+    return Result(True, f"One block pair, every tile visible: {c} queries x {c} keys, Hq = 8, Hkv = 2, "
+                        "float16 inputs; useful FLOPs 4 D per pair per query head.\n\n" + table)
+
+
+def torch_flash(c, hq, hkv, head_dim):
+    """Seconds of torch's flash attention on the same block, or None without torch."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    q = torch.randn(1, hq, c, head_dim, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, hkv, c, head_dim, device="cuda", dtype=torch.float16).repeat_interleave(hq // hkv, 1)
+            for _ in range(2))
+
+    def fn():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v)
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+STEPS = {"environment": environment, "race probe": race_probe, "GPU tests": gpu_tests,
+         "fused kernel": fused_against_readable, "command line": command_line, "trace": trace,
+         "sanitizer": sanitizer, "rates": rates}
+SHORT = {"environment": "env", "race probe": "race", "GPU tests": "tests", "fused kernel": "fused",
+         "command line": "cli", "trace": "trace", "sanitizer": "sanitizer", "rates": "rates"}
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def gpu_missing():
+    try:
+        from gpu_impl import GpuUnavailable, require_cupy
+        require_cupy()
+    except GpuUnavailable as e:
+        return str(e)
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="start every step without a GPU; measure nothing")
+    ap.add_argument("--out", default=str(OUT), help="the Markdown results file (default: %(default)s)")
+    ap.add_argument("--only", nargs="+", choices=sorted(SHORT.values()), help="run only these steps")
+    ap.add_argument("--mpiexec", help="the launcher (default: beside python, else on PATH)")
+    ap.add_argument("--one-fused-launch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--time-shifts", nargs=2, metavar=("OUT", "BYTES"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.time_shifts:
+        time_shifts(args.time_shifts[0], int(args.time_shifts[1]))
+        return 0
+    if args.one_fused_launch:
+        if args.dry_run:
+            print("the fused launch imports")
+            return 0
+        one_fused_launch()
+        return 0
+    reason = None if args.dry_run else gpu_missing()
+    if reason:
+        print(f"gpu-check: no usable GPU here, nothing was checked: {reason}", file=sys.stderr)
+        return 2
+    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(args.mpiexec, sys.executable),
+                  work=Path(tempfile.mkdtemp(prefix="gpu_check_")))
+    sections, failed, start = [], [], time.perf_counter()
+    for name, fn in STEPS.items():
+        if args.only and SHORT[name] not in args.only:
+            continue
+        t0 = time.perf_counter()
+        print(f"== {name} ({t0 - start:.0f} s)", flush=True)
+        try:
+            if t0 - start > BUDGET_S:
+                raise TimeoutError(f"not started: {BUDGET_S} s spent (rerun it alone: --only {SHORT[name]})")
+            result = fn(ctx)
+        except Exception as e:          # noqa: BLE001 - one step's failure is reported, the others still run
+            result = Result(False, f"FAILED: {type(e).__name__}: {e}")
+        status = "skipped: " + result.skipped if result.skipped else ("ok" if result.ok else "FAILED")
+        print(f"   {status} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if not result.ok:
+            failed.append(name)
+        sections.append(f"### {name}: {status} ({time.perf_counter() - t0:.0f} s)\n\n{result.text}\n")
+        if name == "environment" and not result.ok:
+            break                       # nothing else can run
+    total = time.perf_counter() - start
+    head = (f"{'Dry run (nothing measured)' if ctx.dry else 'Results'} of `make gpu-check` "
+            f"(scripts/gpu_check.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {total:.0f} s; "
+            f"{'every step passed' if not failed else 'FAILED: ' + ', '.join(failed)}.\n")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(head + "\n" + "\n".join(sections))
+    print(f"\n{head}written: {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

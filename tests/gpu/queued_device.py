@@ -1,0 +1,344 @@
+"""A GPU made of NumPy whose streams really run later: stream hazards as wrong answers on a CPU.
+
+`QueuedDevice` has `gpu_impl.device.CupyDevice`'s verbs (two streams, events,
+device and pinned buffers, asynchronous copies), but nothing queued on a
+stream runs when it is queued. Each stream is a FIFO of kernels, copies,
+event records and event waits, run in queue order per stream, and the two
+streams are interleaved by a policy that is as unkind as CUDA allows:
+
+- ``"copies-early"``: a copy runs as soon as its stream lets it, kernels only
+  when something forces them (a host sync, a host read, a copy waiting for
+  them). A buffer refilled while a queued kernel still has to read it gives
+  that kernel the new data.
+- ``"copies-late"``: kernels run as soon as their stream lets them, copies only
+  when forced. A kernel that does not wait for the upload of its block reads
+  the buffer's old contents.
+
+Device arrays are `DeviceArray` (a NumPy array whose type says "cupy", so that
+`reference.layouts.array_module` picks the `fake_cupy` module). Every CuPy
+function and every arithmetic operation on a device array called from the host
+is a kernel on the compute stream: it runs after everything queued there
+before it (the host waits, as for any result it reads). ``a.get()`` is a host
+read: it waits for the compute stream, and is counted in ``host_reads``.
+`QueuedStep` wraps a step: it plans and counts on the host at once (positions
+are NumPy) and queues the tiles' work as one kernel, with the positions copied
+at launch as a real launch copies its arguments. A "kernel" runs the NumPy
+code of the wrapped step when its turn comes.
+
+    gpu = QueuedDevice("copies-early")
+    with gpu.installed():             # sys.modules["cupy"] is fake_cupy(gpu) inside
+        ...
+"""
+
+import contextlib
+import sys
+import threading
+import types
+from collections import deque
+
+import numpy as np
+
+from reference.step import Step
+from reference.steps import get as get_step
+from reference.tiles import any_visible, tile_plan
+
+POLICIES = ("copies-early", "copies-late")
+_LOCAL = threading.local()      # .stack: the QueuedDevices installed on this thread
+
+
+def _gpu():
+    """This thread's installed QueuedDevice, or None."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _host(x):
+    """The plain NumPy view of a device array (no hooks)."""
+    return x.view(np.ndarray) if isinstance(x, DeviceArray) else x
+
+
+def _device(x):
+    return x.view(DeviceArray) if type(x) is np.ndarray else x
+
+
+class DeviceArray(np.ndarray):
+    """An array in the fake GPU's memory (see the module docstring)."""
+    __module__ = "cupy"
+
+    @property
+    def device(self):
+        return types.SimpleNamespace(id=0)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        gpu = _gpu()
+        if gpu is not None:
+            gpu.host_kernel()
+        inputs = tuple(_host(x) for x in inputs)
+        if out is not None:
+            kwargs["out"] = tuple(_host(x) for x in out)
+        result = getattr(ufunc, method)(*inputs, **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return tuple(_device(r) for r in result) if isinstance(result, tuple) else _device(result)
+
+    def astype(self, dtype, *args, copy=True, **kwargs):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self                                  # no kernel, as CuPy's
+        gpu = _gpu()
+        if gpu is not None:
+            gpu.host_kernel()
+        return _device(_host(self).astype(dtype, *args, copy=copy, **kwargs))
+
+    def get(self, stream=None, out=None, blocking=True):
+        """A host read, as CuPy's: waits for the compute stream."""
+        gpu = _gpu()
+        if gpu is not None:
+            gpu.host_read()
+        return np.array(_host(self)) if out is None else np.copyto(out, _host(self)) or out
+
+    def __bool__(self):
+        gpu = _gpu()
+        if gpu is not None:
+            gpu.host_read()
+        return bool(_host(self))
+
+    def __float__(self):
+        return float(self.get())
+
+    def __int__(self):
+        return int(self.get())
+
+
+def fake_cupy():
+    """A module named cupy over NumPy: every function is a kernel on the
+    compute stream of the calling thread's QueuedDevice."""
+    cupy = types.ModuleType("cupy")
+
+    def wrap(fn):
+        if not callable(fn) or isinstance(fn, type):
+            return fn
+
+        def kernel(*args, **kwargs):
+            gpu = _gpu()
+            if gpu is not None:
+                gpu.host_kernel()
+            args = tuple(_host(a) for a in args)
+            kwargs = {k: _host(a) for k, a in kwargs.items()}
+            result = fn(*args, **kwargs)
+            return _device(result) if isinstance(result, np.ndarray) else result
+        return kernel
+
+    cupy.__getattr__ = lambda name: wrap(getattr(np, name))
+    cupy.ndarray = DeviceArray
+    cupy.asnumpy = lambda x: x.get() if isinstance(x, DeviceArray) else np.asarray(x)
+    properties = {"name": b"QueuedDevice (NumPy)", "totalGlobalMem": 2**30, "major": 0, "minor": 0}
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda index: properties,
+                                    runtimeGetVersion=lambda: 0, driverGetVersion=lambda: 0)
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device)
+    return cupy
+
+
+class _Device:
+    """cupy.cuda.Device: use() does nothing, synchronize() waits for both streams."""
+
+    def __init__(self, index=0):
+        self.id = index
+
+    def use(self):
+        pass
+
+    def synchronize(self):
+        gpu = _gpu()
+        if gpu is not None:
+            gpu.run_until(lambda: not gpu.compute.items and not gpu.copy.items)
+
+
+FAKE_CUPY = fake_cupy()
+
+
+class Event:
+    def __init__(self):
+        self.recorded, self.reached, self.time = False, False, 0
+
+
+class Stream:
+    """A FIFO of ("run", fn), ("record", event), ("wait", event)."""
+
+    def __init__(self, gpu, name):
+        self.gpu, self.name, self.items = gpu, name, deque()
+
+    def runnable(self):
+        if not self.items:
+            return False
+        kind, what = self.items[0]
+        return kind != "wait" or what.reached or not what.recorded   # waiting on an unrecorded event: no-op
+
+    def run_one(self):
+        kind, what = self.items.popleft()
+        if kind == "run":
+            self.gpu.clock += 1
+            self.gpu.in_kernel += 1
+            try:
+                what()
+            finally:
+                self.gpu.in_kernel -= 1
+            if self.name == "compute":
+                self.gpu.kernels_run += 1
+        elif kind == "record":
+            what.reached, what.time = True, self.gpu.clock
+
+    def synchronize(self):
+        self.gpu.host_syncs.append(self.name)
+        self.gpu.run_until(lambda: not self.items)
+
+    def wait_event(self, event):
+        self.items.append(("wait", event))
+        self.gpu.eager()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class QueuedDevice:
+    """CupyDevice's verbs over NumPy, with streams that run later (module docstring)."""
+
+    def __init__(self, policy="copies-early"):
+        assert policy in POLICIES, policy
+        self.policy, self.index = policy, 0
+        self.compute, self.copy = Stream(self, "compute"), Stream(self, "copy")
+        self.clock = self.in_kernel = self.kernels_queued = self.kernels_run = 0
+        self.host_reads, self.host_syncs = 0, []
+        self.xp = FAKE_CUPY
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Inside, sys.modules["cupy"] is FAKE_CUPY and this thread's device is this one
+        (threads share the module; each thread's calls go to its own device)."""
+        saved = sys.modules.get("cupy")
+        sys.modules["cupy"] = FAKE_CUPY
+        _LOCAL.stack = getattr(_LOCAL, "stack", []) + [self]
+        try:
+            yield self
+        finally:
+            _LOCAL.stack = _LOCAL.stack[:-1]
+            if saved is not FAKE_CUPY:
+                if saved is None:
+                    sys.modules.pop("cupy", None)
+                else:
+                    sys.modules["cupy"] = saved
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    # -- scheduling ----------------------------------------------------------------
+
+    def _order(self):
+        return (self.copy, self.compute) if self.policy == "copies-early" else (self.compute, self.copy)
+
+    def eager(self):
+        """Run the policy's eager stream as far as it goes by itself."""
+        if self.in_kernel:
+            return
+        first = self._order()[0]
+        while first.runnable():
+            first.run_one()
+
+    def run_until(self, done):
+        """Run queued work, the eager stream first, until done()."""
+        while not done():
+            stream = next((s for s in self._order() if s.runnable()), None)
+            assert stream is not None, "deadlock: every stream waits for an event that is never reached"
+            stream.run_one()
+
+    def host_kernel(self):
+        """A CuPy call from the host: it runs after the compute stream's queue (queue order)."""
+        if not self.in_kernel:
+            self.run_until(lambda: not self.compute.items)
+            self.clock += 1                                 # it takes its time too
+
+    def host_read(self):
+        if not self.in_kernel:
+            self.host_reads += 1
+            self.host_kernel()
+
+    def queue_kernel(self, fn, stream=None):
+        (stream or self.compute).items.append(("run", fn))
+        self.kernels_queued += 1
+        self.eager()
+
+    @property
+    def kernels_pending(self):
+        return sum(1 for kind, _ in self.compute.items if kind == "run")
+
+    # -- CupyDevice's verbs --------------------------------------------------------
+
+    def is_device(self, a):
+        return isinstance(a, DeviceArray)
+
+    def event(self, stream, timing=False):
+        ev = Event()
+        ev.recorded = True
+        stream.items.append(("record", ev))
+        self.eager()
+        return ev
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def elapsed(self, start, end):
+        self.run_until(lambda: end.reached)
+        return (end.time - start.time) * 1e-3          # a kernel "takes" a millisecond
+
+    def empty(self, shape, dtype):
+        return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype).view(DeviceArray)
+
+    def pinned_empty(self, shape, dtype):
+        return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype)
+
+    def download(self, a, host, stream):
+        stream.items.append(("run", lambda: np.copyto(host, _host(a))))
+        self.eager()
+
+    def upload(self, host, a, stream):
+        stream.items.append(("run", lambda: np.copyto(_host(a), host)))   # reads `host` when it runs
+        self.eager()
+
+    def asarray(self, x):
+        """A device copy of host data, made now (as a synchronous upload)."""
+        return np.array(x).view(DeviceArray)
+
+
+class QueuedStep(Step):
+    """A step whose tiles run as one kernel on the QueuedDevice's compute stream."""
+    array_modules = ("cupy",)
+
+    def __init__(self, gpu, inner="v1"):
+        self.gpu, self.inner = gpu, get_step(inner)
+        self.name, self.has_backward = f"queued {self.inner.name}", self.inner.has_backward
+
+    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
+        queries, block, mask = self._with_mask(queries, block, mask, causal)
+        plan, counts = self._plan(queries, block, mask, tile_size)
+        acc.seen |= any_visible(queries.pos, block.pos, mask)
+        launched = block._replace(pos=np.array(block.pos))          # a launch copies its arguments
+        self.gpu.queue_kernel(lambda: self.inner.forward_tiles(acc, queries, launched, plan))
+        return counts
+
+    def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None):
+        queries, block, mask = self._with_mask(queries, block, mask, causal)
+        plan, counts = self._plan(queries, block, mask, tile_size)
+        launched = block._replace(pos=np.array(block.pos))
+        self.gpu.queue_kernel(lambda: self.inner.backward_tiles(grads, queries, rows, launched, plan))
+        return counts
+
+    def _plan(self, queries, block, mask, tile_size):
+        from reference.step import _count
+        assert isinstance(block.pos, np.ndarray), "block positions must be on the host"
+        plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)
+        return plan, _count(plan, skipped, queries.pos, block.pos, mask)
