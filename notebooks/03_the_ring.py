@@ -27,9 +27,9 @@
 # `reference.ring.ring_forward` is that loop for **one** device. It is the same code for
 # every backend; only the communication object `comm` changes. It needs two verbs:
 #
-# ```
+# ```python
 # handle = comm.start_shift(arrays, tag)   # send to rank+1, receive from rank-1
-# arrays = comm.finish_shift(handle)       # wait for both
+# arrays = comm.finish_shift(handle)       # wait for both; returns what arrived
 # ```
 #
 # `reference.virtual` provides N *virtual* devices (threads in this process, sharing

@@ -168,6 +168,16 @@ for n in NS:                                                       # zigzag: at 
 # The curves above use blocks of 8 to 256 tokens. Real blocks are thousands of tokens
 # (the paper's smallest is 4096 per device). Below, tiles of 128 and blocks of 512 to
 # 16384 tokens: the cost model, counted from positions, against the closed forms, exactly.
+# The cost model is `reference.cost.predict`, which classifies every tile of every
+# (round, device) block with `reference.tiles.classify`:
+
+# %%
+import inspect
+
+from reference import tiles
+
+print(inspect.getsource(tiles.classify))
+print(inspect.getsource(cost.predict))
 
 # %%
 T_REAL = 128

@@ -184,7 +184,8 @@ sent_dk = np.zeros((N, N, c, D))                              # [t, j]: the dK d
 
 def device(j, comm):
     return ring.ring_backward(q_s[j], k_s[j], v_s[j], out_s[j], lse_s[j], dout_s[j], pos[j], pos[j],
-                              WatchedGrads(comm, sent_dk), causal=True, scale=D ** -0.5, tile_size=T)
+                              WatchedGrads(comm, sent_dk), causal=True, scale=D ** -0.5, tile_size=T,
+                              step="v1")          # the step shown above, as ring_attention_backward uses
 
 
 dq_w, dk_w, dv_w, _ = zip(*run_devices(N, device))

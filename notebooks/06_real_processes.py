@@ -32,6 +32,7 @@
 # `MPIEXEC_TIMEOUT` so that a stuck job is killed rather than left running.
 
 # %%
+import inspect
 import os
 import subprocess
 import sys
@@ -43,6 +44,7 @@ import numpy as np
 from IPython.display import Image, display
 
 import reference
+from mpi_impl import RingComm
 from mpi_impl.cli import read_trace
 from reference import LAYOUTS, cost, positions, ring_attention, ring_attention_backward
 from reference.tiles import FULL, MASKED, classify
@@ -66,6 +68,18 @@ def launch(*options):
     result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=OUT, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
+
+# %% [markdown]
+# ## The communication object
+#
+# The per-device loop is `reference.ring.ring_forward` of notebook 3, unchanged. What is
+# new is the object behind its two verbs: `mpi_impl.RingComm.start_shift` posts a
+# non-blocking receive from the previous rank and a non-blocking send to the next one, for
+# every array of the block, and `finish_shift` waits for them:
+
+# %%
+print(inspect.getsource(RingComm.start_shift))
+print(inspect.getsource(RingComm.finish_shift))
 
 # %% [markdown]
 # ## A checked run
