@@ -340,5 +340,8 @@ assert sorted(line.split(":")[0] for line in result.stdout.splitlines()) == [f"r
 # **What we have seen.** The ring of notebook 3 runs unchanged on real processes: the
 # same answers (checked against the dense reference), exactly the same work per rank and
 # round (checked against the virtual devices and the cost model), and a timeline that shows
-# contiguous ranks idling while striped ones share the work. From here: `README.md` for the
-# command lines, `bench/` for careful measurements, and `gpu_impl` for the same ring on GPUs.
+# contiguous ranks idling while striped ones share the work. Where striped falls short of
+# the tile count's prediction, the trace says why: a masked tile costs more than a full one
+# in the faster steps, and striped has masked tiles in every round. From here: `README.md`
+# for the command lines, `bench/` for careful measurements, `gpu_impl` for the same ring on
+# GPUs, and `07_the_whole_model` for a transformer trained over the striped ring.
