@@ -153,7 +153,7 @@ for n in NS:                                                       # zigzag: at 
 # | --- | --- | --- | --- |
 # | contiguous | `c(c+u)/2` | `c^2` (a past block) | `c(c+u)/2 + (N-1) c^2` |
 # | striped | `c(c+u)/2` | `c(c+u)/2` (a triangle, every round) | `N c(c+u)/2` |
-# | zigzag | `c(c+u)/2` | `c^2/2` (two chunks of four, no diagonal) | `N c^2/2 + c u/2` |
+# | zigzag | `c(c+u)/2` | `c^2/2` (two of its four chunk squares, no diagonal) | `N c^2/2 + c u/2` |
 #
 # so, with `A = (2N - 1) c`,
 #
