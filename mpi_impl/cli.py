@@ -16,7 +16,7 @@ only --check builds the whole sequence, on rank 0), runs `ring_attention` (and w
   critical path sum over rounds of the busiest rank's CPU time in the step
                 (`compute_cpu_s`): what the run costs when every rank has a core
   wall          slowest rank, best of --repeat, after one untimed warm-up run
-  speedup       contiguous over this layout, measured (wall and critical path)
+  wall speedup  contiguous over this layout in wall-clock time (crit. speedup: in critical path)
   predicted     the cost model's speedup (`reference.cost`, "tiles", same tile size)
 
 With more ranks than cores, wall time measures the scheduler; read the critical
@@ -449,11 +449,11 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
     lines = [f"{backend_name}: N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
              f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}",
-             f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'speedup':>8} "
+             f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'wall speedup':>12} "
              f"{'crit. speedup':>13} {'predicted':>9} {'wait/compute':>12}",
-             "-" * 89]
+             "-" * 93]
     for r in rows:
-        speed = f"{base.wall_s / r.wall_s:>8.2f}" if base else f"{'-':>8}"
+        speed = f"{base.wall_s / r.wall_s:>12.2f}" if base else f"{'-':>12}"
         crit = f"{base.critical_cpu_s / r.critical_cpu_s:>13.2f}" if base else f"{'-':>13}"
         err = f"{r.error:>9.1e}" if args.check else f"{'-':>9}"
         lines.append(f"{r.layout:<11} {err} {r.critical_cpu_s * 1e3:>8.1f}ms {r.wall_s * 1e3:>7.1f}ms "

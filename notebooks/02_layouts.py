@@ -27,11 +27,15 @@
 # Legend: `N` devices, `S` tokens, `c = S // N` tokens per device.
 
 # %%
+import inspect
+
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 
-from reference import LAYOUTS, cost, positions, shard, unshard
+from reference import LAYOUTS, cost, layouts, positions, shard, unshard
+from reference.layouts import inverse_positions
 from reference.tiles import visible
 
 S, N = 16, 4              # the paper's figures: 16 tokens on 4 devices
@@ -49,9 +53,32 @@ DEVICE_CMAP = ListedColormap(COLORS)
 # - **striped** (the paper): device `r` holds `r, r+N, r+2N, ...`, tokens dealt round-robin;
 # - **zigzag** (common in practice): `2N` chunks, device `r` holds chunk `r` and chunk `2N-1-r`.
 
+# %% [markdown]
+# The permutation is named once, in `reference/layouts.py`; everything else asks it. Here
+# is the code, the worked example of its docstring included:
+
+# %%
+print(inspect.getsource(layouts.positions))
+
 # %%
 for layout in LAYOUTS:
     print(f"{layout:<11}", "  ".join(f"dev{j} {p}" for j, p in enumerate(positions(S, N, layout))))
+
+# %% [markdown]
+# Its inverse says where each global position lives in the concatenation of all shards;
+# `unshard` uses it to put the tokens back in natural order:
+
+# %%
+print(inspect.getsource(layouts.inverse_positions))
+
+# %%
+for layout in LAYOUTS:
+    flat, index = positions(S, N, layout).ravel(), inverse_positions(S, N, layout)
+    assert (flat[index] == np.arange(S)).all() and (index[flat] == np.arange(S)).all()
+# the docstring's example, S=8, N=4, striped
+print("positions flattened", positions(8, 4, "striped").ravel(), " inverse", inverse_positions(8, 4, "striped"))
+assert positions(8, 4, "striped").ravel().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+assert inverse_positions(8, 4, "striped").tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
 
 # %%
 owner = {}
@@ -65,14 +92,17 @@ for layout in LAYOUTS:
 assert (owner["contiguous"] == np.arange(S) // c).all()
 assert (owner["striped"] == np.arange(S) % N).all()
 
-fig, axes = plt.subplots(len(LAYOUTS), 1, figsize=(7, 2.4), sharex=True)
+fig, axes = plt.subplots(1, len(LAYOUTS), figsize=(11, 2.4), layout="constrained")
 for ax, layout in zip(axes, LAYOUTS):
-    ax.imshow(owner[layout][None, :], cmap=DEVICE_CMAP, vmin=-0.5, vmax=N - 0.5, aspect="auto")
-    for p in range(S):
-        ax.text(p, 0, str(p), ha="center", va="center", color="white", fontsize=8)
-    ax.set_yticks([0], [layout])
-axes[-1].set_xlabel("token position (colour = device that holds it)")
-axes[-1].set_xticks([])
+    pos = positions(S, N, layout)                           # (N, c)
+    ax.imshow(pos, cmap="viridis", vmin=0, vmax=S - 1)      # colour = position: early dark, late light
+    for (j, i), p in np.ndenumerate(pos):
+        ax.text(i, j, str(p), ha="center", va="center", color="white" if p < S / 2 else "black")
+    ax.set_yticks(range(N), [f"device {j}" for j in range(N)])
+    ax.set_xticks(range(c))
+    ax.set_xlabel("local index on the device")
+    ax.set_title(layout, fontsize=10)
+fig.suptitle("the global position of each device's tokens (colour: early to late)", fontsize=10)
 plt.show()
 
 # %% [markdown]
@@ -93,7 +123,12 @@ for layout in LAYOUTS:
 # In round `t`, device `j` attends its queries (positions `pos[j]`) to the keys of device
 # `k = (j - t) mod N`. Its mask is computed from positions,
 # `visible(pos[j], pos[k]) = pos[j][:, None] >= pos[k][None, :]`, a `c x c` square.
-# Black is masked (skippable), the device's colour is work it must do.
+#
+# As in the paper, one picture per layout: a row per round, a column per device, and under
+# each the square mask of that device in that round, its rows labelled with the positions
+# of the device's queries and its columns with the positions of the keys it holds. Black is
+# masked (skippable), the device's colour is work it must do. Contiguous is the paper's
+# Figure 2 (Ring Attention), striped its Figure 3.
 
 # %%
 def block_masks(layout):
@@ -104,18 +139,24 @@ def block_masks(layout):
 
 masks = {layout: block_masks(layout) for layout in LAYOUTS}
 
-fig, axes = plt.subplots(len(LAYOUTS), N * N, figsize=(13, 2.6))
-for row, layout in enumerate(LAYOUTS):
+for layout, figure in [("contiguous", "Figure 2"), ("striped", "Figure 3"), ("zigzag", "not in the paper")]:
+    pos = positions(S, N, layout)
+    fig, axes = plt.subplots(N, N, figsize=(7, 7.4), layout="constrained")
     for t in range(N):
         for j in range(N):
-            ax = axes[row, t * N + j]
+            ax, k = axes[t, j], (j - t) % N
             ax.imshow(masks[layout][t][j], cmap=ListedColormap(["black", COLORS[j]]), vmin=0, vmax=1)
-            ax.set_xticks([]), ax.set_yticks([])
-            if row == 0:
-                ax.set_title(f"r{t} d{j}", fontsize=7)
-        axes[row, 0].set_ylabel(layout, fontsize=8)
-fig.suptitle("device d's c x c mask in round r (black = masked)", y=1.06)
-plt.show()
+            ax.set_yticks(range(c), pos[j], fontsize=7)           # device j's query positions
+            ax.set_xticks(range(c), pos[k], fontsize=7)           # positions of the keys it holds
+            ax.tick_params(length=0)
+            if t == 0:
+                ax.set_title(f"device {j}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel(f"round {t}\nquery", fontsize=9)
+            if t == N - 1:
+                ax.set_xlabel("key", fontsize=8)
+    fig.suptitle(f"{layout} ({figure}): each device's mask in each round, black = masked", fontsize=10)
+    plt.show()
 
 # %% [markdown]
 # What the pictures show, as asserts. For **contiguous** (Ring Attention's `GetMask`):
@@ -171,13 +212,22 @@ def round_grid(layout, t):
 
 cmap = ListedColormap(["black"] + COLORS)
 cmap.set_bad("white")
-fig, axes = plt.subplots(len(LAYOUTS), N, figsize=(9, 7))
+fig, axes = plt.subplots(len(LAYOUTS), N, figsize=(11, 8.6), layout="constrained")
 for row, layout in enumerate(LAYOUTS):
     for t in range(N):
         ax = axes[row, t]
         ax.imshow(round_grid(layout, t), cmap=cmap, vmin=-1.5, vmax=N - 0.5)
-        ax.set_xticks([]), ax.set_yticks([])
+        ax.set_xticks(range(0, S, 2)), ax.set_yticks(range(0, S, 2))
+        ax.tick_params(labelsize=7)
         ax.set_title(f"{layout}, round {t}", fontsize=9)
+        if t == 0:
+            ax.set_ylabel("query position")
+        if row == len(LAYOUTS) - 1:
+            ax.set_xlabel("key position")
+legend = [Patch(color=COLORS[j], label=f"computed by device {j}") for j in range(N)]
+legend += [Patch(color="black", label="masked (key after query)"),
+           Patch(facecolor="white", edgecolor="grey", label="computed in another round")]
+fig.legend(handles=legend, loc="outside lower center", ncol=3, fontsize=9)
 plt.show()
 
 # %% [markdown]
@@ -199,6 +249,35 @@ for layout in LAYOUTS:
     assert work.sum() == causal.sum()
     print(f"{layout:<11} visible pairs per (round, device):", work.tolist(),
           f" busiest per round: {work.max(axis=1).tolist()}")
+
+# %% [markdown]
+# ## Exercises
+#
+# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
+# the answer and checks it against the project.
+#
+# 1. `S = 24` tokens on `N = 4` devices, striped. Which device holds token 13, and at
+#    which local index?
+# 2. Zigzag, `S = 16`, `N = 4`: how many visible pairs does each device compute in round 1,
+#    and why is it the same number for every device?
+# 3. Striped, `S = 4096`, `N = 8`: how many visible pairs does the busiest device compute
+#    in each round? And contiguous's busiest device in round 1?
+
+# %% jupyter={"source_hidden": true}
+# 1. 13 = 3 * 4 + 1: device 13 mod 4 = 1, local index 13 // 4 = 3
+answer_1 = (1, 3)
+assert positions(24, 4, "striped")[answer_1] == 13
+
+# 2. c = 4 tokens in two chunks of 2; from round 1 on, the block held is half past and half
+#    future chunk by chunk: two of its four chunk-squares are fully visible, c^2 / 2 = 8 pairs
+answer_2 = 8
+assert all(masks["zigzag"][1][j].sum() == answer_2 for j in range(N))
+
+# 3. c = 512; every round some device holds a block from a device before it (the diagonal
+#    included): c (c + 1) / 2 = 131328. Contiguous, round 1: a full past block, c^2 = 262144
+answer_3 = (131328, 262144)
+assert (cost.predict(4096, 8, "striped").pairs.max(axis=1) == answer_3[0]).all()
+assert cost.predict(4096, 8, "contiguous").pairs[1].max() == answer_3[1]
 
 # %% [markdown]
 # **What we have seen.** Contiguous blocks put all of a round's work on some devices and

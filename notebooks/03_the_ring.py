@@ -27,9 +27,9 @@
 # `reference.ring.ring_forward` is that loop for **one** device. It is the same code for
 # every backend; only the communication object `comm` changes. It needs two verbs:
 #
-# ```
+# ```python
 # handle = comm.start_shift(arrays, tag)   # send to rank+1, receive from rank-1
-# arrays = comm.finish_shift(handle)       # wait for both
+# arrays = comm.finish_shift(handle)       # wait for both; returns what arrived
 # ```
 #
 # `reference.virtual` provides N *virtual* devices (threads in this process, sharing
@@ -116,35 +116,51 @@ class WatchedRing:
         return self.comm.finish_shift(handle)
 
 
-layout = "contiguous"
-pos = positions(S, N, layout)                                  # (N, c)
-qs, ks, vs = (shard(x, N, layout) for x in (q, k, v))          # N shards (B, c, H, D)
-sent = np.full((N, N, c), -1)                                  # [t, j] -> positions sent
+watched = {}                                                   # layout -> (pos, sent, trace)
+for layout in ("contiguous", "striped"):
+    pos = positions(S, N, layout)                              # (N, c)
+    qs, ks, vs = (shard(x, N, layout) for x in (q, k, v))      # N shards (B, c, H, D)
+    sent = np.full((N, N, c), -1)                              # [t, j] -> positions sent
 
+    def device(j, comm):
+        return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], WatchedRing(comm, sent),
+                                 causal=True, scale=D ** -0.5, tile_size=T)
 
-def device(j, comm):
-    return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], WatchedRing(comm, sent),
-                             causal=True, scale=D ** -0.5, tile_size=T)
-
-
-outs, lses, logs = zip(*run_devices(N, device))
-trace = Trace.from_logs(logs)                                  # arrays [t, j]
-
-out = unshard(outs, layout)                                    # back to natural order
-assert np.allclose(out, dense_out, rtol=0, atol=1e-12)
-assert np.allclose(unshard(lses, layout, axis=2), dense_lse, rtol=0, atol=1e-12)
+    outs, lses, logs = zip(*run_devices(N, device))
+    trace = Trace.from_logs(logs)                              # arrays [t, j]
+    out = unshard(outs, layout)                                # back to natural order
+    assert np.allclose(out, dense_out, rtol=0, atol=1e-12)
+    assert np.allclose(unshard(lses, layout, axis=2), dense_lse, rtol=0, atol=1e-12)
+    watched[layout] = pos, sent, trace
 
 # %% [markdown]
 # What each device holds in each round, with the work it did on it: visible (query, key)
-# pairs, and tiles computed out of the `4 x 4` tiles of the block.
+# pairs, and tiles computed out of the `4 x 4` tiles of the block. First contiguous: the
+# keys a device holds are either all before its queries (a full block, 64 pairs), all after
+# them (nothing to do), or its own.
 
 # %%
-for t in range(N):
-    print(f"round {t}")
-    for j in range(N):
-        src = trace.source[t, j]
-        print(f"  dev{j}: queries {pos[j]}  keys {pos[src]} (from dev{src})  "
-              f"{trace.pairs[t, j]:>2} pairs, {trace.tiles_computed[t, j]}/{trace.tiles_computed[t, j] + trace.tiles_skipped[t, j]} tiles")
+def print_rounds(layout):
+    pos, sent, trace = watched[layout]
+    for t in range(N):
+        print(f"round {t}")
+        for j in range(N):
+            src = trace.source[t, j]
+            print(f"  dev{j}: queries {pos[j]}  keys {pos[src]} (from dev{src})  {trace.pairs[t, j]:>2} pairs, "
+                  f"{trace.tiles_computed[t, j]}/{trace.tiles_computed[t, j] + trace.tiles_skipped[t, j]} tiles")
+
+
+print_rounds("contiguous")
+
+# %% [markdown]
+# Striped, the same rounds: every device's queries and keys are spread over the whole
+# sequence, and every block is a triangle, 36 pairs with its diagonal (keys from an earlier
+# device) or 28 without (a later device). No device is idle and none holds a full block.
+
+# %%
+print_rounds("striped")
+assert set(watched["striped"][2].pairs.ravel()) == {c * (c + 1) // 2, c * (c - 1) // 2}
+assert set(watched["contiguous"][2].pairs[1:].ravel()) == {0, c * c}
 
 # %% [markdown]
 # Checked against Algorithm 1: in round `t` device `j` holds the block of device
@@ -152,13 +168,15 @@ for t in range(N):
 # `t + 1`; and nothing is sent after the last round.
 
 # %%
-for t in range(N):
-    for j in range(N):
-        assert trace.source[t, j] == (j - t) % N
-        if t < N - 1:
-            assert (sent[t, j] == pos[trace.source[t + 1, (j + 1) % N]]).all()
-assert (sent[N - 1] == -1).all()                 # no transfer after the last round
-assert (trace.bytes_sent[N - 1] == 0).all() and (trace.bytes_sent[:N - 1] > 0).all()
+for layout, (pos, sent, trace) in watched.items():
+    for t in range(N):
+        for j in range(N):
+            assert trace.source[t, j] == (j - t) % N
+            if t < N - 1:
+                assert (sent[t, j] == pos[trace.source[t + 1, (j + 1) % N]]).all()
+    assert (sent[N - 1] == -1).all()                 # no transfer after the last round
+    assert (trace.bytes_sent[N - 1] == 0).all() and (trace.bytes_sent[:N - 1] > 0).all()
+layout, (pos, sent, trace) = "contiguous", watched["contiguous"]
 
 # %% [markdown]
 # ## The work table
@@ -216,7 +234,7 @@ for col, (layout, tr) in enumerate(traces.items()):
                         color="white" if work[t, j] < vmax / 2 else "black")
         ax.set_title(f"{layout}: {field}", fontsize=9)
         ax.set_xlabel("device j")
-        ax.set_xticks(range(N))
+        ax.set_xticks(range(N)), ax.set_yticks(range(N))     # rounds and devices are integers
     axes[0, col].set_ylabel("round t")
     axes[1, col].set_ylabel("round t")
 plt.show()

@@ -109,24 +109,17 @@ assert cost.speedup(S, N, "striped", TILE) == (6 + 9 * (N - 1)) / (6 * N)
 #
 # The critical path is the sum over rounds of the busiest device's work. Counting work as
 # the **area of the tiles computed** (mode `"tiles"`, what a tiled kernel pays) gives the
-# speed-up of striped over contiguous as a function of `m`, the number of tiles per block
-# side. Counting only visible pairs (mode `"pairs"`, a kernel that skips single pairs)
-# gives the ceiling `(2N - 1) / N` as blocks grow (`cost.striped_limit`).
-#
-# The model depends only on `m` and `N` (not on the tile size itself), so a tile of 8
-# keeps the sequences short. Zigzag (dotted, even `m` only) is drawn for comparison.
-# Note what the model says about it: a zigzag block is two contiguous chunks, so whole
-# tiles lie entirely in the past or the future and are computed without a mask or skipped,
-# while in a striped block the tiles on the diagonal always straddle it. With few tiles per
-# block zigzag turns the same balance into more speed-up; both approach the same ceiling.
+# speed-up of striped over contiguous as a function of `m = c / tile`, the number of tiles
+# per block side, and of N only: the tile size itself drops out, so a tile of 8 keeps the
+# sequences short. Zigzag (dotted, even `m` only: its two chunks per device must align
+# with tiles) is drawn for comparison. Dashed: the ceiling `(2N - 1) / N`
+# (`cost.striped_limit`).
 
 # %%
 TILE_SMALL = 8
 ms = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 NS = (2, 4, 8)
 by_tiles = {n: [cost.speedup(n * m * TILE_SMALL, n, "striped", TILE_SMALL, "tiles") for m in ms] for n in NS}
-by_pairs = {n: [cost.speedup(n * m * TILE_SMALL, n, "striped", TILE_SMALL, "pairs") for m in ms] for n in NS}
-# zigzag's two chunks per device align with tiles only for even m
 ms_even = [m for m in ms if m % 2 == 0]
 zigzag = {n: [cost.speedup(n * m * TILE_SMALL, n, "zigzag", TILE_SMALL, "tiles") for m in ms_even] for n in NS}
 
@@ -134,7 +127,6 @@ fig, ax = plt.subplots(figsize=(7, 4))
 for n, color in zip(NS, ["#4c72b0", "#dd8452", "#55a868"]):
     ax.plot(ms, by_tiles[n], "o-", color=color, label=f"N={n} striped, tiles")
     ax.plot(ms_even, zigzag[n], "x:", color=color, label=f"N={n} zigzag, tiles")
-    ax.plot(ms, by_pairs[n], "-", color=color, alpha=0.4, lw=3, label=f"N={n} striped, pairs")
     ax.axhline(cost.striped_limit(n), color=color, ls="--", lw=0.8)
 ax.set_xscale("log", base=2)
 ax.set_xlabel("tiles per block side  m = c / tile")
@@ -145,11 +137,161 @@ plt.show()
 for n in NS:
     assert by_tiles[n][0] == 1.0                                  # one tile per block: nothing to skip
     assert all(a < b for a, b in zip(by_tiles[n], by_tiles[n][1:]))   # more tiles, more skipped
-    assert all(t <= p < cost.striped_limit(n) for t, p in zip(by_tiles[n], by_pairs[n]))
     assert by_tiles[n][-1] > 0.95 * cost.striped_limit(n)          # 32 tiles: within 5% of the ceiling
 assert by_tiles[2][-1] < by_tiles[4][-1] < by_tiles[8][-1]         # and more devices gain more
 for n in NS:                                                       # zigzag: at least striped's
     assert all(z >= by_tiles[n][ms.index(m)] for m, z in zip(ms_even, zigzag[n]))
+
+# %% [markdown]
+# ## Closed forms, and exact skipping at realistic block sizes
+#
+# Each curve has a closed form. Write `u` for the unit that work is counted in: `u = T`
+# (the tile size) when whole tiles are computed, `u = 1` when single pairs are skipped
+# (mode `"pairs"`, a kernel that skips exactly). A causal square of side `c` then costs
+# `c (c + u) / 2`: the triangle plus half a diagonal band of width `u`.
+#
+# | layout | busiest device, round 0 | busiest device, each round t >= 1 | critical path |
+# | --- | --- | --- | --- |
+# | contiguous | `c(c+u)/2` | `c^2` (a past block) | `c(c+u)/2 + (N-1) c^2` |
+# | striped | `c(c+u)/2` | `c(c+u)/2` (a triangle, every round) | `N c(c+u)/2` |
+# | zigzag | `c(c+u)/2` | `c^2/2` (two of its four chunk squares, no diagonal) | `N c^2/2 + c u/2` |
+#
+# so, with `A = (2N - 1) c`,
+#
+# $$\text{striped: } \frac{A + u}{N (c + u)}, \qquad \text{zigzag: } \frac{A + u}{N c + u},
+# \qquad \text{both} \to \frac{2N - 1}{N}.$$
+#
+# Striped pays a diagonal band in **every** round (every block is a triangle), zigzag only
+# in round 0. The difference is `(N - 1) c u / 2`: with tiles (`u = T`) that is
+# `(N-1)/2` tile rows of the block, with exact skipping (`u = 1`) it is `(N-1)/2` pairs per
+# query row, nothing at any real block size.
+#
+# The curves above use blocks of 8 to 256 tokens. Real blocks are thousands of tokens
+# (the paper's smallest is 4096 per device). Below, tiles of 128 and blocks of 512 to
+# 16384 tokens: the cost model, counted from positions, against the closed forms, exactly.
+# The cost model is `reference.cost.predict`, which classifies every tile of every
+# (round, device) block with `reference.tiles.classify`:
+
+# %%
+import inspect
+
+from reference import tiles
+
+print(inspect.getsource(tiles.classify))
+print(inspect.getsource(cost.predict))
+
+# %%
+T_REAL = 128
+cs = [512, 1024, 2048, 4096, 8192, 16384]
+curves = {}                                   # (N, layout, mode) -> speedups over cs
+for n in (4, 8):
+    for c_ in cs:
+        crit = {(layout, mode): cost.predict(n * c_, n, layout, T_REAL).critical_path(mode)
+                for layout in ("contiguous", "striped", "zigzag") for mode in cost.MODES}
+        for mode, u in [("tiles", T_REAL), ("pairs", 1)]:
+            assert crit["contiguous", mode] == c_ * (c_ + u) // 2 + (n - 1) * c_ * c_
+            assert crit["striped", mode] == n * c_ * (c_ + u) // 2
+            assert crit["zigzag", mode] == n * c_ * c_ // 2 + c_ * u // 2
+            for layout in ("striped", "zigzag"):
+                curves.setdefault((n, layout, mode), []).append(crit["contiguous", mode] / crit[layout, mode])
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+for ax, n in zip(axes, (4, 8)):
+    for (layout, mode), style in {("striped", "tiles"): "o-", ("zigzag", "tiles"): "x:",
+                                  ("striped", "pairs"): "s-", ("zigzag", "pairs"): "+--"}.items():
+        ax.plot(cs, curves[n, layout, mode], style, label=f"{layout}, {'tiles of 128' if mode == 'tiles' else 'exact skipping'}")
+    ax.axhline(cost.striped_limit(n), color="k", ls="--", lw=0.8, label="(2N-1)/N")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per device c")
+    ax.set_title(f"N = {n}", fontsize=9)
+axes[0].set_ylabel("predicted speedup over contiguous")
+axes[0].legend(fontsize=8)
+plt.show()
+
+for n in (4, 8):
+    for i, c_ in enumerate(cs):
+        A = (2 * n - 1) * c_
+        assert np.isclose(curves[n, "striped", "tiles"][i], (A + T_REAL) / (n * (c_ + T_REAL)), rtol=1e-12)
+        assert np.isclose(curves[n, "zigzag", "tiles"][i], (A + T_REAL) / (n * c_ + T_REAL), rtol=1e-12)
+        assert np.isclose(curves[n, "striped", "pairs"][i], (A + 1) / (n * (c_ + 1)), rtol=1e-12)
+        # with tiles larger than 2N, striped with exact skipping beats zigzag with tiles
+        assert curves[n, "striped", "pairs"][i] > curves[n, "zigzag", "tiles"][i]
+        # and with the same kind of kernel zigzag is ahead, by less than 1/m of the ceiling
+        assert curves[n, "striped", "tiles"][i] < curves[n, "zigzag", "tiles"][i]
+        assert curves[n, "zigzag", "tiles"][i] - curves[n, "striped", "tiles"][i] < cost.striped_limit(n) * T_REAL / c_
+
+# %% [markdown]
+# So zigzag with tiles beats striped with exact skipping only while `T < 2N` (expand the
+# two closed forms: the sign of the difference is that of `c (2N - T) + T`), which is
+# the tiny-tile corner the first plot lives in. At the same tile size zigzag is ahead of
+# striped by the diagonal band striped computes every round: a few percent at 16 tiles per
+# block, under 1% at 128; both reach the same ceiling. What striping has for it is that its
+# balance needs no alignment: any `c`, any tile, every round the same triangle.
+
+# %%
+for tile in (2, 4, 8, 16, 32):                                    # N = 4, c = 256: the sign of c (2N - T) + T
+    zig_tiles, str_pairs = (cost.speedup(4 * 256, 4, layout, tile, mode) for layout, mode in [("zigzag", "tiles"), ("striped", "pairs")])
+    assert (zig_tiles > str_pairs) == (256 * (2 * 4 - tile) + tile > 0), tile
+
+# %% [markdown]
+# ## Communication against compute
+#
+# The ring hides a transfer only if the round's compute lasts at least as long as sending
+# the next block. The message is the same for every layout: each round every device sends
+# its `K, V` block, `2 c H D` numbers (plus `c` positions), whichever tokens they are. The
+# virtual ring's trace says so:
+
+# %%
+from reference import ring_attention
+
+rng = np.random.default_rng(0)
+q_, k_, v_ = (rng.standard_normal((1, 64, 2, 8)) for _ in range(3))      # (B, S, H, D)
+sent = {layout: ring_attention(q_, k_, v_, n_devices=4, layout=layout, tile_size=4, trace=True)[2].bytes_sent
+        for layout in ("contiguous", "striped", "zigzag")}
+print("bytes sent per (round, device), striped:\n", sent["striped"])
+assert all((b == sent["striped"]).all() for b in sent.values())
+assert (sent["striped"][:-1] == 2 * 16 * 2 * 8 * 8 + 16 * 8 + 8).all()   # K, V (float64), positions, owner
+
+# %% [markdown]
+# The compute is not. After round 0 contiguous's round lasts as long as its busiest device,
+# which holds a full past block, `c^2` pairs; striping halves that to `c(c+T)/2`. With
+# attention costing `4 D` FLOPs per (query, key) pair and head at `F` FLOP/s, and a link of
+# `B` bytes/s carrying `b`-byte numbers, a round of work `w` hides its transfer when
+#
+# $$\frac{4 D H\, w}{F} \ge \frac{2 c H D\, b}{B} \iff w \ge c\, r, \qquad r = \frac{b F}{2 B}\ \text{tokens},$$
+#
+# so contiguous hides it from `c >= r` and striped from `c >= 2r - T`: **the block size
+# needed to hide a transfer doubles** (zigzag's `c^2/2` needs `c >= 2r`). Striping removes
+# the idle devices, and with them the slack that hid the communication. For illustration
+# take `F = 150` TFLOP/s in attention, `B = 25` GB/s per direction and bfloat16 (`b = 2`):
+# `r = 6000` tokens.
+
+# %%
+F_ATTN, LINK, WORD = 150e12, 25e9, 2             # FLOP/s, bytes/s, bytes per number (assumed)
+r = WORD * F_ATTN / (2 * LINK)                   # tokens
+H_, D_, N_, T_ = 8, 128, 4, 128
+cs_comm = np.arange(1024, 16384 + 1, 512)
+compute_ms, hidden_from = {}, {}
+for layout in ("contiguous", "striped", "zigzag"):
+    # busiest device's work in the rounds that send and are not round 0: t = 1 .. N-2
+    work = np.array([cost.predict(N_ * c_, N_, layout, T_REAL).tile_area[1:N_ - 1].max() for c_ in cs_comm])
+    compute_ms[layout] = 4 * D_ * H_ * work / F_ATTN * 1e3
+    transfer_ms = 2 * cs_comm * H_ * D_ * WORD / LINK * 1e3
+    hidden_from[layout] = int(cs_comm[np.argmax(compute_ms[layout] >= transfer_ms)])
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+for layout, style in [("contiguous", "o-"), ("striped", "s-"), ("zigzag", "x:")]:
+    ax.plot(cs_comm, compute_ms[layout], style, ms=3, label=f"compute, busiest device: {layout}")
+ax.plot(cs_comm, transfer_ms, "k--", label="transfer of one K, V block (every layout)")
+ax.set_xlabel("tokens per device c")
+ax.set_ylabel("ms per round (t >= 1)")
+ax.legend(fontsize=8)
+plt.show()
+print(f"r = {r:.0f} tokens; transfer hidden from c = {hidden_from}")
+
+assert abs(hidden_from["contiguous"] - r) < 512                  # c >= r, on a grid of 512
+assert abs(hidden_from["striped"] - (2 * r - T_REAL)) < 512     # c >= 2r - T
+assert abs(hidden_from["zigzag"] - 2 * r) < 512                 # c >= 2r
 
 # %% [markdown]
 # ### The paper's hardware (section 3.2)

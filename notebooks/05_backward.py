@@ -15,13 +15,18 @@
 # # 5. The backward pass
 #
 # Training needs the gradients `dQ, dK, dV` of a loss through attention. The forward pass
-# saved only `out` and `lse` per query (nothing of size `S x S`), and the backward
+# saved only `out` and `lse` per query (nothing of size `n_seq x n_seq`), and the backward
 # recomputes each tile's softmax weights from them (FlashAttention's backward):
 #
 # $$P = e^{S - \mathrm{lse}},\quad dV \mathrel{+}= P^\top dO,\quad dP = dO\,V^\top,\quad
 # dS = P \circ (dP - \delta),\quad dQ \mathrel{+}= dS\,K,\quad dK \mathrel{+}= dS^\top Q$$
 #
 # with `delta = rowsum(dO * out)` computed once per query.
+#
+# **Two meanings of S.** In these formulas, as in FlashAttention and in the code (`s`),
+# `S = Q K^T` is the matrix of **scores** of a tile. The other notebooks also use `S` for
+# the number of **tokens**; to keep the two apart, this notebook calls the number of tokens
+# `n_seq` (the paper's name), and `S` is always scores.
 #
 # On the ring, a query's gradient `dQ` gathers contributions from every key block: it stays
 # home, like `Q`. A key's gradient `dK` (and `dV`) gathers contributions from every
@@ -32,18 +37,71 @@
 # gradients against the dense formula and against central finite differences.
 
 # %%
+import inspect
+
 import matplotlib.pyplot as plt
 import numpy as np
 
-from reference import LAYOUTS, attention, attention_backward, ring_attention, ring_attention_backward
+from reference import LAYOUTS, attention, attention_backward, positions, ring, ring_attention, ring_attention_backward
+from reference import shard, step, unshard
+from reference.heads import kv_from_heads
+from reference.virtual import run_devices
 
-S, N, T = 16, 4, 2                     # 4 devices of 4 tokens, tiles of 2
+n_seq, N, T = 16, 4, 2                 # 16 tokens: 4 devices of 4 tokens, tiles of 2
 B, HQ, HKV, D = 1, 2, 1, 4             # two query heads share one key/value head
-c = S // N
+c = n_seq // N
 rng = np.random.default_rng(0)
-q = rng.standard_normal((B, S, HQ, D))                        # (B, S, Hq, D) float64
-k, v = (rng.standard_normal((B, S, HKV, D)) for _ in range(2))   # (B, S, Hkv, D)
+q = rng.standard_normal((B, n_seq, HQ, D))                        # (B, n_seq, Hq, D) float64
+k, v = (rng.standard_normal((B, n_seq, HKV, D)) for _ in range(2))   # (B, n_seq, Hkv, D)
 dout = rng.standard_normal(q.shape)                           # the loss is sum(out * dout)
+
+# %% [markdown]
+# ## Where dS = P (dP - delta) comes from
+#
+# Take one query row. Its scores are `s_k` (one per key), its weights `P_k = e^{s_k} / sum_l e^{s_l}`
+# (the softmax; with the row's `lse` this is `e^{s_k - lse}`), its output
+# `out = sum_k P_k v_k`. Given `dO = dL/d out`:
+#
+# - `dP_k = dL/dP_k = dO . v_k`, a row of `dP = dO V^T`;
+# - the softmax's derivative is `dP_l/ds_k = P_l (1[l = k] - P_k)`, so
+#
+# $$dS_k = \sum_l dP_l\, P_l (1[l = k] - P_k) = P_k \Big(dP_k - \sum_l P_l\, dP_l\Big);$$
+#
+# - and the sum is one number per row that needs no scores:
+#   `sum_l P_l dP_l = sum_l P_l (dO . v_l) = dO . (sum_l P_l v_l) = dO . out = delta`.
+#
+# So `dS = P (dP - delta)` with `delta = rowsum(dO * out)`, computed once per query from the
+# saved `out`: the backward never needs the whole row of `P` at once, so it can go tile by
+# tile, block by block, like the forward. Checked against the softmax's Jacobian written out:
+
+# %%
+s_row = rng.standard_normal(6)                                # one row of scores S
+v_row, do_row = rng.standard_normal((6, 3)), rng.standard_normal(3)   # its 6 values (6, D=3), dO (3,)
+p_row = np.exp(s_row - s_row.max()) / np.exp(s_row - s_row.max()).sum()
+out_row = p_row @ v_row
+dp_row = v_row @ do_row                                       # dP_k = dO . v_k
+jacobian = np.diag(p_row) - np.outer(p_row, p_row)            # dP_l / ds_k, symmetric
+delta_row = do_row @ out_row                                  # rowsum(dO * out)
+assert np.allclose(jacobian @ dp_row, p_row * (dp_row - delta_row), rtol=0, atol=1e-15)
+assert np.isclose(p_row @ dp_row, delta_row, rtol=0, atol=1e-15)
+
+# %% [markdown]
+# ## The code
+#
+# `reference.step.backward_tile` is those formulas on one tile (version 1, the readable
+# step; faster versions in `reference.steps` are checked against it). Note `dS` computed
+# from `P`, `dP` and `delta` on the tile alone:
+
+# %%
+print(inspect.getsource(step.backward_tile))
+
+# %% [markdown]
+# `reference.ring.ring_backward` is the ring loop for one device: the same shape as
+# `ring_forward` (notebook 3), with `dK, dV` travelling behind `K, V` (tag `DKV`) and one
+# last hop home after the loop:
+
+# %%
+print(inspect.getsource(ring.ring_backward))
 
 # %% [markdown]
 # ## What travels
@@ -92,6 +150,77 @@ ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
+# ## One block's dK, round by round
+#
+# Follow the key block that starts on device 0. In round `t` device `t` holds it, adds its
+# queries' share to the block's `dK`, and sends the sum on with the block; after the last
+# round device `N-1` sends it home to device 0. We run `ring_backward` on four threads, as
+# `ring_attention_backward` does, with a communication object that notes every `dK` sent.
+
+# %%
+class WatchedGrads:
+    """Passes every call to the real communication object, noting each dK sent."""
+
+    def __init__(self, comm, sent_dk):
+        self.comm, self.sent_dk = comm, sent_dk
+        self.rank, self.size = comm.rank, comm.size
+        self.round = 0
+
+    def start_shift(self, arrays, tag):
+        if tag == ring.DKV:                    # (dK, dV) accumulated so far, (B, Hkv, c, D)
+            self.sent_dk[self.round, self.rank] = kv_from_heads(arrays[0])[0, :, 0, :]   # (c, D)
+            self.round += 1
+        return self.comm.start_shift(arrays, tag)
+
+    def finish_shift(self, handle):
+        return self.comm.finish_shift(handle)
+
+
+pos = positions(n_seq, N, "striped")                          # (N, c)
+q_s, k_s, v_s, out_s, dout_s = (shard(x, N, "striped") for x in (q, k, v, out, dout))
+lse_s = shard(lse, N, "striped", axis=2)
+sent_dk = np.zeros((N, N, c, D))                              # [t, j]: the dK device j sent in round t
+
+
+def device(j, comm):
+    return ring.ring_backward(q_s[j], k_s[j], v_s[j], out_s[j], lse_s[j], dout_s[j], pos[j], pos[j],
+                              WatchedGrads(comm, sent_dk), causal=True, scale=D ** -0.5, tile_size=T,
+                              step="v1")          # the step shown above, as ring_attention_backward uses
+
+
+dq_w, dk_w, dv_w, _ = zip(*run_devices(N, device))
+assert np.allclose(unshard(dk_w, "striped"), dk, rtol=0, atol=1e-14)   # the same gradients as above
+
+# %% [markdown]
+# Device `j` adds the share of its own queries only. So, independently of the ring, the
+# `dK` of block 0 after round `t` is the dense gradient with `dO` kept on the queries of
+# devices `0 .. t` and zeroed elsewhere (each query row's contribution is separate). The
+# picture: per key of block 0 (positions `0, 4, 8, 12`), the size of its `dK` as it travels.
+# Key 12 is seen by queries 12 to 15, one on each device, so it changes in every round;
+# key 0 is seen by every query.
+
+# %%
+held = [sent_dk[t, t] for t in range(N)]                      # block 0 is on device t in round t
+for t in range(N):
+    keep = np.zeros(n_seq, dtype=bool)
+    keep[pos[:t + 1].ravel()] = True                          # the queries of devices 0 .. t
+    partial = attention_backward(q, k, v, out, lse, dout * keep[None, :, None, None])[1]
+    assert np.allclose(held[t], partial[0, pos[0], 0, :], rtol=0, atol=1e-14)
+assert np.allclose(held[N - 1], dk[0, pos[0], 0, :], rtol=0, atol=1e-14)   # complete when it comes home
+
+norms = np.array([np.linalg.norm(h, axis=-1) for h in held])  # (round, key of block 0)
+fig, ax = plt.subplots(figsize=(6.5, 3.2))
+im = ax.imshow(norms, cmap="viridis")
+for (t, i), x in np.ndenumerate(norms):
+    ax.text(i, t, f"{x:.2f}", ha="center", va="center", color="white" if x < norms.max() / 2 else "black")
+ax.set_xticks(range(c), [f"key {p}" for p in pos[0]])
+ax.set_yticks(range(N), [f"after round {t}, on dev{t}" + (" -> home to dev0" if t == N - 1 else " -> dev" + str(t + 1))
+                         for t in range(N)])
+ax.set_title("|dK| of block 0 (keys 0, 4, 8, 12), accumulated as it travels", fontsize=9)
+fig.colorbar(im, ax=ax, shrink=0.8)
+plt.show()
+
+# %% [markdown]
 # ## The same work, the same balance
 #
 # The backward visits the same tiles as the forward, so the layouts' balance carries over:
@@ -104,7 +233,7 @@ print(bwd.table("striped backward"))
 # %% [markdown]
 # ## Against the dense gradients
 #
-# `reference.attention_backward` is the formula on the whole `S x S` matrix. Every layout
+# `reference.attention_backward` is the formula on the whole `n_seq x n_seq` matrix. Every layout
 # of the ring gives the same gradients to rounding (float64 here). For grouped-query heads,
 # a key/value head's gradient is the sum over the query heads that read it, so `dk` has
 # `k`'s shape.
@@ -174,7 +303,47 @@ axes[0].set_ylabel("ring backward")
 plt.show()
 
 # %% [markdown]
-# **What we have seen.** The backward runs the same ring with the same balance; `dQ` stays
-# home while `dK, dV` travel with their blocks and come home after the last round; the
-# gradients match the dense formula and finite differences of the ring's own forward pass.
+# ## Exercises
+#
+# Work each out by hand first; the cell under it (collapsed in Jupyter) holds the answer
+# and checks it.
+#
+# 1. With `n_seq = 16` on `N = 4` devices, striped, the loss depends only on the output of
+#    the last token (`dO` is zero except at position 15). Which rows of `dQ` are non-zero?
+#    Which keys get a non-zero `dK`?
+# 2. In the backward of the striped ring above, how many bytes does one device send in
+#    total over the `N` rounds? (float64; `K, V` blocks of `c` tokens, `Hkv = 1`, `D = 4`,
+#    plus `c` int64 positions and the int64 owner id with each `K, V` block.)
+# 3. A row's `delta` is `dO . out`. If every key's value were the same vector `v0`, what
+#    would `dS` be, whatever the scores?
+
+# %% jupyter={"source_hidden": true}
+# 1. dQ_i = sum_k dS_ik K_k and dS_i = 0 where dO_i = 0: only row 15. dK_k = sum_i dS_ik Q_i
+#    gets row 15's share, and query 15 sees every key: all 16 keys (almost surely non-zero)
+last = np.zeros_like(dout)
+last[:, 15] = dout[:, 15]
+dq_1, dk_1, _ = attention_backward(q, k, v, out, lse, last)
+answer_1 = ([15], list(range(16)))
+assert np.flatnonzero(np.abs(dq_1).sum(axis=(0, 2, 3))).tolist() == answer_1[0]
+assert np.flatnonzero(np.abs(dk_1).sum(axis=(0, 2, 3))).tolist() == answer_1[1]
+
+# 2. rounds 0 .. N-2 send K, V (2 * c * D * 8 bytes), positions and owner (c * 8 + 8) and
+#    dK, dV (2 * c * D * 8); the last round sends dK, dV only: with c = 4, D = 4:
+#    3 * (256 + 40 + 256) + 256 = 1912
+answer_2 = 1912
+assert (bwd.bytes_sent.sum(axis=0) == answer_2).all()
+
+# 3. dP_k = dO . v0 for every k, and delta = dO . (sum_k P_k v0) = dO . v0: dS = P (dP - delta) = 0.
+#    The scores get no gradient: whatever the weights, the output is v0.
+v_same = np.broadcast_to(rng.standard_normal((1, 1, HKV, D)), v.shape).copy()
+dq_3, dk_3, _ = attention_backward(q, k, v_same, *attention(q, k, v_same), dout)
+answer_3 = 0.0
+assert np.abs(dq_3).max() < 1e-12 and np.abs(dk_3).max() < 1e-12
+
+# %% [markdown]
+# **What we have seen.** `dS = P (dP - delta)` needs only a tile and the saved `out`, so
+# the backward runs the same ring with the same balance; `dQ` stays home while `dK, dV`
+# travel with their blocks, gathering each device's share, and come home after the last
+# round; the gradients match the dense formula and finite differences of the ring's own
+# forward pass.
 # Next, `06_real_processes`: the same code on real MPI processes.

@@ -6,7 +6,11 @@ The notebooks are jupytext percent files (`notebooks/NN_name.py`);
 a fresh `python3` kernel of this interpreter (nbclient). Every claim in a notebook
 is an `assert`, so a wrong claim fails here.
 
-Run: python -m pytest tests/test_notebooks.py -q      (about 40 s; `make notebooks`
+Notebooks teach with the real code: each of 1 to 6 prints the source of what it explains
+(`inspect.getsource`), and any excerpt typed into a notebook's text as a ```python block
+is checked, line by line, against the project's files.
+
+Run: python -m pytest tests/test_notebooks.py -q      (about a minute; `make notebooks`
      runs the same notebooks and saves them executed as .ipynb)
 """
 
@@ -90,6 +94,35 @@ def imported_packages(source):
     return roots
 
 
+def shown_sources(source):
+    """What a notebook passes to `inspect.getsource`, as written (e.g. 'ring.ring_forward')."""
+    return [ast.unparse(node.args[0]) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("inspect.getsource", "getsource")
+            and node.args]
+
+
+def python_excerpts(source):
+    """Lines of every ```python block in a notebook's markdown (percent format: '# ' comments)."""
+    excerpts, inside = [], False
+    for line in source.splitlines():
+        text = line[2:] if line.startswith("# ") else line[1:] if line.startswith("#") else None
+        if text is None:
+            inside = False
+        elif text.strip() == "```python":
+            inside = True
+        elif text.strip().startswith("```"):
+            inside = False
+        elif inside and text.strip():
+            excerpts.append(text.strip())
+    return excerpts
+
+
+def project_lines():
+    """Every line of the project's Python files, stripped."""
+    return {line.strip() for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+            for line in path.read_text().splitlines()}
+
+
 # -- tests --------------------------------------------------------------------------
 
 def test_seven_numbered_notebooks():
@@ -113,6 +146,27 @@ def test_the_checks_catch_a_redefinition():
 def test_notebook_defines_no_exported_function(path):
     clash = defined_functions(path.read_text()) & exported_names()
     assert not clash, f"{path.name} re-defines {sorted(clash)}: import them from the project instead"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS[:6], ids=lambda p: p.stem)
+def test_notebook_shows_the_code_it_teaches(path):
+    assert shown_sources(path.read_text()), f"{path.name} never prints a project function's source"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_code_excerpts_are_the_real_code(path):
+    lines = project_lines()
+    stale = [line for line in python_excerpts(path.read_text()) if line not in lines]
+    assert not stale, f"{path.name} quotes code that is not in the project: {stale}"
+
+
+def test_the_excerpt_checks_catch_a_stale_excerpt():
+    notebook = ("# %% [markdown]\n# ```python\n# handle = comm.start_shift(arrays, tag)   "
+                "# send to rank+1, receive from rank-1\n# arrays = comm.finish(handle)\n# ```\n"
+                "# ```\n# mpiexec -n 4 python\n# ```\n\n# %%\nprint(inspect.getsource(ring.ring_forward))\n")
+    excerpt = python_excerpts(notebook)
+    assert len(excerpt) == 2 and excerpt[0] in project_lines() and excerpt[1] not in project_lines()
+    assert shown_sources(notebook) == ["ring.ring_forward"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
