@@ -4,6 +4,8 @@
 #   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
 #   make gpu-check   GPU tests and benchmark table (on a machine with a CUDA 13 GPU)
+#   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md
+#                    (its own venv, peers/.venv, with torch on the CPU; never part of make test)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,7 +13,7 @@ PY     := $(VENV)/bin/python
 RANKS  ?= 4
 export MPIEXEC_TIMEOUT ?= 600
 
-.PHONY: demo test notebooks bench gpu-check clean
+.PHONY: demo test notebooks bench gpu-check conformance clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,5 +40,17 @@ bench: $(VENV)/.installed
 gpu-check: $(VENV)/.installed
 	bash scripts/gpu_check.sh
 
+PEERS_VENV := peers/.venv
+CONFORMANCE ?= --examples 40
+
+$(PEERS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q -e '.[peers]'
+	touch $@
+
+conformance: $(PEERS_VENV)/.installed
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis
