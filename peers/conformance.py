@@ -42,12 +42,12 @@ REPRO = "peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{c
 # any), and whose message contains `match`.
 FINDINGS = [
     dict(peer="ring-attention-pytorch/", dtype="float16", phase=None, match="expected scalar type Float but found Half",
-         kind="defect (does not run)",
+         kind="defect (raises)",
          text="float16 inputs raise in the forward: the running row maxima and sums are float32 "
               "(`all_row_sums`, `all_row_maxes`, ring_flash_attention.py lines 124-125), so `exp_weights` is "
               "float32 and `einsum('b h i j, b j h d -> b i h d', exp_weights, vc)` (line 204) meets float16 values."),
     dict(peer="ring-attention-pytorch/", dtype="float64", phase=None, match="cannot be converted to type float",
-         kind="defect (does not run)",
+         kind="defect (raises)",
          text="float64 inputs raise in the forward: `torch.full((batch, heads, seq, 1), max_neg_value)` "
               "(ring_flash_attention.py line 125) makes a tensor of the default dtype, float32, filled with "
               "`max_neg_value = -torch.finfo(q.dtype).max` (line 119), which float32 cannot hold."),
@@ -133,27 +133,30 @@ def _last_lines(text, n=6):
     return "\n".join(text.strip().splitlines()[-n:])
 
 
-def strategy(peer, dtype):
+def strategy(peer, dtype, n):
     causal_only = peer.library == "ring-flash-attn" and peer.layout != "contiguous"
-    return cases(dtypes=(dtype,), layouts=peer.layouts, devices=WORLD_SIZES, max_seq=48, max_head_dim=8,
+    return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8,
                  causal=True if causal_only else None)
 
 
 def run_one(peer, dtype, phase, examples):
+    """`examples` cases on each world size in turn, up to the first that disagrees
+    (its smallest case is then on the smallest world size that shows it)."""
     from hypothesis import HealthCheck, given, settings
     run = Run(peer, dtype, phase)
+    for n in WORLD_SIZES:
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=False,
+                  suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+        @given(strategy(peer, dtype, n))
+        def body(case):
+            run.check(case)
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=False,
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
-    @given(strategy(peer, dtype))
-    def body(case):
-        run.check(case)
-
-    try:
-        body()
-    except Exception:                  # noqa: BLE001 - the failure is recorded in run.failure
-        if run.failure is None:
-            run.failure = (None, traceback.format_exc())
+        try:
+            body()
+        except Exception:              # noqa: BLE001 - the failure is recorded in run.failure
+            if run.failure is None:
+                run.failure = (None, traceback.format_exc())
+            break
     return run
 
 
@@ -173,8 +176,8 @@ def report(runs, examples, seconds):
         f"{seconds:.0f} s on a shared 2-core machine. Every rank's results are held against the float64 "
         "oracle by `reference.testing.check_ring_attention`, element by element, within the kit's error "
         "model (README, 'Testing your own ring attention'). Each run draws up to "
-        f"{examples} derandomized hypothesis cases of the peer's layout, world sizes "
-        f"{', '.join(map(str, WORLD_SIZES))}, B <= 2, S <= 48, GQA and MQA heads, D <= 8, causal or not "
+        f"{examples} derandomized hypothesis cases of the peer's layout on each world size "
+        f"{', '.join(map(str, WORLD_SIZES))} in turn (up to the first that disagrees), B <= 2, S <= 48, GQA and MQA heads, D <= 8, causal or not "
         "(where the peer takes both), every input kind (scores in the hundreds, constant rows, values "
         "exact in float16); a disagreement is shrunk to the smallest case hypothesis finds. Forward: out "
         "and lse; backward: dq, dk, dv by autograd of sum(out * dout). The adapters' conventions are in "
@@ -191,7 +194,8 @@ def report(runs, examples, seconds):
         cells = [_cell(by_phase.get(phase)) for phase in PASSES]
         lines.append(f"| {peer.name} | {peer.library} {v[peer.library]} | {peer.layout} | {dtype} | "
                      + " | ".join(cells) + " |")
-    lines += ["", "A cell: examples run (by world size), and *agrees* or the disagreement below.", ""]
+    lines += ["", "A cell: *agrees*, or the disagreement below; then the examples run by world size "
+              "(with those hypothesis ran while shrinking a disagreement).", ""]
     for library in ("ring-attention-pytorch", "ring-flash-attn"):
         peers = [p for p in PEERS.values() if p.library == library]
         lines += [f"## {library} {v[library]}", "", "Conventions (from the adapter):", ""]

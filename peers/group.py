@@ -19,7 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT_S = 60        # one example, forward and backward, on 2 shared cores (they take 0.1 s)
-GLOO_TIMEOUT_S = 20           # a collective that waits longer than this raises in the ranks
+# Idle ranks wait for the next request inside a gloo broadcast, while the
+# driver runs other world sizes' groups: gloo must not time that out. A rank
+# stuck in a peer's collective is ended by the driver's request timeout instead
+# (ProcessGroup kills the whole group).
+GLOO_TIMEOUT_S = 24 * 3600
 
 
 def rank_main(rank, world_size, socket_path, init_file):

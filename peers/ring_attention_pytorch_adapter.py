@@ -69,7 +69,6 @@ class RingAttentionPytorch(PeerAdapter):
         return super().supports(case)
 
     def compute(self, case, mine, rank):
-        import torch
         from ring_attention_pytorch import ring_flash_attn
         perm = lib_head_order(case.Hq, case.Hkv)
         back = np.argsort(perm)

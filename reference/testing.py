@@ -42,7 +42,7 @@ same formula as the element with every term made non-negative, the
     L_ij  = |scale| sum_d |q_id| |k_jd|                 a score's rounding scale
     E_ij  = 1 + L_ij + |lse_i| + sum_j P_ij L_ij        relative error of P_ij / u
     M_out = (P E) |V| + rowsum(P E) |out|       M_lse = 1 + |lse| + sum_j P_ij L_ij + n_visible
-    G     = P E (|dO| |V|^T + rowsum(|dO| (|out| + M_out)))   the budget of dS = P (dP - delta)
+    G     = P E (|dO| |V|^T + rowsum(|dO| |out|)) + P rowsum(|dO| M_out)   the budget of dS = P (dP - delta)
     M_dv  = (P E)^T |dO|,  M_dq = |scale| G |K|,  M_dk = |scale| G^T |Q|   (summed over a group)
     M_stored (dq, dk only) = the same products with G_s = P rowsum(|dO| |out|): delta reads
             the forward's out as returned, rounded to the output dtype
@@ -82,7 +82,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .dense import attention, attention_backward
-from .layouts import LAYOUTS, positions, shard
+from .layouts import LAYOUTS, positions
 
 _HYPOTHESIS_MISSING = ("reference.testing's strategies need hypothesis, which is not installed: "
                        "pip install 'striped-attention[test]' (or pip install hypothesis)")
@@ -308,8 +308,7 @@ def magnitudes(case, q, k, v, dout, out, lse):
     m_lse = 1 + np.abs(finite_lse) + PL + visible.sum(-1)       # + n: the row sum of n terms
     # delta = rowsum(dO * out) reads the forward's out: its rounding in the sums
     # (u_acc M_out) and in the returned dtype (u_out |out|, the "stored" part)
-    delta = (dOa * (Oa + m_out)).sum(-1)[..., None]
-    G = PE * (dOa @ Va.swapaxes(-1, -2) + delta)
+    G = PE * (dOa @ Va.swapaxes(-1, -2) + (dOa * Oa).sum(-1)[..., None]) + P * (dOa * m_out).sum(-1)[..., None]
     G_stored = P * (dOa * Oa).sum(-1)[..., None]
     m_dq, s_dq = (scale * g @ Ka for g in (G, G_stored))
     m_dk, s_dk = (_group_sum(scale * g.swapaxes(-1, -2) @ Qa, case.Hkv) for g in (G, G_stored))

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, find, given, settings
 
 from reference import attention, positions
 from reference.testing import (Adapter, Case, ErrorModel, ProcessGroup, VirtualRingAdapter, assert_attention_close,
-                               attention_mismatch, cases, check_ring_attention, make_shards, measure, oracle,
+                               attention_mismatch, cases, check_ring_attention, measure, oracle,
                                tolerances)
 
 ROOT = Path(__file__).resolve().parents[1]

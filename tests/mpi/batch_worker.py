@@ -36,7 +36,6 @@ own shard (or {"error": traceback}).
 import argparse
 import json
 import time
-import traceback
 
 import numpy as np
 from mpi4py import MPI
