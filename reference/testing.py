@@ -504,11 +504,13 @@ def _check_positions(pos, case):
     return pos
 
 
-def check_ring_attention(adapter, case, *, model=None, names=None):
+def check_ring_attention(adapter, case, *, model=None, names=None, usage=None):
     """Run `adapter` on `case` and hold each rank's out, lse, dq, dk, dv against
     the float64 oracle with the error model's per-element tolerance; replicated
     outputs must also agree between ranks. Raises AssertionError naming the
-    adapter, the case and the first bad element. Returns the adapter's results."""
+    adapter, the case and the first bad element. Returns the adapter's results.
+    `usage`, a dict, collects per name the largest error / tolerance seen (how
+    close to the line an implementation that agrees comes)."""
     reason = adapter.supports(case)
     if reason:
         _skip(reason)
@@ -522,6 +524,8 @@ def check_ring_attention(adapter, case, *, model=None, names=None):
     for name in names:
         problem = (_check_replicated(name, results, want, tol) if name in adapter.replicated
                    else _check_sharded(name, results, want, tol, pos, case))
+        if usage is not None and not problem:
+            usage[name] = max(usage.get(name, 0.0), _usage(name, results, want, tol, pos, adapter))
         if problem:
             raise AssertionError(f"{adapter.name} differs from the float64 oracle on\n  {case!r}\n  {problem}")
     return results
@@ -540,6 +544,20 @@ def _check_sharded(name, results, want, tol, pos, case):
         if msg:
             return msg
     return None
+
+
+def _usage(name, results, want, tol, pos, adapter):
+    """The largest error / tolerance over the finite expected elements of `name`."""
+    axis = 2 if name == "lse" else 1
+    pairs = ([(results[0][name], want[name], tol[name])] if name in adapter.replicated else
+             [(got[name], np.take(want[name], p, axis=axis), np.take(tol[name], p, axis=axis))
+              for got, p in zip(results, pos)])
+    worst = 0.0
+    for got, expected, t in pairs:
+        finite = np.isfinite(expected)
+        err = np.abs(np.asarray(got, np.float64) - expected)[finite]
+        worst = max(worst, float((err / t[finite]).max(initial=0.0)))
+    return worst
 
 
 def _check_replicated(name, results, want, tol):

@@ -256,7 +256,9 @@ def test_a_few_ulps_per_block_too_many_are_caught():
                 r["out"] = (r["out"] * np.float32(1 + 64 * np.finfo(np.float32).eps)).astype(np.float32)
             return results
 
-    check_ring_attention(VirtualRingAdapter(), case)
+    usage = {}
+    check_ring_attention(VirtualRingAdapter(), case, usage=usage)
+    assert set(usage) == {"out", "lse", "dq", "dk", "dv"} and 0 < usage["out"] < 1, usage
     with pytest.raises(AssertionError, match="out: .* out of tolerance"):
         check_ring_attention(Nudged(), case)
 
