@@ -8,6 +8,8 @@
 #   make gpu-check   the prepared GPU validation -> bench/results/gpu_check.md (a CUDA 13 GPU;
 #                    installs nothing: GPU_CHECK="--wheels DIR" installs carried wheels first)
 #   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
+#   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md
+#                    (its own venv, peers/.venv, with torch on the CPU; never part of make test)
 
 PYTHON ?= python3
 RANKS  ?= 4
@@ -33,7 +35,7 @@ $(error MPI must be mpich or openmpi, got '$(MPI)')
 endif
 PY     := $(VENV)/bin/python
 
-.PHONY: demo train test notebooks bench gpu-check wheel-check clean
+.PHONY: demo train test notebooks bench gpu-check wheel-check conformance clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,5 +75,17 @@ gpu-check:
 wheel-check: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/wheel_check.sh
 
+PEERS_VENV := peers/.venv
+CONFORMANCE ?= --examples 40
+
+$(PEERS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q -e '.[peers]'
+	touch $@
+
+conformance: $(PEERS_VENV)/.installed
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
+
 clean:
-	rm -rf .venv .venv-openmpi .pytest_cache .hypothesis
+	rm -rf .venv .venv-openmpi $(PEERS_VENV) .pytest_cache .hypothesis

@@ -1,13 +1,15 @@
 """What one computed tile costs, by the shape of the block it belongs to.
 
-The cost model charges every computed tile the same. In the NumPy step a tile
+The cost model charges every computed tile the same. In a NumPy step a tile
 of a triangular block (striped's shape in every round, and every layout's own
-block in round 0) costs more than a tile of a fully visible block: its
+block in round 0) may cost more than a tile of a fully visible block: its
 diagonal tiles need the mask, and its ragged rows stack into shorter products.
-This measures CPU seconds per computed tile for each shape, one BLAS thread,
-the block attended after the device's own block (as in rounds t >= 1).
+This measures CPU seconds per computed tile for each shape, forward and
+backward, one BLAS thread, the block attended after the device's own block
+(as in rounds t >= 1). The steps and shapes take turns, repeat after repeat,
+and each keeps its least time, so that a noisy machine biases none of them.
 
-    OPENBLAS_NUM_THREADS=1 python -m bench.block_shapes --seq-len 16384 --n-devices 4
+    OPENBLAS_NUM_THREADS=1 python -m bench.block_shapes --seq-len 8192 --n-devices 4 --steps v3 v4
 """
 
 import argparse
@@ -17,47 +19,72 @@ import numpy as np
 
 from reference import positions, steps
 from reference.ring import own_block
-from reference.step import ForwardAcc, Queries
+from reference.step import BackwardRows, ForwardAcc, Grads, Queries
+
+SHAPES = ("full (contiguous, j > k)", "triangle (striped, j > k)", "strict triangle (striped, j < k)")
 
 
-def per_tile_seconds(step, q_pos, k_pos, x, tile_size, repeats=3):
-    """Best CPU seconds per computed tile of one block, and the tiles computed."""
-    best, tiles = float("inf"), 0
+def block_pairs(seq_len, n_devices):
+    """{shape: (query positions, key positions)} of one device's round t >= 1."""
+    striped, contiguous = (positions(seq_len, n_devices, name) for name in ("striped", "contiguous"))
+    return dict(zip(SHAPES, ((contiguous[1], contiguous[0]), (striped[1], striped[0]), (striped[0], striped[1]))))
+
+
+def timed_block(step, q_pos, k_pos, x, tile_size, backward=False):
+    """CPU seconds of one step on the block (after the device's own block), and its tiles."""
     queries = Queries.prepare(x, x.shape[2], q_pos, x.shape[-1] ** -0.5)
     own, other = own_block(x, x, q_pos, 0), own_block(x, x, k_pos, 1)
-    for _ in range(repeats):
-        acc = ForwardAcc.zeros(queries.q)
-        step.forward(acc, queries, own, causal=True, tile_size=tile_size)      # own block first
-        start = time.thread_time()
+    acc = ForwardAcc.zeros(queries.q)
+    step.forward(acc, queries, own, causal=True, tile_size=tile_size)           # own block first
+    start = time.thread_time()
+    if backward:
+        zeros = np.zeros(queries.q.shape[:-1], np.float32)
+        rows = BackwardRows(do=queries.q, lse=zeros, delta=zeros)
+        grads = Grads(np.zeros_like(queries.q), np.zeros_like(other.k), np.zeros_like(other.v))
+        with np.errstate(over="ignore", invalid="ignore"):
+            counts = step.backward(grads, queries, rows, other, causal=True, tile_size=tile_size)
+    else:
         counts = step.forward(acc, queries, other, causal=True, tile_size=tile_size)
-        best, tiles = min(best, time.thread_time() - start), counts.tiles_computed
-    return best / tiles, tiles
+    return time.thread_time() - start, counts.tiles_computed
+
+
+def measure(step_names, seq_len, n_devices, heads, head_dim, tile_size, repeats=5, backward=False):
+    """{(step name, shape): least CPU seconds per computed tile}, steps and shapes taking turns."""
+    c = seq_len // n_devices
+    x = np.random.default_rng(0).standard_normal((1, c, heads, head_dim), dtype=np.float32)   # (B, c, H, D)
+    pairs, best = block_pairs(seq_len, n_devices), {}
+    for _ in range(repeats):
+        for name in step_names:
+            step = steps.get(name, xp=np)
+            for shape, (q_pos, k_pos) in pairs.items():
+                seconds, tiles = timed_block(step, q_pos, k_pos, x, tile_size, backward)
+                best[name, shape] = min(best.get((name, shape), np.inf), seconds / tiles)
+    return best
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.block_shapes", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-len", type=int, default=16384, help="tokens S (default %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=8192, help="tokens S (default %(default)s)")
     ap.add_argument("--n-devices", type=int, default=4, help="devices N (default %(default)s)")
     ap.add_argument("--heads", type=int, default=4, help="heads H (default %(default)s)")
     ap.add_argument("--head-dim", type=int, default=64, help="head dim D (default %(default)s)")
     ap.add_argument("--tile-size", type=int, default=256, help="tile size (default %(default)s)")
-    ap.add_argument("--step", default="auto", choices=steps.NAMES, help="step version (default %(default)s)")
+    ap.add_argument("--steps", nargs="+", default=["auto"], choices=steps.NAMES, metavar="STEP",
+                    help=f"step versions, taking turns (default: auto; any of {', '.join(steps.NAMES)})")
+    ap.add_argument("--step", dest="steps", nargs=1, choices=steps.NAMES, help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=5, help="least of (default %(default)s)")
     args = ap.parse_args(argv)
-    step = steps.get(args.step, xp=np)
-    c = args.seq_len // args.n_devices
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, c, args.heads, args.head_dim), dtype=np.float32)   # (B, c, H, D)
-    striped, contiguous = (positions(args.seq_len, args.n_devices, name) for name in ("striped", "contiguous"))
-    shapes = {"full (contiguous, j > k)": (contiguous[1], contiguous[0]),
-              "triangle (striped, j > k)": (striped[1], striped[0]),
-              "strict triangle (striped, j < k)": (striped[0], striped[1])}
-    print(f"S={args.seq_len} N={args.n_devices} c={c} H={args.heads} D={args.head_dim} tile={args.tile_size} "
-          f"step {step!r}")
-    base = None
-    for name, (q_pos, k_pos) in shapes.items():
-        seconds, tiles = per_tile_seconds(step, q_pos, k_pos, x, args.tile_size)
-        base = base or seconds
-        print(f"{name:<34} {tiles:>5} tiles  {seconds * 1e3:7.3f} ms/tile  x{seconds / base:.2f}")
+    print(f"S={args.seq_len} N={args.n_devices} c={args.seq_len // args.n_devices} H={args.heads} "
+          f"D={args.head_dim} tile={args.tile_size}, one BLAS thread expected (OPENBLAS_NUM_THREADS=1), "
+          f"least of {args.repeats}")
+    for backward in (False, True):
+        best = measure(args.steps, args.seq_len, args.n_devices, args.heads, args.head_dim, args.tile_size,
+                       args.repeats, backward)
+        for name in args.steps:
+            print(f"{'backward' if backward else 'forward'}, step {steps.get(name, xp=np).label}:")
+            base = best[name, SHAPES[0]]
+            for shape in SHAPES:
+                print(f"  {shape:<34} {best[name, shape] * 1e3:7.3f} ms/tile  x{best[name, shape] / base:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,310 @@
+"""Hold other projects' ring attention against the oracle and write CONFORMANCE.md.
+
+    make conformance                                       # what CI would not run: installs the peers extra
+    peers/.venv/bin/python -m peers.conformance            # every peer, writes CONFORMANCE.md
+    peers/.venv/bin/python -m peers.conformance --peer ring-flash-attn/zigzag --examples 10 --out -
+    peers/.venv/bin/python -m peers.conformance --repro ring-attention-pytorch/striped backward "Case(...)"
+
+For each peer (peers.PEERS), each dtype it takes, and each pass (forward:
+out and lse; backward: dq, dk, dv from autograd of sum(out * dout)), hypothesis
+draws cases (`reference.testing.cases`, the peer's layout, N in WORLD_SIZES)
+and `check_ring_attention` holds every rank's results against the float64
+oracle. A disagreement is shrunk to its smallest case (hypothesis replays the
+minimal example last, so the last failure seen is it); the report gives it,
+the kit's message, what explains it (FINDINGS, written by reading the peer's
+code; "not classified" when none matches) and the command that reproduces it.
+Examples are derandomized: the same versions give the same report.
+"""
+
+import argparse
+import datetime
+import platform
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from reference.testing import BACKWARD, FORWARD, Case, cases, check_ring_attention
+
+from . import PEERS
+from .adapter import PeerAdapter
+from .group import TorchGroups
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD_SIZES = (2, 3, 4)        # gloo cannot send a rank to itself, which every ring here does at N = 1
+PASSES = {"forward": FORWARD, "backward": BACKWARD}
+REPRO = "peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{case!r}\""
+
+# What explains each disagreement, from reading the peer's code. A finding applies
+# to a run whose peer key starts with `peer`, whose dtype and pass match (None:
+# any), and whose message contains `match`.
+FINDINGS = [
+    dict(peer="ring-attention-pytorch/", dtype="float16", phase=None, match="expected scalar type Float but found Half",
+         kind="defect (raises)",
+         text="float16 inputs raise in the forward: the running row maxima and sums are float32 "
+              "(`all_row_sums`, `all_row_maxes`, ring_flash_attention.py lines 124-125), so `exp_weights` is "
+              "float32 and `einsum('b h i j, b j h d -> b i h d', exp_weights, vc)` (line 204) meets float16 values."),
+    dict(peer="ring-attention-pytorch/", dtype="float64", phase=None, match="cannot be converted to type float",
+         kind="defect (raises)",
+         text="float64 inputs raise in the forward: `torch.full((batch, heads, seq, 1), max_neg_value)` "
+              "(ring_flash_attention.py line 125) makes a tensor of the default dtype, float32, filled with "
+              "`max_neg_value = -torch.finfo(q.dtype).max` (line 119), which float32 cannot hold."),
+    dict(peer="ring-attention-pytorch/contiguous", dtype=None, phase="forward", match="out:",
+         kind="defect",
+         text="With a bucket size that does not divide the rank's block c, a query sees keys after it. "
+              "Buckets are numbered `ring_rank * per_machine_buckets + index` (lines 152, 163) with "
+              "`per_machine_buckets = per_machine_seq_size // bucket_size` (line 111), which ignores the "
+              "shorter last bucket; `k.split(bucket_size)` makes it anyway, so bucket numbers of different "
+              "ranks collide and a remote block is masked as if it were the diagonal block (`triu(1)`, "
+              "line 189) or not at all. Divisibility is asserted only when `max_lookback_seq_len` is given "
+              "(line 100). With one bucket per rank (the 'bucket = c' rows) the forward agrees."),
+    dict(peer="ring-attention-pytorch/striped", dtype=None, phase="forward", match="out:",
+         kind="defect",
+         text="With more than one bucket per rank, the striped mask is wrong. It is "
+              "`triu(int(row_bucket_index >= col_bucket_index))` on each (query bucket, key bucket) pair "
+              "(lines 183-185), with bucket numbers `rank * per_machine_buckets + index`: the rule for "
+              "a whole striped block (the paper's GetMask: the diagonal is visible when the key's rank "
+              "is not after the query's), applied to sub-blocks whose local offsets differ. Striped "
+              "visibility between sub-blocks depends on the local offsets first (key local index < query "
+              "local index, or equal and rank not after), so whole key buckets are masked or unmasked "
+              "wrongly. With one bucket per rank (the 'bucket = c' rows) the forward agrees."),
+    dict(peer="ring-attention-pytorch/", dtype=None, phase="backward", match="dk:",
+         kind="defect",
+         text="dK and dV come back wrong. After the last round the backward does "
+              "`dkv = ring_pass(ring_size - max_ring_passes + 1, dkv)` and `dk, dv = dkv` "
+              "(ring_flash_attention.py lines 383-385), but `ring_pass` returns the pair "
+              "`(receive_buffer, x)` (ring.py line 77): `dk` is the received (dK, dV) stack, shape "
+              "(2, B, c, Hkv, D), which is the rank's own keys' (the shift home is right), and `dv` is the "
+              "stack it sent, rank r + 1's. Autograd sums each over the extra leading dimension instead "
+              "of raising, so rank r returns dK + dV of its own keys as dk and dK + dV of rank r + 1's "
+              "keys as dv (checked on N = 2 and 3: `peers/.venv/bin/python -m peers.conformance "
+              "--explain-dkv`)."),
+]
+
+
+class Run:
+    """One (peer, dtype, pass): the examples it ran and its smallest failure."""
+
+    def __init__(self, peer, dtype, phase):
+        self.peer, self.dtype, self.phase = peer, np.dtype(dtype).name, phase
+        self.world_sizes, self.examples, self.failure, self.usage = Counter(), 0, None, {}
+
+    def check(self, case):
+        from hypothesis import reject
+        if self.peer.supports(case):
+            reject()                   # not counted: hypothesis draws another
+        self.examples += 1
+        self.world_sizes[case.n_devices] += 1
+        try:
+            check_ring_attention(self.peer, case, names=PASSES[self.phase], usage=self.usage)
+        except AssertionError as e:
+            self.failure = (case, str(e))
+            raise
+        except Exception as e:          # noqa: BLE001 - a peer that raises disagrees too
+            if type(e).__name__ in ("UnsatisfiedAssumption",):
+                raise
+            self.failure = (case, f"raised {_where_raised(str(e))}")
+            raise
+
+    def finding(self):
+        if self.failure is None:
+            return None
+        for f in FINDINGS:
+            if self.peer.key.startswith(f["peer"]) and f["dtype"] in (None, self.dtype) \
+                    and f["phase"] in (None, self.phase) and f["match"] in self.failure[1]:
+                return f
+        return None
+
+
+def _where_raised(text):
+    """The exception line of a rank's traceback and the deepest frame above it."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    where = ""
+    if frames:
+        i = frames[-1]
+        where = f"\n  at {lines[i].strip()}\n     {lines[i + 1].strip() if i + 1 < len(lines) else ''}"
+    return f"{lines[-1].strip()}{where}"
+
+
+def _last_lines(text, n=6):
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def strategy(peer, dtype, n):
+    causal_only = peer.library == "ring-flash-attn" and peer.layout != "contiguous"
+    return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8,
+                 causal=True if causal_only else None)
+
+
+def run_one(peer, dtype, phase, examples):
+    """`examples` cases on each world size in turn, up to the first that disagrees
+    (its smallest case is then on the smallest world size that shows it)."""
+    from hypothesis import HealthCheck, given, settings
+    run = Run(peer, dtype, phase)
+    for n in WORLD_SIZES:
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=False,
+                  suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+        @given(strategy(peer, dtype, n))
+        def body(case):
+            run.check(case)
+
+        try:
+            body()
+        except Exception:              # noqa: BLE001 - the failure is recorded in run.failure
+            if run.failure is None:
+                run.failure = (None, traceback.format_exc())
+            break
+    return run
+
+
+def versions():
+    from importlib.metadata import version
+    return {name: version(name) for name in ("torch", "ring-attention-pytorch", "ring-flash-attn", "hypothesis")}
+
+
+def report(runs, examples, seconds):
+    v = versions()
+    lines = [
+        "# Conformance: other projects' ring attention against this project's oracle",
+        "",
+        f"Generated by `make conformance` (`python -m peers.conformance --examples {examples}`) on "
+        f"{datetime.date.today().isoformat()}, {platform.machine()} {platform.system()}, Python "
+        f"{platform.python_version()}, torch {v['torch']} (CPU, gloo), hypothesis {v['hypothesis']}; "
+        f"{seconds:.0f} s on a shared 2-core machine. Every rank's results are held against the float64 "
+        "oracle by `reference.testing.check_ring_attention`, element by element, within the kit's error "
+        "model (README, 'Testing your own ring attention'). Each run draws up to "
+        f"{examples} derandomized hypothesis cases of the peer's layout on each world size "
+        f"{', '.join(map(str, WORLD_SIZES))} in turn (up to the first that disagrees), B <= 2, S <= 48, GQA and MQA heads, D <= 8, causal or not "
+        "(where the peer takes both), every input kind (scores in the hundreds, constant rows, values "
+        "exact in float16); a disagreement is shrunk to the smallest case hypothesis finds. Forward: out "
+        "and lse; backward: dq, dk, dv by autograd of sum(out * dout). The adapters' conventions are in "
+        "peers/*_adapter.py and below.",
+        "",
+        "| implementation | version | layout | dtype | forward | backward |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    table = {}
+    for run in runs:
+        table.setdefault((run.peer.key, run.dtype), {})[run.phase] = run
+    for (key, dtype), by_phase in table.items():
+        peer = PEERS[key]
+        cells = [_cell(by_phase.get(phase)) for phase in PASSES]
+        lines.append(f"| {peer.name} | {peer.library} {v[peer.library]} | {peer.layout} | {dtype} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "A cell: *agrees*, or the disagreement below; then the examples run by world size "
+              "(with those hypothesis ran while shrinking a disagreement); for a run that agrees, the "
+              "largest error / tolerance of any element of each output (1 is the line; the project's "
+              "own virtual ring reaches 0.27 in float32 and 0.98 in float16, where the final rounding "
+              "alone can take it all: `python -m reference.testing`).", ""]
+    for library in ("ring-attention-pytorch", "ring-flash-attn"):
+        peers = [p for p in PEERS.values() if p.library == library]
+        lines += [f"## {library} {v[library]}", "", "Conventions (from the adapter):", ""]
+        doc = sys.modules[type(peers[0]).__module__].__doc__.strip()
+        lines += ["> " + line if line else ">" for line in doc.splitlines()] + [""]
+        for run in runs:
+            if run.peer.library != library or run.failure is None:
+                continue
+            case, message = run.failure
+            finding = run.finding()
+            lines += [f"### {run.peer.name}, {run.dtype}, {run.phase}: "
+                      f"{finding['kind'] if finding else 'not classified'}", ""]
+            if case is not None:
+                lines += [f"Smallest case: `{case!r}`", "", "```", message.strip(), "```", "",
+                          f"Reproduce: `{REPRO.format(peer=run.peer.key, phase=run.phase, case=case)}`", ""]
+            else:
+                lines += ["```", _last_lines(message, 20), "```", ""]
+            if finding:
+                lines += [finding["text"], ""]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(run):
+    if run is None:
+        return "not run"
+    sizes = ", ".join(f"N={n}: {c}" for n, c in sorted(run.world_sizes.items()))
+    if run.failure is None:
+        used = ", ".join(f"{name} {run.usage[name]:.2g}" for name in PASSES[run.phase] if name in run.usage)
+        return f"agrees ({run.examples}; {sizes}; line used: {used})"
+    finding = run.finding()
+    what = finding["kind"] if finding else "disagrees, not classified"
+    return f"**{what}** ({run.examples}; {sizes})"
+
+
+def repro(key, phase, case_text):
+    case = eval(case_text, {"Case": Case, "np": np})        # noqa: S307 - a Case repr from this report
+    try:
+        check_ring_attention(PEERS[key], case, names=PASSES[phase])
+    except AssertionError as e:
+        print(e)
+        return 1
+    except RuntimeError as e:
+        print(f"{PEERS[key].name} on {case!r} ({phase}): raised {_where_raised(str(e))}")
+        return 1
+    print(f"{PEERS[key].name} agrees with the oracle on {case!r} ({phase})")
+    return 0
+
+
+def explain_dkv():
+    """Checks the ring-attention-pytorch finding: rank r's dk is dK + dV of its
+    own keys, its dv is dK + dV of rank r + 1's keys."""
+    from reference.testing import make_shards, oracle
+    peer = PEERS["ring-attention-pytorch/contiguous"]
+    for n in (2, 3):
+        case = Case("contiguous", n, 1, 2 * n, 2, 1, 3, None, True, None, np.float32, "gaussian", 0)
+        pos = peer.positions(case)
+        got = peer.run(case, make_shards(case, pos))
+        both = oracle(case)["dk"] + oracle(case)["dv"]
+        same = dict(rtol=1e-5, atol=1e-6)
+        for r in range(n):
+            own, right = np.take(both, pos[r], axis=1), np.take(both, pos[(r + 1) % n], axis=1)
+            print(f"N={n} rank {r}: dk == dK + dV of its own keys: {np.allclose(got[r]['dk'], own, **same)}; "
+                  f"dv == dK + dV of rank {(r + 1) % n}'s keys: {np.allclose(got[r]['dv'], right, **same)}")
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m peers.conformance", description=__doc__.splitlines()[0])
+    ap.add_argument("--examples", type=int, default=30, help="hypothesis examples per (peer, dtype, pass)")
+    ap.add_argument("--peer", action="append", choices=sorted(PEERS), help="only these (repeatable)")
+    ap.add_argument("--dtype", action="append", help="only these dtypes (repeatable)")
+    ap.add_argument("--out", default=str(ROOT / "CONFORMANCE.md"), help="the report ('-': stdout)")
+    ap.add_argument("--accumulate", help="hold every peer to this accumulation dtype's line instead of its own")
+    ap.add_argument("--repro", nargs=3, metavar=("PEER", "PASS", "CASE"), help="check one case and print the result")
+    ap.add_argument("--explain-dkv", action="store_true", help="check the ring-attention-pytorch dK/dV finding")
+    args = ap.parse_args(argv)
+    PeerAdapter.groups = TorchGroups()
+    if args.accumulate:
+        for peer in PEERS.values():
+            peer.accumulate_dtype = lambda dtype, acc=np.dtype(args.accumulate): acc
+    try:
+        if args.repro:
+            return repro(*args.repro)
+        if args.explain_dkv:
+            return explain_dkv()
+        start = datetime.datetime.now()
+        runs = []
+        for key in args.peer or PEERS:
+            peer = PEERS[key]
+            for dtype in peer.dtypes:
+                if args.dtype and np.dtype(dtype).name not in args.dtype:
+                    continue
+                for phase in PASSES:
+                    run = run_one(peer, dtype, phase, args.examples)
+                    print(f"{peer.name:<60} {run.dtype:<8} {phase:<9} {_cell(run)}", flush=True)
+                    runs.append(run)
+        text = report(runs, args.examples, (datetime.datetime.now() - start).total_seconds())
+    finally:
+        PeerAdapter.groups.close()
+    if args.out == "-":
+        print(text)
+    else:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""One property test body over the project's three backends, on the same drawn cases.
+
+Each hypothesis case runs on
+- the virtual ring (`reference.ring_attention`, N threads),
+- `mpi_impl` on N real MPI ranks,
+- `gpu_impl` on the same ranks: on a GPU where CuPy finds one, otherwise its
+  data movement (`gpu_impl.transfer.DeviceRing`) with NumPy standing in for CuPy,
+and each is held against the float64 oracle by the conformance kit
+(`reference.testing.check_ring_attention`: out, lse, dq, dk, dv per rank,
+within the error model's per-element tolerance), then against each other:
+within that tolerance of the virtual ring, and the GPU stand-in bit for bit
+equal to mpi_impl (the same ring and step; only the transfer differs).
+
+The MPI ranks are launched once per world size (tests/mpi/batch_worker.py
+--serve, a `reference.testing.ProcessGroup`) and serve one example at a time,
+so hypothesis drives and shrinks as for an in-process function. Skipped, not
+failed, where mpi4py or mpiexec is missing.
+
+    .venv/bin/python -m pytest tests/test_backends.py -q
+"""
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reference.testing import (NAMES, Adapter, ProcessGroup, VirtualRingAdapter, assert_attention_close, cases,
+                               check_ring_attention, tolerances)
+
+pytest.importorskip("mpi4py")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "mpi" / "batch_worker.py"
+_BESIDE = Path(sys.executable).parent / "mpiexec"           # the mpich wheel's, in the venv
+MPIEXEC = str(_BESIDE) if _BESIDE.exists() else shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
+
+MAX_DEVICES = 4             # a served group of N ranks per N: 1 + 2 + 3 + 4 processes, asleep between examples
+REQUEST_TIMEOUT_S = 60      # one example, forward and backward on every backend, on 2 shared cores
+JOB_TIMEOUT_S = 1800        # MPIEXEC_TIMEOUT: a whole session of examples
+
+
+def gpu_present():
+    try:
+        import gpu_impl
+        gpu_impl.require_cupy()
+    except Exception:          # noqa: BLE001 - GpuUnavailable, or CuPy failing to import
+        return False
+    return True
+
+
+GPU = "cupy" if gpu_present() else "numpy"
+
+
+class Groups:
+    """One served MPI group per world size, started on first use; and the last
+    example's replies, so that the mpi and gpu adapters share one request."""
+
+    def __init__(self):
+        self.groups, self.last = {}, (None, None)
+
+    def replies(self, case, shards):
+        if self.last[0] != case:
+            group = self.groups.get(case.n_devices)
+            if group is None:
+                env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1",
+                           MPIEXEC_TIMEOUT=str(JOB_TIMEOUT_S))
+                group = self.groups[case.n_devices] = ProcessGroup(
+                    [MPIEXEC, "-n", case.n_devices, sys.executable, "-m", "mpi4py", WORKER, "--serve", "{socket}",
+                     "--device", GPU if GPU == "cupy" else "mpi", "--mpi-step", "v1"],
+                    timeout=REQUEST_TIMEOUT_S, env=env, cwd=ROOT)
+            case_spec = dict(layout=case.layout, causal=case.causal, scale=case.scale,
+                             tile_size=list(case.tile_size) if isinstance(case.tile_size, tuple) else case.tile_size)
+            request = dict(case=case_spec, backends=["mpi", GPU],
+                           shards=dict(q=shards.q, k=shards.k, v=shards.v, dout=shards.dout))
+            self.last = (case, group.request(request))
+        return self.last[1]
+
+    def close(self):
+        for group in self.groups.values():
+            group.close()
+
+
+class Served(Adapter):
+    """A backend of the served MPI group as a kit adapter."""
+
+    def __init__(self, groups, backend, name):
+        self.groups, self.backend, self.name = groups, backend, name
+
+    def run(self, case, shards):
+        return [reply[self.backend] for reply in self.groups.replies(case, shards)]
+
+
+@pytest.fixture(scope="module")
+def backends():
+    groups = Groups()
+    yield {"virtual": VirtualRingAdapter(), "mpi": Served(groups, "mpi", "mpi_impl"),
+           "gpu": Served(groups, GPU, f"gpu_impl ({'GPU' if GPU == 'cupy' else 'NumPy standing in for CuPy'})")}
+    groups.close()
+
+
+# the drawn problems: every layout, N = 1..4, dtypes, GQA/MQA, tiles, hard inputs; some with a NaN injected
+CASES = st.one_of(cases(max_devices=MAX_DEVICES), cases(max_devices=MAX_DEVICES, poison=True, poison_values=("nan",)))
+
+
+@settings(deadline=None)
+@given(case=CASES)
+def test_three_backends_agree_with_the_oracle_and_each_other(backends, case):
+    results = {name: check_ring_attention(adapter, case) for name, adapter in backends.items()}
+    tol = tolerances(case)
+    pos = backends["virtual"].positions(case)
+    for name in ("mpi", "gpu"):
+        for r in range(case.n_devices):
+            for out in NAMES:
+                axis = 2 if out == "lse" else 1
+                assert_attention_close(results[name][r][out], results["virtual"][r][out],
+                                       np.take(tol[out], pos[r], axis=axis), name=f"{name} vs virtual ring: {out}",
+                                       positions=pos[r], rank=r)
+    if GPU == "numpy":
+        for r in range(case.n_devices):
+            for out in NAMES:
+                np.testing.assert_array_equal(results["gpu"][r][out], results["mpi"][r][out],
+                                              err_msg=f"gpu stand-in vs mpi_impl: {out} on rank {r} of {case}")
