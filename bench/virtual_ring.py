@@ -9,7 +9,7 @@ the ratio of total tile area that `reference.cost` predicts (about 0.90 at
 S = 8192, N = 8, tiles of 128), if a tile costs the same whatever block it is
 in. A step whose masked tiles cost more than full ones falls short of it.
 
-    python -m bench.virtual_ring                  # S = 8192, N = 8, tiles of 128, every NumPy step
+    OPENBLAS_NUM_THREADS=1 python -m bench.virtual_ring --repeats 3   # S = 8192, N = 8, tiles of 128
     python -m bench.run --only virtual
 """
 
@@ -67,7 +67,8 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, **overrides):
             rows.append([step.label, layout, f"{times['contiguous']:.2f}", f"{times[layout]:.2f}",
                          f"{measured:.2f}", f"{predicted:.2f}", f"{measured / predicted:.0%}"])
     text = "\n".join([
-        f"Made by `python -m bench.virtual_ring` on {os.cpu_count()} cores ({cpu_model()}), BLAS {blas_name()}: "
+        f"Made by `python -m bench.virtual_ring` on {os.cpu_count()} cores ({cpu_model()}), BLAS {blas_name()} "
+        f"(OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}): "
         f"S = {S}, N = {N} virtual devices (threads), tiles of {tile}, H = {cfg['heads']}, D = {cfg['head_dim']}, "
         f"float32, forward + backward, best of {cfg['repeats']}. Predicted: total tile area of contiguous over "
         "the layout's (`reference.cost`); the target is the measured ratio within 5% of it.",
@@ -84,8 +85,10 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=QUICK["seq_len"], help="tokens S (default %(default)s)")
     ap.add_argument("--n-devices", type=int, default=QUICK["n_devices"], help="virtual devices (default %(default)s)")
     ap.add_argument("--tile", type=int, default=QUICK["tile"], help="tile size (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=QUICK["repeats"], help="best of (default %(default)s)")
     args = ap.parse_args(argv)
-    text, _ = run(quick=not args.full, seq_len=args.seq_len, n_devices=args.n_devices, tile=args.tile)
+    text, _ = run(quick=not args.full, seq_len=args.seq_len, n_devices=args.n_devices, tile=args.tile,
+                  repeats=args.repeats)
     print(text)
 
 

@@ -14,9 +14,11 @@ the formulas are version 1's (`reference.step`), tile by tile, exact max:
   slower per element), which made a diagonal tile cost several full ones;
 - one (batch, head) at a time, on contiguous 2-D matrices.
 
-Measured (``python -m bench.kernel --step v2``, BENCHMARKS.md names the
-machine): about 45-50% of the float32 matmul rate forward and 60% backward
-at S = 8192, H = 8, D = 64 on 2 cores, against version 1's 22% and 29%.
+Measured (``python -m bench.kernel``, BENCHMARKS.md; AMD EPYC, 2 cores,
+OpenBLAS): at S = 4096, H = 8, D = 64, 30% of the float32 matmul rate forward
+and 49% backward, against version 1's 36% and 47%: on its own, one head at a
+time, its element-wise passes run on one core while version 1's whole-tile
+products keep both busy. Version 3 puts both cores to work on it.
 
 Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a tile.
 """
