@@ -372,23 +372,12 @@ def sanitizer(ctx):
 
 # -- 8. rates --------------------------------------------------------------------------------
 
-def timed(cupy, fn, repeat=3):
-    fn()
-    cupy.cuda.Device().synchronize()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        cupy.cuda.Device().synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def rates(ctx):
     """One block pair, every tile visible: RATE_BLOCK queries x keys, Hq = 8, Hkv = 2, float16."""
     if ctx.dry:
         return Result(True, f"dry run: torch {module_version('torch')}")
     import cupy
+    from bench import gpu_bench
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
     c, hq, hkv = RATE_BLOCK, 8, 2
@@ -403,8 +392,8 @@ def rates(ctx):
         for name, step, tile in (("v1 (readable), tile 1024", steps.get("v1"), 1024),
                                  ("fused v1, its tile", steps.get("fused"), None)):
             b = ring.as_dtype(block, np.float32, step)
-            seconds = timed(cupy, lambda: step.forward(ForwardAcc.zeros(queries.q), queries, b, causal=True,
-                                                       tile_size=tile))
+            seconds = gpu_bench.timed(cupy, lambda: step.forward(ForwardAcc.zeros(queries.q), queries, b,
+                                                                 causal=True, tile_size=tile), repeat=3)
             rows.append((head_dim, name, seconds, useful / seconds / 1e12))
         flash = torch_flash(c, hq, hkv, head_dim)
         rows.append((head_dim, "torch flash attention" if flash else "torch: not installed (or no CUDA)",
