@@ -10,8 +10,8 @@ machine's float32 matmul rate on useful FLOPs:
     visible pairs, causal: S (S + 1) / 2
 
 The matmul rate is a 4096 x 4096 @ 4096 x 4096 float32 product, timed in the same run with
-the same BLAS threads. What is timed is the tiled step (`attend_block`,
-`attend_block_backward`) as a ring round calls it; its O(S D) set-up and finish are not.
+the same BLAS threads. What is timed is the step (`Step.forward`, `Step.backward`) as a
+ring round calls it; its O(S D) set-up and finish are not.
 The machine may be shared: every figure is the best of a few repeats, and the ratios are
 only as steady as the machine. Also measured: the same step at other S, D and tile sizes,
 every registered NumPy step version (`reference.steps`: v1 readable, v2, v3) side by side, what one

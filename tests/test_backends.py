@@ -4,12 +4,13 @@ Each hypothesis case runs on
 - the virtual ring (`reference.ring_attention`, N threads),
 - `mpi_impl` on N real MPI ranks,
 - `gpu_impl` on the same ranks: on a GPU where CuPy finds one, otherwise its
-  data movement (`gpu_impl.transfer.DeviceRing`) with NumPy standing in for CuPy,
+  data movement (`RingComm` with gpu_impl's memory object) on a GPU made of
+  NumPy whose streams run later (tests/gpu/queued_device.py),
 and each is held against the float64 oracle by the conformance kit
 (`reference.testing.check_ring_attention`: out, lse, dq, dk, dv per rank,
 within the error model's per-element tolerance), then against each other:
 within that tolerance of the virtual ring, and the GPU stand-in bit for bit
-equal to mpi_impl (the same ring and step; only the transfer differs).
+equal to mpi_impl (the same ring and readable step; only the transfer differs).
 
 The MPI ranks are launched once per world size (tests/mpi/batch_worker.py
 --serve, a `reference.testing.ProcessGroup`) and serve one example at a time,
