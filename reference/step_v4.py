@@ -18,7 +18,11 @@ Measured (``OPENBLAS_NUM_THREADS=1 python -m bench.block_shapes --steps v3 v4``,
 BENCHMARKS.md; AMD EPYC, one thread, S = 8192 and 16384, N = 4, tiles of
 256): a tile of a triangular block costs 0.97 to 1.02 times a full block's
 forward (version 3: 1.10 to 1.12) and 0.99 to 1.02 backward (version 3: 0.99
-to 1.08).
+to 1.08). At tiles of 128 on blocks of 1024 it does not help: there the
+sub-tiles' small products and their per-product overhead cost as much as the
+mask did, and both versions' triangular tiles cost 1.3 times a full one. On
+the whole-kernel benchmark it was not faster than version 3, so ``auto``
+stays version 3.
 
 Shapes as in version 2; per sub-row ``Ra = SUB * G`` rows, ``w`` the key span.
 """
