@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = dict(seq_lens=(65536, 131072, 262144), ranks=8, tile=512)
 FULL = dict(seq_lens=(65536, 131072, 262144), ranks=8, tile=512)
 HEAD_DIM, CHECK_ROWS, SEED = 64, 16, 0
-TIMEOUT_S = 3600
+SLOWEST = 0.02          # a launch running below this share of the sgemm rate is taken as hung
 
 
 # -- one launch: the worker, on every rank --------------------------------------
@@ -102,17 +102,17 @@ def check(found, rows, S):
 
 # -- the driver ------------------------------------------------------------------
 
-def launch(S, ranks, tile, step, say):
+def launch(S, ranks, tile, step, say, timeout_s):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "scale.json"
         cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks), sys.executable, "-m", "mpi4py",
                "-m", "bench.scale", "--worker", str(result), "--seq-len", str(S), "--tile", str(tile),
                "--step", step]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(TIMEOUT_S), OPENBLAS_NUM_THREADS="1",
+        env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(timeout_s), OPENBLAS_NUM_THREADS="1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        say(f"launching {ranks} ranks for S = {S}")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=TIMEOUT_S + 60)
+        say(f"launching {ranks} ranks for S = {S} (given up after {timeout_s / 60:.0f} min)")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout_s + 60)
         if proc.returncode != 0:
             raise RuntimeError(f"scale worker failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout}")
         return json.loads(result.read_text())
@@ -131,7 +131,8 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, seq_lens=None, ranks=
     say = progress or (lambda msg: print(f"  scale: {msg}", file=sys.stderr, flush=True))
     say("sgemm rate, all cores")
     rate = matmul_rate(5, matmul_n) if matmul_n else matmul_rate(5)
-    results = [launch(S, cfg["ranks"], cfg["tile"], step, say) for S in cfg["seq_lens"]]
+    results = [launch(S, cfg["ranks"], cfg["tile"], step, say, timeout_s=int(max(600, useful_flops(S) / (SLOWEST * rate))))
+               for S in cfg["seq_lens"]]
     rows = []
     for r in results:
         useful = useful_flops(r["seq_len"]) / r["wall_s"]

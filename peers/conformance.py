@@ -19,6 +19,7 @@ Examples are derandomized: the same versions give the same report.
 import argparse
 import datetime
 import platform
+import re
 import sys
 import traceback
 from collections import Counter
@@ -125,7 +126,8 @@ def _where_raised(text):
     where = ""
     if frames:
         i = frames[-1]
-        where = f"\n  at {lines[i].strip()}\n     {lines[i + 1].strip() if i + 1 < len(lines) else ''}"
+        frame = re.sub(r'File "[^"]*/site-packages/', 'File "site-packages/', lines[i].strip())   # no local paths
+        where = f"\n  at {frame}\n     {lines[i + 1].strip() if i + 1 < len(lines) else ''}"
     return f"{lines[-1].strip()}{where}"
 
 

@@ -316,3 +316,15 @@ def test_process_group_times_out_instead_of_hanging(tmp_path):
     group = ProcessGroup([sys.executable, "-c", silent, "{socket}"], timeout=1)
     with pytest.raises(TimeoutError, match="(?s)no reply within 1 s.*connected"):
         group.request({"case": None})
+
+
+def test_conformance_report_names_a_peers_frame_without_local_paths():
+    """CONFORMANCE.md quotes where a peer raised, as site-packages/..., not as this machine's path."""
+    from peers.conformance import _where_raised
+    text = ('Traceback (most recent call last):\n'
+            '  File "/home/someone/checkout/peers/.venv/lib/python3.11/site-packages/pkg/mod.py", line 7, in f\n'
+            '    x = torch.full(shape, big)\n'
+            'RuntimeError: value cannot be converted')
+    assert _where_raised(text) == ('RuntimeError: value cannot be converted\n'
+                                   '  at File "site-packages/pkg/mod.py", line 7, in f\n'
+                                   '     x = torch.full(shape, big)')
