@@ -19,15 +19,7 @@ What it changes from version 2 (`reference.step_v2`), and why:
   (two levels of threads on the same cores oversubscribe them: measured
   several times slower). A unit owns the rows it writes, so results do not
   depend on the number of workers, bit for bit. NumPy's element-wise passes
-  run on one core, BLAS on all: with workers, both use every core;
-- the mask once per block shape, on the rows that need it: where a key tile
-  is shared by a stack of query tiles, the diagonal crosses only some of
-  their rows (a causal block's: one query tile's), and every head of a block
-  has the same positions. `hidden_rows` finds those rows and their hidden
-  pairs once (cached by positions), and the forward clears only them, after
-  ``exp2``. Before, the whole stack was masked, for every head: at tiles of
-  128 on blocks of 1024 a triangular block's tile cost 1.17x a full one's
-  forward, now 1.11x (``bench.block_shapes``, BENCHMARKS.md).
+  run on one core, BLAS on all: with workers, both use every core.
 
 Measured (``python -m bench.kernel --step v3 --threads 2``, BENCHMARKS.md;
 AMD EPYC, 2 cores, OpenBLAS): 65% of the float32 matmul rate forward, 72%
@@ -39,13 +31,12 @@ Shapes as in version 2; ``W`` workers.
 """
 
 import ctypes
-import functools
 import threading
 from contextlib import contextmanager
 
 import numpy as np
 
-from .step_v2 import ExactBase2Step, by_tile, shifted_scores
+from .step_v2 import ExactBase2Step, by_tile, exp2_visible, shifted_scores
 from .masks import visible
 from .tiles import FULL, MASKED
 
@@ -95,10 +86,9 @@ class LazyThreadedStep(ExactBase2Step):
     def update(self, ol, m2, q2, s, head, ks, tile_pos, inc):
         """A lazy tile with the current shift if it stays in range, else an exact one."""
         if head.lazy and np.isfinite(m2).all():
+            mask = None if tile_pos is None else visible(*tile_pos)
             shifted_scores(s, q2, head.k1[ks], None)     # S - m, base 2   (rows, tk)
-            np.exp2(s, out=s)                            # P; may overflow to inf
-            if tile_pos is not None:
-                clear_hidden(s, *tile_pos)               # P := 0 where masked
+            exp2_visible(s, mask)                        # P, 0 where masked; may overflow to inf
             np.matmul(s, head.v1[ks], out=inc)           # [P V, rowsum(P)]   (rows, D+1)
             if inc[:, -1].max() <= SUM_LIMIT:            # False for inf and NaN too
                 ol += inc
@@ -156,45 +146,6 @@ def _blocks(group):
             blocks.append((rows, ks, MASKED if any(kind == MASKED for _, kind in run) else FULL))
             run = [member]
     return blocks
-
-
-# -- the mask, once per block shape, on the rows that need it -----------------
-
-def clear_hidden(s, q_pos, k_pos, rule):
-    """s (R, tk) := 0 at the pairs that `rule` hides (R = len(q_pos) * G rows).
-
-    In a stack of query tiles that share a key tile, the diagonal crosses only
-    some rows (a causal block's: one tile's worth), and every head of a block
-    has the same positions: `hidden_rows` finds those rows and their mask once,
-    and only they are written."""
-    found = hidden_rows(q_pos, k_pos, rule)
-    if found is not None:
-        rows, hidden = found
-        G = len(s) // len(q_pos)
-        np.copyto(s[rows.start * G:rows.stop * G].reshape(rows.stop - rows.start, G, -1), 0,
-                  where=hidden[:, None, :])
-
-
-def hidden_rows(q_pos, k_pos, rule=True):
-    """(rows, hidden): the slice of query rows that hold a pair `rule` (a
-    `reference.masks.Mask` or causal bool) hides, from the first such row to
-    the last, and those rows' hidden pairs as a (rows, keys) bool; None when
-    every pair is visible. Cached: the key holds the rule itself (a Mask is
-    compared by identity) and the positions' bytes."""
-    return _hidden_rows(q_pos.tobytes(), k_pos.tobytes(), q_pos.dtype.str, k_pos.dtype.str, rule)
-
-
-@functools.lru_cache(maxsize=256)
-def _hidden_rows(q_bytes, k_bytes, q_dtype, k_dtype, rule):
-    q_pos, k_pos = np.frombuffer(q_bytes, q_dtype), np.frombuffer(k_bytes, k_dtype)
-    hidden = ~visible(q_pos, k_pos, rule)
-    some = np.flatnonzero(hidden.any(axis=1))
-    if len(some) == 0:
-        return None
-    rows = slice(int(some[0]), int(some[-1]) + 1)
-    hidden = hidden[rows].copy()
-    hidden.flags.writeable = False
-    return rows, hidden
 
 
 # -- worker threads and the BLAS thread count -----------------------------

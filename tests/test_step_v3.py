@@ -1,7 +1,6 @@
 """What only step version 3 (reference/step_v3.py) has: the lazy max (kept
 for ordinary scores, redone exactly when a tile would overflow, off for huge
-values), worker threads (results bit for bit the same on 1, 2 or 3), and the
-mask made once per block shape on the rows that need it.
+values) and worker threads (results bit for bit the same on 1, 2 or 3).
 Its agreement with dense is tests/test_step.py's, with every other version.
 
     .venv/bin/python -m pytest tests/test_step_v3.py -q
@@ -14,8 +13,7 @@ import pytest
 
 from conftest import LARGE_LOGITS_FACTOR, assert_close
 from reference import attention, step_v2, steps
-from reference.masks import make_mask, visible
-from reference.step_v3 import forward_units, hidden_rows
+from reference.step_v3 import forward_units
 from reference.tiles import tile_plan
 from test_step import check_against_dense, growing_scores, perm_blocks, problem, step_backward, step_forward
 
@@ -116,28 +114,3 @@ def test_workers_are_explicit():
         steps.get("v3", workers=0)
     with pytest.raises(ValueError, match="runs on the calling thread"):
         steps.get("v1", workers=2)
-
-
-@pytest.mark.parametrize("rule", [True, False, make_mask(window=5), make_mask(cu_seqlens=[0, 7, 9, 20, 40])],
-                         ids=["causal", "none", "window", "documents"])
-def test_hidden_rows_are_exactly_the_rows_with_a_hidden_pair(rule):
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        q_pos, k_pos = np.sort(rng.choice(40, 12, replace=False)), np.sort(rng.choice(40, 9, replace=False))
-        hidden = ~visible(q_pos, k_pos, rule)
-        found = hidden_rows(q_pos, k_pos, rule)
-        if not hidden.any():
-            assert found is None
-            continue
-        rows, got = found
-        some = np.flatnonzero(hidden.any(axis=1))
-        assert (rows.start, rows.stop) == (some[0], some[-1] + 1)
-        np.testing.assert_array_equal(got, hidden[rows])
-
-
-def test_a_stack_of_query_tiles_masks_only_the_diagonal_tiles_rows():
-    # a striped block of 16 queries by the 4-key tile that its first query
-    # tile crosses: the three query tiles below see every key of it
-    pos = np.arange(16) * 4 + 1
-    rows, hidden = hidden_rows(pos, pos[:4] + 2)       # keys one device later: strictly lower
-    assert (rows.start, rows.stop) == (0, 4) and hidden.shape == (4, 4)
