@@ -339,6 +339,18 @@ def _make_step(name, threads):
     return steps.get(step.name, workers=threads) if step.takes_workers else step
 
 
+def blas_limit_note(env=None, cores=None):
+    """A warning when the environment holds BLAS below the cores (the matmul
+    rate is then a share of the machine, and the ratios are inflated), else ''."""
+    env, cores = os.environ if env is None else env, os.cpu_count() if cores is None else cores
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = env.get(name, "").strip()
+        if value.isdigit() and int(value) < cores:
+            return (f"**{name}={value} was set:** the matmul rate above is that of {value} of the {cores} cores, "
+                    "so the shares below are not of the machine's rate; run without it.")
+    return ""
+
+
 def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=None):
     target = points[0]
     workers = getattr(step, "workers", 1)
@@ -360,6 +372,7 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=No
         f"attention on {CHECK_ROWS} sampled query rows (last column: largest error over the "
         "largest reference value).",
         "",
+        *([blas_limit_note(), ""] if blas_limit_note() else []),
         f"**Target (S = {sweep.target_s}, D = {TARGET_D}, tile {_tile_label(None)}):** forward "
         f"{target['fwd']:.0%} of matmul (target {FORWARD_TARGET:.0%}: "
         f"{'met' if target['fwd'] >= FORWARD_TARGET else 'NOT met'}), backward {target['bwd']:.0%} "
@@ -412,6 +425,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads of steps that take them (default: one per core)")
     args = ap.parse_args(argv)
+    if blas_limit_note():
+        print(f"  kernel: {blas_limit_note()}", file=sys.stderr, flush=True)
     text, pngs = run(quick=not args.full, results_dir=args.results, step=args.step, threads=args.threads,
                      progress=lambda msg: print(f"  kernel: {msg}", file=sys.stderr, flush=True))
     print(text)

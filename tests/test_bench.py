@@ -243,6 +243,17 @@ def test_kernel_section_smoke(tmp_path):
     assert len(pngs) == 2 and all(Path(p).stat().st_size > 0 for p in pngs)
 
 
+def test_kernel_says_when_blas_is_held_below_the_cores():
+    """OPENBLAS_NUM_THREADS=1 on a 2-core machine makes the matmul rate one core's:
+    the report says so instead of printing inflated shares silently."""
+    from bench.kernel import blas_limit_note
+    note = blas_limit_note({"OPENBLAS_NUM_THREADS": "1"}, cores=2)
+    assert "OPENBLAS_NUM_THREADS=1 was set" in note and "1 of the 2 cores" in note
+    assert "OMP_NUM_THREADS=3" in blas_limit_note({"OMP_NUM_THREADS": "3"}, cores=4)
+    assert blas_limit_note({}, cores=2) == ""
+    assert blas_limit_note({"OPENBLAS_NUM_THREADS": "2"}, cores=2) == ""
+
+
 def test_kernel_check_catches_a_wrong_step():
     """The error column is a real check: a step that drops a tile shows a large error."""
     from bench import kernel
