@@ -101,15 +101,17 @@ def machine_line(cupy):
             f"CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}.")
 
 
-def timed(cupy, fn, repeat=5):
-    """Best wall time of fn() over `repeat` runs, after one warm-up, GPU synchronized."""
+def timed(synchronize, fn, repeat=5):
+    """Best wall time of fn() over `repeat` runs, after one warm-up; `synchronize()`
+    waits for the GPU (CuPy's ``cupy.cuda.Device().synchronize``, torch's
+    ``torch.cuda.synchronize``)."""
     fn()
-    cupy.cuda.Device().synchronize()
+    synchronize()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        cupy.cuda.Device().synchronize()
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -117,7 +119,7 @@ def timed(cupy, fn, repeat=5):
 def matmul_tflops(cupy, n, dtype):
     """cuBLAS rate of an n x n x n matmul (2 n^3 FLOPs), TFLOP/s."""
     a, b = (cupy.asarray(np.random.default_rng(i).standard_normal((n, n)), dtype=dtype) for i in (0, 1))
-    return 2 * n ** 3 / timed(cupy, lambda: a @ b) / 1e12
+    return 2 * n ** 3 / timed(cupy.cuda.Device().synchronize, lambda: a @ b) / 1e12
 
 
 def blas_table(blas):
@@ -154,7 +156,7 @@ def step_table(cupy, cfg, blas32):
                              (f"fused v{fused.VERSION}, tile {fused.DEFAULT_TILE}", steps.get("fused"), None)):
         queries, block = inputs(np.float32)
         got = cupy.asnumpy(finish_forward(run(step, queries, block, tile))[0])
-        seconds = timed(cupy, lambda: run(step, queries, block, tile), repeat=3)
+        seconds = timed(cupy.cuda.Device().synchronize, lambda: run(step, queries, block, tile), repeat=3)
         rate = useful / seconds / 1e12
         rows.append([name, f"{np.abs(got - want).max():.1e}", f"{seconds * 1e3:.2f}", f"{rate:.2f}",
                      f"{rate / blas32:.0%}"])
@@ -291,16 +293,7 @@ def torch_sdpa(cfg):
     times = {}
     for name, dt in (("float32", torch.float32), ("float16", torch.float16)):
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dt) for _ in range(3))
-        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)   # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        times[name] = best
+        times[name] = timed(torch.cuda.synchronize, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     return times
 
 

@@ -353,6 +353,7 @@ def blas_limit_note(env=None, cores=None):
 
 def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=None):
     target = points[0]
+    blas_note = blas_limit_note()
     workers = getattr(step, "workers", 1)
     mode = {QUICK: "quick", FULL: "full"}.get(sweep, "custom")
     lines = [
@@ -372,7 +373,7 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=No
         f"attention on {CHECK_ROWS} sampled query rows (last column: largest error over the "
         "largest reference value).",
         "",
-        *([blas_limit_note(), ""] if blas_limit_note() else []),
+        *([blas_note, ""] if blas_note else []),
         f"**Target (S = {sweep.target_s}, D = {TARGET_D}, tile {_tile_label(None)}):** forward "
         f"{target['fwd']:.0%} of matmul (target {FORWARD_TARGET:.0%}: "
         f"{'met' if target['fwd'] >= FORWARD_TARGET else 'NOT met'}), backward {target['bwd']:.0%} "
@@ -425,8 +426,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads of steps that take them (default: one per core)")
     args = ap.parse_args(argv)
-    if blas_limit_note():
-        print(f"  kernel: {blas_limit_note()}", file=sys.stderr, flush=True)
+    note = blas_limit_note()
+    if note:
+        print(f"  kernel: {note}", file=sys.stderr, flush=True)
     text, pngs = run(quick=not args.full, results_dir=args.results, step=args.step, threads=args.threads,
                      progress=lambda msg: print(f"  kernel: {msg}", file=sys.stderr, flush=True))
     print(text)

@@ -392,7 +392,7 @@ def rates(ctx):
         for name, step, tile in (("v1 (readable), tile 1024", steps.get("v1"), 1024),
                                  ("fused v1, its tile", steps.get("fused"), None)):
             b = ring.as_dtype(block, np.float32, step)
-            seconds = gpu_bench.timed(cupy, lambda: step.forward(ForwardAcc.zeros(queries.q), queries, b,
+            seconds = gpu_bench.timed(cupy.cuda.Device().synchronize, lambda: step.forward(ForwardAcc.zeros(queries.q), queries, b,
                                                                  causal=True, tile_size=tile), repeat=3)
             rows.append((head_dim, name, seconds, useful / seconds / 1e12))
         flash = torch_flash(c, hq, hkv, head_dim)
@@ -421,15 +421,8 @@ def torch_flash(c, hq, hkv, head_dim):
     def fn():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             F.scaled_dot_product_attention(q, k, v)
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    from bench import gpu_bench
+    return gpu_bench.timed(torch.cuda.synchronize, fn)
 
 
 STEPS = {"environment": environment, "race probe": race_probe, "GPU tests": gpu_tests,
