@@ -82,15 +82,19 @@ def _kernel(head_dim, tq, tk, kv_half):
 
 class DevicePositions:
     """Positions on the GPU, uploaded once per distinct array: a NumPy array is
-    looked up by its length and ends, and used only if its contents are equal
-    (a cheap host compare, no device sync); at most `size` kept, oldest dropped."""
+    looked up by its dtype, length and ends, and used only if its contents are
+    equal (a cheap host compare, no device sync); at most `size` kept, oldest
+    dropped. Integer arrays keep their dtype (int32 bounds and tile kinds of
+    version 2); anything else becomes int64."""
 
     def __init__(self, size=64):
         self.size, self._kept, self.uploads = size, {}, 0
 
     def get(self, xp, pos):
-        pos = np.asarray(pos, dtype=np.int64)
-        key = (pos.size, int(pos[0]), int(pos[-1])) if pos.size else (0,)
+        pos = np.asarray(pos)
+        if pos.dtype not in (np.int8, np.int32, np.int64):
+            pos = pos.astype(np.int64)
+        key = (pos.dtype.str, pos.size, int(pos.flat[0]), int(pos.flat[-1])) if pos.size else (pos.dtype.str, 0)
         for host, device in self._kept.get(key, ()):
             if np.array_equal(host, pos):
                 return device

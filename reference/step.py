@@ -67,6 +67,8 @@ class Queries:
     q: object            # (B, Hkv, c, G, D)
     pos: np.ndarray      # (c,) int64
     mask: object = CAUSAL
+    scale: object = None  # the scale q carries (None: not known); a kernel that rounds q
+                          # to 16 bits takes it off first (gpu_impl.fused_v2)
 
     @classmethod
     def prepare(cls, q, n_kv_heads, q_pos, scale):
@@ -74,7 +76,8 @@ class Queries:
         acc = accumulate_dtype(q.dtype)
         # Hazard: q_to_heads returns a view of the caller's q when no transpose or
         # cast is needed, so scale into a new array, never in place.
-        return cls(q=q_to_heads(q, n_kv_heads, dtype=acc) * acc(scale), pos=np.asarray(q_pos))
+        return cls(q=q_to_heads(q, n_kv_heads, dtype=acc) * acc(scale), pos=np.asarray(q_pos),
+                   scale=float(scale))
 
 
 class KVBlock(NamedTuple):
