@@ -15,6 +15,7 @@ Adding a version adds one line to `STEPS`.
 | ``v3`` | reference/step_v3.py | NumPy: lazy max, taller products, worker threads |
 | ``v4`` | reference/step_v4.py | NumPy: masked tiles in sub-tiles (a diagonal tile costs a full one) |
 | ``fused`` | gpu_impl/fused.py | CuPy: the forward as one CUDA kernel (forward only) |
+| ``fused_v2`` | gpu_impl/fused_v2.py | CuPy: the forward on the tensor cores, float16 (forward only) |
 """
 
 import importlib
@@ -28,6 +29,7 @@ STEPS = {
     "v3": "reference.step_v3:LazyThreadedStep",
     "v4": "reference.step_v4:SubTiledStep",
     "fused": "gpu_impl.fused:FusedStep",
+    "fused_v2": "gpu_impl.fused_v2:TensorCoreStep",
 }
 ALIASES = {"readable": "v1"}
 AUTO = {"numpy": "v3", "cupy": "v1"}     # the fastest validated step per array module
@@ -50,7 +52,7 @@ def get(step=DEFAULT, *, xp=None, workers=None):
         return cls()
     if not cls.takes_workers:
         raise ValueError(f"step {cls.name!r} runs on the calling thread; workers={workers!r} applies to "
-                         f"{[n for n in STEPS if n != 'fused' and get(n).takes_workers]}")
+                         f"{[n for n in STEPS if 'cupy' not in get(n).array_modules and get(n).takes_workers]}")
     return cls(workers=workers)
 
 

@@ -28,7 +28,7 @@ from reference.step_v4 import SubTiledStep
 # v4 with sub-tiles small enough to cut these small tiles
 OPTIONS = {"v3 with 2 workers": lambda: steps.get("v3", workers=2),
            "v4 with sub-tiles of 3": lambda: SubTiledStep(workers=2, sub=3)}
-STEPS = [name for name in steps.STEPS if name != "fused"] + list(OPTIONS)
+STEPS = [name for name in steps.STEPS if "numpy" in steps.get(name).array_modules] + list(OPTIONS)
 
 
 @pytest.fixture(params=STEPS)

@@ -151,6 +151,7 @@ struct Fiber {
     At at = At::Running;
     // what it waits at: a warp-level operation's inputs and where its result goes
     Op op = Op::None;
+    int line = 0;                                    // of the kernel's source: which operation
     float value = 0.0f;
     int source = 0, predicate = 0;
     const void* in_a = nullptr;
@@ -401,8 +402,9 @@ bool run_warp(size_t w)
         }
         Fiber* lanes = &fibers[first];
         for (int lane = 1; lane < 32; ++lane)
-            if (lanes[lane].op != lanes[0].op) {
-                fail("warp " + std::to_string(w) + ": lanes at different warp-level operations");
+            if (lanes[lane].op != lanes[0].op || lanes[lane].line != lanes[0].line) {
+                fail("warp " + std::to_string(w) + ": lanes at different warp-level operations (lines " +
+                     std::to_string(lanes[0].line) + " and " + std::to_string(lanes[lane].line) + ")");
                 return false;
             }
         ++warp_ops;
@@ -509,9 +511,10 @@ int launch(Index3 grid, unsigned threads, size_t smem_bytes, std::function<void(
 
 // -- what the kernel calls ---------------------------------------------------------------
 
-void post(Op op)
+void post(Op op, int line)
 {
     current->op = op;
+    current->line = line;
     block_here(At::WarpOp);
 }
 
@@ -553,42 +556,37 @@ inline int __syncthreads_or(int predicate)
     return result;
 }
 
-inline float __shfl_sync(unsigned, float value, int source)
+// The warp-level operations take the line of the kernel's source they are
+// called from, so that lanes at different operations are told apart.
+inline float emu_shfl(float value, int source, int line)
 {
     float result;
     emu::current->value = value;
     emu::current->source = source;
     emu::current->out = &result;
-    emu::post(emu::Op::Shuffle);
+    emu::post(emu::Op::Shuffle, line);
     return result;
 }
+#define __shfl_sync(mask, value, source) emu_shfl(value, source, __LINE__)
+#define __shfl_xor_sync(mask, value, lane_mask) emu_shfl(value, int(::emu::current->index % 32) ^ (lane_mask), __LINE__)
 
-inline float __shfl_xor_sync(unsigned, float value, int lane_mask)
-{
-    return __shfl_sync(0xffffffffu, value, int(emu::current->index % 32) ^ lane_mask);
-}
-
-inline void mma_m16n8k16(float d[4], const unsigned a[4], const unsigned b[2])
+inline void emu_mma(float d[4], const unsigned a[4], const unsigned b[2], int line)
 {
     emu::current->in_a = a;
     emu::current->in_b = b;
     emu::current->out = d;
-    emu::post(emu::Op::Mma);
+    emu::post(emu::Op::Mma, line);
 }
+#define mma_m16n8k16(d, a, b) emu_mma(d, a, b, __LINE__)
 
-inline void ldmatrix_x4(unsigned r[4], const void* row)
+inline void emu_ldmatrix(unsigned r[4], const void* row, bool trans, int line)
 {
     emu::current->in_a = row;
     emu::current->out = r;
-    emu::post(emu::Op::LdMatrix);
+    emu::post(trans ? emu::Op::LdMatrixTrans : emu::Op::LdMatrix, line);
 }
-
-inline void ldmatrix_x4_trans(unsigned r[4], const void* row)
-{
-    emu::current->in_a = row;
-    emu::current->out = r;
-    emu::post(emu::Op::LdMatrixTrans);
-}
+#define ldmatrix_x4(r, row) emu_ldmatrix(r, row, false, __LINE__)
+#define ldmatrix_x4_trans(r, row) emu_ldmatrix(r, row, true, __LINE__)
 
 inline void cp_async(void* dst, const void* src, int bytes, bool valid)
 {

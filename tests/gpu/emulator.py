@@ -35,8 +35,22 @@ class EmulatorError(RuntimeError):
     """A launch the emulator refused: a deadlock, a misaligned or out-of-bounds address..."""
 
 
-def _compiler_version():
-    return subprocess.run([GXX, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+def _version(tool):
+    return subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+def _kept(name, parts, produce):
+    """CACHE/name-<hash of parts>: made by produce(path) into a temporary folder
+    and moved in whole (sessions side by side share it), unless already there."""
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    kept = CACHE / f"{name}-{key}"
+    if not kept.exists():
+        with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+            part = Path(tmp) / "out"
+            produce(part)
+            os.replace(part, kept)
+    return kept
 
 
 def build_command(source, options, version, out):
@@ -49,22 +63,30 @@ def build(source, options, version, *, text=None):
     """Path of the library for this kernel `source` (or its `text`, for a
     variant with a planted bug) and options; compiled if not already kept."""
     text = Path(source).read_text() if text is None else text
-    key = hashlib.sha256("\0".join([EMULATOR.read_text(), text, *options, str(version), *FLAGS,
-                                    _compiler_version()]).encode()).hexdigest()[:20]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    lib = CACHE / f"v{version}-{key}.so"
-    if lib.exists():
-        return lib
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        kernel = Path(tmp) / Path(source).name
+
+    def compile_to(out):
+        kernel = out.parent / Path(source).name
         kernel.write_text(text)
-        part = Path(tmp) / "lib.so"
-        proc = subprocess.run(build_command(kernel, options, version, part), capture_output=True, text=True,
+        proc = subprocess.run(build_command(kernel, options, version, out), capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"the emulator does not compile:\n{proc.stderr[-4000:]}")
-        os.replace(part, lib)                       # whole or not at all, for sessions side by side
-    return lib
+    return _kept(f"v{version}.so", [EMULATOR.read_text(), text, *options, str(version), *FLAGS, _version(GXX)],
+                 compile_to)
+
+
+def nvcc_cubin(nvcc, source, options, arch="sm_90"):
+    """(cubin path, ptxas -v report) of the kernel compiled by nvcc, kept like the builds."""
+    def compile_to(out):
+        out.mkdir()
+        proc = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *options, "-o",
+                               str(out / "kernel.cubin"), str(source)], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc fails:\n{proc.stderr[-4000:]}")
+        (out / "ptxas.txt").write_text(proc.stderr)
+    kept = _kept("nvcc", [Path(source).read_text(), *options, arch, _version(nvcc)], compile_to)
+    return kept / "kernel.cubin", (kept / "ptxas.txt").read_text()
 
 
 def load(lib):
