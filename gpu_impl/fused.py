@@ -24,7 +24,10 @@ bounds). Positions are uploaded once per distinct array and kept on the GPU
 (`DevicePositions`): the queries' every round, and each block's in every later
 call. A tile is TQ queries of one query head by TK keys; the default (64, 32)
 fits D <= 128 in 48 KiB of shared memory (the command line uses it when no
---tile-size is given). The kernel follows reference/step.py's NaN rule.
+--tile-size is given). The kernel follows reference/step.py's NaN rule, with
+float32 subnormals flushed to zero as CuPy compiles kernels (-ftz=true): a
+weight below 2^-126 at a visible inf in V gives NaN (0 x inf) where NumPy's
+readable step gives inf (the kernel's header says so).
 Version 1 is correct and simple, not fast: one thread per row, no tensor
 cores, no GQA sharing of the K/V tile across the G query heads.
 """

@@ -39,6 +39,10 @@ Rows without a visible key and NaN (DESIGN.md):
   contributes nothing even when one of its values is NaN or inf: 0 x NaN = NaN,
   so a product whose left factor is 0 at masked pairs goes through
   `masked_product` when the block holds a non-finite value.
+- flushing: CuPy compiles kernels with -ftz=true, so in gpu_impl's fused
+  kernels a float32 below 2^-126 is 0. A visible weight exp(S - m) that small
+  (S - m below about -87.3) at a key whose V is inf gives 0 x inf = NaN there,
+  where this step on NumPy gives inf; nothing else in this rule changes.
 
 Shapes: the compute layout of `reference.heads`: q (B, Hkv, c, G, D), k, v
 (B, Hkv, ck, D), m, l, lse (B, Hkv, c, G). A tile of ``tq`` queries is the view

@@ -662,7 +662,9 @@ def emulated_kernels(tmp_path_factory):
     for key, (lib, proc) in builds.items():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
-        kernels[key] = ctypes.CDLL(str(lib)).launch_attend_block_v1
+        library = ctypes.CDLL(str(lib))
+        kernels[key] = library.launch_attend_block_v1
+        kernels[key].library = library                  # emu_last_error, emu_flush_to_zero
     return kernels
 
 
@@ -677,7 +679,9 @@ def emulated_attend_block(launch, acc, queries, block, *, causal, tile):
     pointers = [x.ctypes.data_as(ctypes.c_void_p) for x in arrays + [acc.o, acc.m, acc.l]]
     ints = [ctypes.c_int(i) for i in (c, block.k.shape[2], G, int(causal))]
     grid = [ctypes.c_int(i) for i in ((c + tile[0] - 1) // tile[0], G, B * Hkv)]
-    launch(*grid, *pointers, *ints)
+    if launch(*grid, *pointers, *ints) != 0:
+        launch.library.emu_last_error.restype = ctypes.c_char_p
+        raise RuntimeError(f"emulated launch: {launch.library.emu_last_error().decode()}")
 
 
 def plain_and_emulated(launch, case, tile, inputs=None):
@@ -769,6 +773,38 @@ def test_fused_kernel_emulated_nan_and_inf_reach_what_they_reach(emulated_kernel
                                             (q, k, v, dout))
     assert_same_nan_rule(o1, o0, f"out of {case}, {specials}")
     assert_same_nan_rule(l1, l0, f"lse of {case}, {specials}")
+
+
+def test_fused_kernel_emulated_flushes_subnormals(emulated_kernels):
+    """CuPy compiles kernels with -ftz=true, so float32 values below 2^-126 are
+    0 on the GPU. The one case of the NaN rule that changes: a weight
+    exp(S - m) = exp(-95) = 5.5e-42 at a key whose V is inf gives 0 x inf = NaN
+    in the kernel, where NumPy's readable step gives 5.5e-42 x inf = inf. The
+    emulator flushes as the GPU does; told not to, it gives the readable step's inf."""
+    head_dim, tile, dtype = EMULATED[0]
+    launch = emulated_kernels[head_dim, tile, dtype]
+    q = np.zeros((1, 1, 1, 1, head_dim), np.float32)
+    q[..., 0] = 1.0                                       # scale 1: scores are k[..., 0]
+    k = np.zeros((1, 1, 2, head_dim), np.float32)
+    k[0, 0, 1, 0] = -95.0
+    v = np.ones((1, 1, 2, head_dim), np.float32)
+    v[0, 0, 1, 0] = np.inf
+    queries, block = Queries(q, np.array([5])), ring.KVBlock(k, v, np.array([0, 1]), np.array([0]))
+    outs = {}
+    for name, flush in (("readable", None), ("flushed", 1), ("not flushed", 0)):
+        acc = ForwardAcc.zeros(q)
+        acc.seen[:] = True
+        with np.errstate(invalid="ignore"):
+            if flush is None:
+                ReadableStep().forward(acc, queries, block, causal=True, tile_size=tile)
+            else:
+                launch.library.emu_flush_to_zero(flush)
+                try:
+                    emulated_attend_block(launch, acc, queries, block, causal=True, tile=tile)
+                finally:
+                    launch.library.emu_flush_to_zero(1)
+            outs[name] = finish_forward(acc)[0][0, 0, 0, 0, 0]
+    assert np.isposinf(outs["readable"]) and np.isnan(outs["flushed"]) and np.isposinf(outs["not flushed"])
 
 
 def test_fused_launch_checks_shapes_and_positions():

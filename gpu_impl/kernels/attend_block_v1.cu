@@ -33,6 +33,13 @@
 // P is exp(-inf) = 0 rather than NaN. A row with no visible key keeps m = -inf,
 // l = 0, o = 0 (the caller's finish gives out 0, lse -inf).
 //
+// Flushing. CuPy compiles kernels with -ftz=true: float32 values below 2^-126
+// are read and written as 0. So a weight P = exp(S - m) with S - m below about
+// -87.3 is 0 here where NumPy's readable step keeps a subnormal: where V holds
+// inf at such a key, out is NaN (0 x inf) here and inf there. Every other case
+// of the rule is the same. (The CPU emulation, tests/gpu/emulate_cuda.cpp,
+// flushes likewise.)
+//
 // Compile-time sizes (nvcc -D or NVRTC options): HEAD_DIM, TQ, TK.
 // Check: nvcc -arch=sm_90 -cubin -DHEAD_DIM=64 gpu_impl/kernels/attend_block_v1.cu
 
