@@ -42,6 +42,7 @@ SECTIONS = {
     "model": ("bench.model_step", "The whole model: training-step speed-up on MPI ranks"),
     "masks": ("bench.masks", "Packed documents and sliding windows"),
     "gpu": ("bench.gpu_bench", "GPU"),
+    "gpu_kernel": ("bench.gpu_kernel", "The tensor-core kernel, read before it runs"),
 }
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # they change BLAS timings
 HEARTBEAT_S = 30     # a line on stderr this often while a long section runs

@@ -16,12 +16,15 @@ BENCHMARKS.md includes through `bench.gpu_bench`):
  3. GPU tests       tests/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
                     GPU, both transfer paths, the fused kernel; any skip fails;
  4. fused kernel    against the readable step at D = 64 and 128, GQA, float16 and float32;
- 5. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
+ 5. tensor cores    fused v2 against the readable step (D = 64 and 128, float16 and
+                    bfloat16, GQA, masks), then timed beside v1 and torch's flash
+                    attention on one block (bench.gpu_kernel.gpu_check);
+ 6. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
                     checks on the CPU in float64, so 2 query heads);
- 6. trace           per round and rank: the step's GPU time and the GPU's idle
+ 7. trace           per round and rank: the step's GPU time and the GPU's idle
                     time before the next step, at 8 query heads: do transfers overlap?;
- 7. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
- 8. rates           plain and fused steps against torch's flash attention, one block.
+ 8. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
+ 9. rates           plain and fused steps against torch's flash attention, one block.
 
 Exit status: 0 every step passed; 1 a step failed; 2 no GPU (nothing was checked).
 """
@@ -216,7 +219,16 @@ def fused_against_readable(ctx):
     return Result(ok, head + "\n".join(rows))
 
 
-# -- 5, 6. the command line -------------------------------------------------------------------
+# -- 5. the tensor-core kernel -------------------------------------------------------------
+
+def tensor_cores(ctx):
+    """fused v2 checked against the readable step on the GPU, then timed (bench.gpu_kernel)."""
+    from bench import gpu_kernel
+    ok, text = gpu_kernel.gpu_check(dry=ctx.dry)
+    return Result(ok, text)
+
+
+# -- 6, 7. the command line -------------------------------------------------------------------
 
 def parse_cli(args):
     """gpu_impl's parser and mpi_impl's option check on these arguments (no MPI, no GPU)."""
@@ -329,7 +341,7 @@ def example_trace_doc():
     return {"layouts": {"striped": {"forward": tr}}}
 
 
-# -- 7. compute-sanitizer -------------------------------------------------------------------
+# -- 8. compute-sanitizer -------------------------------------------------------------------
 
 def one_fused_launch():
     """One small fused launch per K/V dtype (what the sanitizer watches): a
@@ -370,7 +382,7 @@ def sanitizer(ctx):
     return Result(ok, "\n\n".join(parts))
 
 
-# -- 8. rates --------------------------------------------------------------------------------
+# -- 9. rates --------------------------------------------------------------------------------
 
 def rates(ctx):
     """One block pair, every tile visible: RATE_BLOCK queries x keys, Hq = 8, Hkv = 2, float16."""
@@ -426,9 +438,11 @@ def torch_flash(c, hq, hkv, head_dim):
 
 
 STEPS = {"environment": environment, "race probe": race_probe, "GPU tests": gpu_tests,
-         "fused kernel": fused_against_readable, "command line": command_line, "trace": trace,
+         "fused kernel": fused_against_readable, "tensor cores": tensor_cores, "command line": command_line,
+         "trace": trace,
          "sanitizer": sanitizer, "rates": rates}
 SHORT = {"environment": "env", "race probe": "race", "GPU tests": "tests", "fused kernel": "fused",
+         "tensor cores": "tensor",
          "command line": "cli", "trace": "trace", "sanitizer": "sanitizer", "rates": "rates"}
 
 

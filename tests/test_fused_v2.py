@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -489,6 +490,28 @@ def test_v2_checks_what_it_is_given():
     with pytest.raises(ValueError, match=r"positions in \[0, 2\*\*31"):
         fused_v2.plan_launch(good[0], good[1]._replace(pos=np.arange(6) + 2 ** 31), CAUSAL,
                              Config(64, 2, 32, False), np.ones((1, 1), np.int8))
+
+
+class NumpyAsCupy:
+    """NumPy in CuPy's place, for the GPU check's Python on the CPU."""
+    asarray = staticmethod(np.asarray)
+    asnumpy = staticmethod(np.asarray)
+    cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: None))
+
+
+def test_gpu_check_step_runs_on_the_cpu(libraries):
+    """bench.gpu_kernel's step of make gpu-check with the emulated kernel and
+    NumPy as the GPU, at small sizes: its Python has run, and passes, before a
+    GPU's time is spent on it."""
+    from bench import gpu_kernel
+
+    def make(kv_format):
+        return emulator.EmulatedTensorCoreStep({c: libraries[c] for c in DEFAULTS}, kv_format=kv_format)
+    ok, text = gpu_kernel.check_against_readable(NumpyAsCupy, seq=256, make_v2=make)
+    assert ok and text.count("| ok |") == 8, text
+    table = gpu_kernel.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1)
+    assert table.count("fused v2 (tensor cores)") == 4 and table.count("the kernel alone") == 4, table
+    assert gpu_kernel.gpu_check(dry=True)[0]
 
 
 # -- compiled for sm_90 ----------------------------------------------------------------------

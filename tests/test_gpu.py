@@ -860,8 +860,8 @@ def test_fused_kernel_is_a_registered_forward_only_step():
 # -- make gpu-check and the benchmark, without a GPU ----------------------------------
 
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
-GPU_CHECK_STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "command line", "trace",
-                   "sanitizer", "rates")
+GPU_CHECK_STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "tensor cores", "command line",
+                   "trace", "sanitizer", "rates")
 
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
