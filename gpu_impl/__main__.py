@@ -53,10 +53,11 @@ def backend(args, comm, index):
 
 def parse(argv=None):
     """(parser, args), the tile defaulting to the step's own: the fused kernel's
-    (fused.DEFAULT_TILE, which fits its shared memory), else mpi_impl's."""
+    (fused.DEFAULT_TILE, which fits its shared memory), None for fused_v2 (its
+    kernel's, per head dim), else mpi_impl's."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.tile_size is None:
+    if args.tile_size is None and args.step != "fused_v2":
         args.tile_size = fused.DEFAULT_TILE if args.step == "fused" else DEFAULT_TILE
         parser.set_defaults(tile_size=args.tile_size)      # cli.main parses again
     return parser, args

@@ -27,7 +27,6 @@ from mpi_impl import agree
 from mpi_impl.comm import RingComm
 from reference import steps
 
-from . import fused
 from .device import CupyDevice, require_cupy, use_local_device
 from .transfer import choose_transfer, memory_for
 
@@ -37,8 +36,9 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     """Exact attention of this rank's query shard to every rank's keys:
     `mpi_impl.ring_attention` on CuPy arrays. Returns (out, lse), and the trace
     as mpi_impl does for ``trace=True`` or ``"rank"``. `transfer`: "auto" (ask
-    MPI), "staged", "cuda-aware" or "cuda-aware-unchecked"; `step`: "auto" (v1
-    on CuPy), "v1", "fused" or a `reference.step.Step`; `seq_len` and the mask
+    MPI), "staged", "cuda-aware" or "cuda-aware-unchecked"; `step`: "auto"
+    (float16: "fused_v2" where it takes the call, else "v1"), "v1", "fused",
+    "fused_v2" or a `reference.step.Step`; `seq_len` and the mask
     options (window, cu_seqlens, segment_ids, dropout, seed) as in mpi_impl. Collective."""
     device, make_ring = _gpu_ring(comm, (q, k, v), (), transfer=transfer, step=step, tile_size=tile_size)
     with device:
@@ -71,10 +71,7 @@ def _gpu_ring(comm, qkv, grads, *, transfer, step, tile_size):
         cupy = found["cupy"] = require_cupy()
         _check_arrays(cupy, qkv + grads)
         found["path"], _ = choose_transfer(transfer)
-        chosen = steps.check_step(step, cupy, backward=bool(grads))
-        if chosen.name == "fused":
-            fused.check_dtype(qkv[0].dtype)
-            fused.fused_tile(tile_size, qkv[0].shape[-1])
+        steps.check_step(step, cupy, backward=bool(grads), call=steps.call_of(qkv[0], qkv[1], tile_size))
         return dict(transfer=found["path"])
 
     agree(comm, describe)

@@ -123,6 +123,17 @@ class FusedStep(Step):
     def tile(self, tile_size, head_dim):
         return fused_tile(tile_size, head_dim)
 
+    def refuses(self, call):
+        """Its dtypes (float16, float32) and tiles that fit its shared memory."""
+        try:
+            if call.dtype is not None:
+                check_dtype(call.dtype)
+            if call.head_dim is not None:
+                fused_tile(call.tile_size, call.head_dim)
+        except ValueError as e:
+            return str(e)
+        return None
+
     def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
         """Plan and count as every step does (the kernel skips the same tiles by
         itself), then launch the kernel over the whole block. The kernel knows

@@ -177,6 +177,18 @@ class TensorCoreStep(Step):
             raise ValueError(f"kv_format must be None, 'float16' or 'bfloat16', got {kv_format!r}")
         self.kv_format = kv_format
 
+    def refuses(self, call):
+        """float16 or bfloat16 inputs, D = 64 or 128, a tile it has (`kernel_config`)."""
+        if call.dtype is not None and call.dtype not in ("float16", "bfloat16"):
+            return (f"step 'fused_v2' takes float16 or bfloat16 inputs, got {call.dtype}; use step='v1' "
+                    "(or 'auto')")
+        if call.head_dim is not None:
+            try:
+                kernel_config(call.tile_size, call.head_dim, call.group or 1)
+            except ValueError as e:
+                return str(e)
+        return None
+
     def tile(self, tile_size, head_dim):
         """(tq, BN) of a call with one query head per key/value head."""
         config = kernel_config(tile_size, head_dim, 1)

@@ -117,6 +117,7 @@ def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, step="auto
                                  head_dim=D)
     mask = shard_mask(c, n, layout, causal, seq_len, mask_options)
     chosen = steps.check_step(step, array_module(q), backward=kind == "backward", dropout=mask.dropout,
+                              call=steps.call_of(q, k, tile_size),
                               plain_mask=mask.causal_only)
     if found is not None:
         found["step"], found["mask"] = chosen, mask

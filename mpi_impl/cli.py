@@ -276,10 +276,15 @@ def tile_arg(text):
 def make_steps(args, backend):
     """(forward Step, backward Step) for --step and --threads: a step without a
     backward (the fused kernel) leaves the backward to "auto"."""
-    forward = steps.get("v1" if args.dropout and args.step == "auto" else args.step, xp=backend.array_module)
+    xp = backend.array_module
+    call = steps.Call(args.dtype, args.head_dim, args.heads // (args.kv_heads or args.heads), args.tile_size)
+    # "auto" from what the call is (float16 on CuPy: the tensor-core kernel where it takes the call);
+    # a named step as it is (the library's checks say what it cannot take)
+    forward = (steps.check_step("auto", xp, dropout=bool(args.dropout), call=call) if args.step == "auto"
+               else steps.get(args.step, xp=xp))
     if args.threads > 1 and forward.takes_workers:
         forward = steps.get(forward.name, workers=args.threads)
-    backward = forward if forward.has_backward else steps.get("auto", xp=backend.array_module)
+    backward = forward if forward.has_backward else steps.check_step("auto", xp, backward=True, call=call)
     return forward, backward
 
 

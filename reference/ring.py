@@ -45,7 +45,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step=None, ma
     """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
     `step`: a `reference.step.Step` or a name of `reference.steps` (None: "auto")."""
     mask = resolve(mask, causal)
-    step, n = _step(step, q, dropout=mask.dropout), comm.size
+    step, n = _step(step, q, k, tile_size, dropout=mask.dropout), comm.size
     log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
@@ -76,7 +76,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
     to the device that owns those keys. Returns (dq, dk, dv) in the user
     layout, and a RoundLog."""
     mask = resolve(mask, causal)
-    step, n = _step(step, q, backward=True, dropout=mask.dropout), comm.size
+    step, n = _step(step, q, k, tile_size, backward=True, dropout=mask.dropout), comm.size
     log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     acc = queries.q.dtype
@@ -112,8 +112,9 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
 
 # -- pieces of the loops ---------------------------------------------------
 
-def _step(step, q, backward=False, dropout=False):
-    return steps.check_step("auto" if step is None else step, array_module(q), backward=backward,
+def _step(step, q, k, tile_size, backward=False, dropout=False):
+    return steps.check_step("auto" if step is None else step, array_module(q), call=steps.call_of(q, k, tile_size),
+                            backward=backward,
                             dropout=dropout)
 
 

@@ -166,6 +166,13 @@ class Step:
     has_dropout = False                  # True: its tiles apply `masks.keep_weights`
     takes_workers = False                # True: its constructor takes `workers` threads
     takes_masks = True                   # False: causal=True/False only (reference.masks' plain)
+    dtypes = ()                          # the input dtypes "auto" may pick it for (empty: any)
+
+    def refuses(self, call):
+        """Why this version cannot take a call (`reference.steps.Call`: dtype,
+        head dim, query heads per key/value head, tile size; None where not
+        known), as a sentence for a ValueError, or None."""
+        return None
 
     def tile(self, tile_size, head_dim):
         """The (tq, tk) this version computes with."""

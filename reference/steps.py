@@ -6,6 +6,7 @@ Adding a version adds one line to `STEPS`.
 
     step = steps.get("v3", workers=2)      # a name, with the version's options
     steps.get("auto", xp=np)               # the fastest validated step for NumPy
+    steps.check_step("auto", cupy, call=steps.call_of(q, k, None))   # float16 on CuPy: fused_v2
     reference.ring_attention(q, k, v, n_devices=4, step="v2")
 
 | name | file | what it changes from the one before |
@@ -19,6 +20,9 @@ Adding a version adds one line to `STEPS`.
 """
 
 import importlib
+from typing import NamedTuple
+
+import numpy as np
 
 from .step import ReadableStep, Step
 
@@ -32,7 +36,9 @@ STEPS = {
     "fused_v2": "gpu_impl.fused_v2:TensorCoreStep",
 }
 ALIASES = {"readable": "v1"}
-AUTO = {"numpy": "v3", "cupy": "v1"}     # the fastest validated step per array module
+# per array module, the fastest validated steps first: "auto" takes the first
+# that takes the call (`check_step`), else the readable one
+AUTO = {"numpy": ("v3",), "cupy": ("fused_v2", "v1")}
 NAMES = tuple(STEPS) + tuple(ALIASES) + ("auto",)
 DEFAULT = "v1"
 
@@ -45,7 +51,7 @@ def get(step=DEFAULT, *, xp=None, workers=None):
     if not isinstance(step, str) or step not in NAMES:
         raise ValueError(f"step must be one of {NAMES} or a reference.step.Step, got {step!r}")
     if step == "auto":
-        step = AUTO.get(module_name(xp), DEFAULT)
+        step = check_step("auto", xp).name
     module, cls = STEPS[ALIASES.get(step, step)].split(":")
     cls = getattr(importlib.import_module(module), cls)
     if workers is None or workers == 1:
@@ -61,11 +67,37 @@ def module_name(xp):
     return getattr(xp, "__name__", "numpy").split(".")[0]
 
 
-def check_step(step, xp, *, backward=False, dropout=False, plain_mask=True):
+class Call(NamedTuple):
+    """What is known of a call when its step is chosen (None: not known)."""
+    dtype: object = None        # the inputs' dtype name: "float16", ...
+    head_dim: object = None
+    group: object = None        # query heads per key/value head
+    tile_size: object = None
+
+
+def call_of(q, k, tile_size):
+    """The Call of q (B, S, Hq, D) and k (B, S, Hkv, D), any array module."""
+    return Call(np.dtype(q.dtype).name, q.shape[-1], q.shape[-2] // max(1, k.shape[-2]), tile_size)
+
+
+def check_step(step, xp, *, backward=False, dropout=False, plain_mask=True, call=None):
     """A Step usable with arrays of `xp` (and with a backward, dropout, or a
-    mask beyond causal=True/False if asked), or a clear ValueError. With
-    dropout, "auto" is the readable step."""
-    step = get(DEFAULT if dropout and step == "auto" else step, xp=xp)
+    mask beyond causal=True/False if asked, and the `call`, a Call), or a
+    clear ValueError. "auto" is the first step of AUTO for `xp` that passes
+    these checks (one with `dtypes` only for a dtype it lists), else the
+    readable step: with dropout, a backward, float32 on CuPy, the readable step."""
+    if step == "auto":
+        for name in AUTO.get(module_name(xp), ()):
+            candidate = get(name)
+            if candidate.dtypes and (call is None or call.dtype not in candidate.dtypes):
+                continue
+            try:
+                return check_step(candidate, xp, backward=backward, dropout=dropout, plain_mask=plain_mask,
+                                  call=call)
+            except ValueError:
+                continue
+        step = DEFAULT
+    step = get(step, xp=xp)
     if module_name(xp) not in step.array_modules:
         raise ValueError(f"step {step.name!r} computes with {', '.join(step.array_modules)} arrays, "
                          f"got {module_name(xp)} arrays")
@@ -76,7 +108,10 @@ def check_step(step, xp, *, backward=False, dropout=False, plain_mask=True):
     if not plain_mask and not step.takes_masks:
         raise ValueError(f"step {step.name!r} knows only causal=True/False; use step='v1' or 'auto' "
                          "with windows, documents or padding")
+    reason = step.refuses(call) if call is not None else None
+    if reason:
+        raise ValueError(reason)
     return step
 
 
-__all__ = ["STEPS", "NAMES", "DEFAULT", "get", "check_step", "ReadableStep", "Step"]
+__all__ = ["STEPS", "NAMES", "DEFAULT", "Call", "call_of", "get", "check_step", "ReadableStep", "Step"]

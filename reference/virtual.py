@@ -83,7 +83,8 @@ def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_o
     check_layout(layout, S, n_devices)
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
     mask = layout_mask(S, n_devices, layout, causal=causal, **mask_options)
-    return scale, steps.check_step(step, array_module(q), backward=backward, dropout=mask.dropout), mask
+    return scale, steps.check_step(step, array_module(q), backward=backward, dropout=mask.dropout,
+                                   call=steps.call_of(q, k, tile_size)), mask
 
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,

@@ -466,6 +466,24 @@ def test_v2_is_a_registered_forward_only_step():
         steps.check_step("fused_v2", np)
 
 
+def test_auto_picks_v2_for_float16_on_cupy():
+    """"auto" on CuPy: the tensor-core kernel where it takes the call (float16,
+    D = 64 or 128, a tile it has, forward, no dropout), else the readable step."""
+    cupy = types.ModuleType("cupy")                     # only its name is read
+    f16 = steps.Call("float16", 64, 4, None)
+    assert steps.check_step("auto", cupy, call=f16).name == "fused_v2"
+    assert steps.check_step("auto", cupy, call=f16._replace(head_dim=128, tile_size=(32, 64))).name == "fused_v2"
+    for call, options in ((f16._replace(dtype="float32"), {}), (f16, dict(backward=True)), (f16, dict(dropout=True)),
+                          (f16._replace(head_dim=96), {}), (f16._replace(tile_size=1024), {}), (None, {})):
+        assert steps.check_step("auto", cupy, call=call, **options).name == "v1", (call, options)
+    assert steps.get("auto", xp=cupy).name == "v1"       # nothing known of the call
+    assert steps.check_step("auto", np, call=f16).name == "v3"
+    with pytest.raises(ValueError, match="does not fit step='fused_v2'"):
+        steps.check_step("fused_v2", cupy, call=f16._replace(tile_size=1024))
+    with pytest.raises(ValueError, match="takes float16 or bfloat16 inputs"):
+        steps.check_step("fused_v2", cupy, call=f16._replace(dtype="float32"))
+
+
 def test_v2_checks_what_it_is_given():
     q = np.zeros((1, 2, 8, 2, 64), np.float32)
     k = np.zeros((1, 2, 6, 64), np.float16)
