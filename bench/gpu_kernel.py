@@ -66,11 +66,15 @@ def _version(path):
     return found.group(1) if found else "?"
 
 
+def nvcc_command(source, options, cubin):
+    """nvcc for sm_90, with ptxas's report of registers, spills and shared memory on stderr."""
+    return [tool("nvcc"), "-arch=sm_90", "-cubin", "-Xptxas", "-v", *options, "-o", str(cubin), str(source)]
+
+
 def compile_report(source, options, out_dir):
     """{registers, spill bytes, stack, sass: {instruction: count}} of one build for sm_90."""
     cubin = Path(out_dir) / "k.cubin"
-    proc = subprocess.run([tool("nvcc"), "-arch=sm_90", "-cubin", "-Xptxas", "-v", *options, "-o", str(cubin),
-                           str(source)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(nvcc_command(source, options, cubin), capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     report = dict(registers=int(re.search(r"Used (\d+) registers", proc.stderr).group(1)),

@@ -42,6 +42,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench import gpu_kernel
 from conftest import BFLOAT16, Case, assert_close, cases
 from gpu_impl import fused_v2
 from gpu_impl.fused_v2 import Config
@@ -178,13 +179,24 @@ def test_v2_emulated_follows_every_mask(libraries, config, case, data):
 @pytest.mark.parametrize("config", DEFAULTS, ids=str)
 def test_v2_emulated_at_the_default_tiles(libraries, config):
     """The builds a GPU runs: 3 striped devices of 200 tokens, 8 query heads
-    over 2 key/value heads (2 CTAs of 32 queries x 4 heads... per group), a
+    over 2 key/value heads (CTAs of 32 queries x 4 heads, 7 per group), a
     partial last tile of queries and of keys, causal and a window with documents."""
     case = Case(layout="striped", n_devices=3, B=1, S=600, Hq=8, Hkv=2, D=config.head_dim, tile_size=None,
                 causal=True, scale=None, dtype=KV_DTYPES[config.bf16], kind="gaussian", seed=config.head_dim)
     for mask in (CAUSAL, make_mask(causal=True, window=150, cu_seqlens=[0, 250, 600])):
         want, got, _ = readable_and_v2(emulated(libraries, config), config, case, mask=mask, device=1)
         assert_v2_close(got, want, case, f"{config} {mask}")
+
+
+@pytest.mark.parametrize("config", [DEFAULTS[0], DEFAULTS[3]], ids=str)
+def test_v2_emulated_with_many_query_heads_per_group(libraries, config):
+    """32 query heads on one key/value head (a CTA holds 4 queries x 32 heads)
+    and 5 (25 queries x 5 heads: 3 of its 128 rows idle)."""
+    for hq in (32, 5):
+        case = Case(layout="zigzag", n_devices=2, B=1, S=96, Hq=hq, Hkv=1, D=config.head_dim, tile_size=None,
+                    causal=True, scale=None, dtype=KV_DTYPES[config.bf16], kind="gaussian", seed=hq)
+        want, got, _ = readable_and_v2(emulated(libraries, config), config, case)
+        assert_v2_close(got, want, case, f"{config} {case}")
 
 
 def test_v2_visits_the_plan_and_reads_without_bank_conflicts(libraries):
@@ -521,8 +533,6 @@ def test_gpu_check_step_runs_on_the_cpu(libraries):
     """bench.gpu_kernel's step of make gpu-check with the emulated kernel and
     NumPy as the GPU, at small sizes: its Python has run, and passes, before a
     GPU's time is spent on it."""
-    from bench import gpu_kernel
-
     def make(kv_format):
         return emulator.EmulatedTensorCoreStep({c: libraries[c] for c in DEFAULTS}, kv_format=kv_format)
     ok, text = gpu_kernel.check_against_readable(NumpyAsCupy, seq=256, make_v2=make)
@@ -537,26 +547,15 @@ def test_gpu_check_step_runs_on_the_cpu(libraries):
 NVCC = shutil.which("nvcc")
 
 
-def cuda_tool(name):
-    """A CUDA binary tool on PATH, or from its nvidia-cuda-* wheel beside this Python (the test extra)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    for site in map(Path, sys.path):
-        for candidate in site.glob(f"nvidia/cu*/bin/{name}"):
-            return str(candidate)
-    return None
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("config", DEFAULTS, ids=str)
 def test_v2_compiles_for_sm90_on_the_tensor_cores(config):
     """nvcc for sm_90: no spill at the default tiles; with cuobjdump, the SASS
     holds HMMA (the tensor cores), LDSM (ldmatrix) and LDGSTS (cp.async)."""
-    cubin, report = emulator.nvcc_cubin(NVCC, fused_v2.SOURCE, config.options())
+    cubin, report = emulator.nvcc_cubin(fused_v2.SOURCE, config.options())
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
-    tool, disassembler = cuda_tool("cuobjdump"), cuda_tool("nvdisasm")
+    tool, disassembler = gpu_kernel.tool("cuobjdump"), gpu_kernel.tool("nvdisasm")
     if tool is None or disassembler is None:
         pytest.skip("cuobjdump or nvdisasm not found (the test extra installs them)")
     sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,

@@ -168,7 +168,7 @@ struct Fiber {
 constexpr size_t STACK_BYTES = 512 * 1024;
 
 Fiber* current = nullptr;
-Index3 block_index, block_dim;
+Index3 block_index;
 std::function<void()> body;                          // the kernel call with its arguments
 std::vector<Fiber> fibers;
 std::string error;
@@ -487,7 +487,6 @@ int launch(Index3 grid, unsigned threads, size_t smem_bytes, std::function<void(
     dynamic_smem = smem.data() + (16 - reinterpret_cast<uintptr_t>(smem.data()) % 16) % 16;
     dynamic_smem_bytes = smem_bytes;
     body = std::move(kernel_body);
-    block_dim = {threads, 1, 1};
     fibers = std::vector<Fiber>(threads);           // their stacks serve every block
     for (unsigned z = 0; z < grid.z && error.empty(); ++z)
         for (unsigned y = 0; y < grid.y && error.empty(); ++y)

@@ -19,7 +19,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 from gpu_impl import fused_v2
 
@@ -75,17 +74,18 @@ def build(source, options, version, *, text=None):
                  compile_to)
 
 
-def nvcc_cubin(nvcc, source, options, arch="sm_90"):
-    """(cubin path, ptxas -v report) of the kernel compiled by nvcc, kept like the builds."""
+def nvcc_cubin(source, options):
+    """(cubin path, ptxas -v report) of the kernel compiled by nvcc for sm_90, kept like the builds."""
+    from bench.gpu_kernel import nvcc_command, tool
+
     def compile_to(out):
         out.mkdir()
-        proc = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *options, "-o",
-                               str(out / "kernel.cubin"), str(source)], capture_output=True, text=True,
+        proc = subprocess.run(nvcc_command(source, options, out / "kernel.cubin"), capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc fails:\n{proc.stderr[-4000:]}")
         (out / "ptxas.txt").write_text(proc.stderr)
-    kept = _kept("nvcc", [Path(source).read_text(), *options, arch, _version(nvcc)], compile_to)
+    kept = _kept("nvcc", [Path(source).read_text(), *options, _version(tool("nvcc"))], compile_to)
     return kept / "kernel.cubin", (kept / "ptxas.txt").read_text()
 
 
@@ -131,7 +131,3 @@ class EmulatedTensorCoreStep(fused_v2.TensorCoreStep):
         if rc != 0:
             raise EmulatorError(lib.emu_last_error().decode())
 
-
-def float16_bits(x):
-    """A float16 or bfloat16 array as its bits (uint16), for the kernel's pointers."""
-    return np.ascontiguousarray(x).view(np.uint16)
