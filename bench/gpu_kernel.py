@@ -185,7 +185,7 @@ def read_section():
 
 def _inputs(rng, shape, kv_format):
     """Random values rounded to the 16-bit type: (NumPy array of that type, float32 copy)."""
-    from reference.testing import BFLOAT16
+    from reference.testing.compare import BFLOAT16
     dtype = np.float16 if kv_format == "float16" else BFLOAT16
     x = rng.standard_normal(shape).astype(dtype)
     return x, x.astype(np.float32)
@@ -206,7 +206,7 @@ def check_against_readable(cupy, seq=CHECK_SEQ, n=4, hq=8, hkv=2, make_v2=None):
     from reference.layouts import positions, shard
     from reference.masks import CAUSAL, make_mask
     from reference.step import ForwardAcc, Queries, ReadableStep, finish_forward
-    from reference.testing import TOL
+    from reference.testing.compare import TOL
     rows, ok = [], True
     for head_dim in HEAD_DIMS:
         for kv_format in ("float16", "bfloat16"):
