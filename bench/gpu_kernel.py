@@ -305,9 +305,10 @@ def rates(cupy, c=RATE_BLOCK, hq=8, hkv=2, launches=10, make_v2=None, with_v1=Tr
             + markdown_table(["D", "K/V", "what", "ms", "TFLOP/s (useful)"], rows, "rllrr"))
 
 
-def gpu_check(dry=False):
+def gpu_check(dry=False, small=False):
     """(ok, markdown) for scripts/gpu_check.py: check version 2 on the GPU,
-    and only if it passes, time it beside version 1 and torch."""
+    and only if it passes, time it beside version 1 and torch. `small`: tiny
+    sizes (the check's --fake-gpu run on a GPU made of NumPy)."""
     from gpu_impl import fused_v2
     if dry:
         configs = [fused_v2.kernel_config(None, d, 4, f) for d in fused_v2.HEAD_DIMS for f in ("float16", "bfloat16")]
@@ -315,10 +316,10 @@ def gpu_check(dry=False):
                       + ", ".join(f"D = {c.head_dim} {'bf16' if c.bf16 else 'f16'} ({c.rows} x {c.bn})"
                                   for c in configs))
     import cupy
-    ok, text = check_against_readable(cupy)
+    ok, text = check_against_readable(cupy, **(dict(seq=256) if small else {}))
     if not ok:
         return False, text + "\n\nNot timed: the check failed."
-    return True, text + "\n\n" + rates(cupy)
+    return True, text + "\n\n" + rates(cupy, **(dict(c=32) if small else {}))
 
 
 def main(argv=None):
