@@ -44,7 +44,7 @@ from reference import attention, attention_backward, steps
 from reference.heads import q_from_heads, rows_from_heads
 from reference.ring import own_block
 from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
-from reference.step_v3 import one_blas_thread
+from reference.cores import blas_limit
 from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs
 
 from . import RESULTS, markdown_table, torch_compare
@@ -204,7 +204,7 @@ def tile_costs(T=256, D=TARGET_D, repeats=20):
            ("avoided: S - m (a pass)", lambda: np.subtract(s0, col, out=s)),
            ("avoided: exp instead of exp2", lambda: np.exp(s0, out=s)),
            ("avoided: rowsum(P) (a pass)", lambda: s0.sum(axis=1))]
-    with one_blas_thread():
+    with blas_limit(1):
         return [(name, _best(fn, repeats) / (T * T)) for name, fn in ops]
 
 

@@ -260,8 +260,8 @@ def test_kernel_check_catches_a_wrong_step():
     from reference.step_v2 import ExactBase2Step
 
     class DropsATile(ExactBase2Step):
-        def forward_tiles(self, acc, queries, block, plan):
-            super().forward_tiles(acc, queries, block, plan[1:])
+        def forward_tiles(self, acc, queries, block, plan, progress=None):
+            super().forward_tiles(acc, queries, block, plan[1:], progress)
 
     point = kernel.kernel_point(256, 16, 64, 1, 1e9, DropsATile())
     assert point["error"] > 1e-2
