@@ -27,12 +27,13 @@ already counts v3's workers: with more than one worker per device, one BLAS
 thread per product. A step called on its own (a benchmark, an MPI rank) holds
 BLAS to one thread around its workers itself (`step_parts.run_units`).
 
-    share = cores.share(8)                       # Share(cores=2, devices=8, workers=1, blas=1)
-    with cores.blas_limit(share.blas):
-        ...
+    step, share = cores.for_devices(step, n_devices=8)   # Share(cores=2, devices=8, workers=1, blas=1)
+    with share.held():
+        ...                                      # run the devices
     cores.blas_description()                     # 'openblas 0.3.31 (SkylakeX kernels, pthreads), 2 threads'
 """
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ class Share:
     devices: int
     workers: int         # worker threads per device, for steps that take them
     blas: int            # BLAS threads per product
+
+    def held(self):
+        """Hold BLAS to this share's threads inside a `with` block."""
+        return blas_limit(self.blas)
 
     @property
     def label(self):
@@ -65,6 +70,20 @@ def share(n_devices, *, takes_workers=True, threads=None, blas_threads=None, cor
     workers = (each if takes_workers else 1) if threads is None else threads
     blas = (each if workers == 1 else 1) if blas_threads is None else blas_threads
     return Share(cores=cores, devices=n_devices, workers=workers, blas=blas)
+
+
+def for_devices(step, n_devices, *, threads=None, blas_threads=None, cores=None):
+    """(`step` with its share of worker threads, the `Share`) for `n_devices`
+    threads running it at once. `threads` above 1 needs a step that takes workers."""
+    if threads is not None and threads != 1 and not step.takes_workers:
+        raise ValueError(f"step {step.name!r} runs on its device's thread; threads={threads!r} applies to "
+                         "steps that take workers (v3, v4)")
+    got = share(n_devices, takes_workers=step.takes_workers, threads=threads, blas_threads=blas_threads,
+                cores=cores)
+    if step.takes_workers and step.workers != got.workers:
+        step = copy.copy(step)                 # the caller's step is left as it is
+        step.workers = got.workers
+    return step, got
 
 
 def available_cores():

@@ -8,7 +8,8 @@ Fields (all shape (N rounds, N devices)):
   bytes_sent      bytes this device put on the ring in round t
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
                   seconds spent waiting for a transfer (zero where not timed)
-and `step`, the step version that ran (e.g. "v3, 2 workers").
+and `step`, the step version that ran (e.g. "v3, 2 workers"), and `threads`, how
+the virtual devices shared the cores (`reference.cores`; empty elsewhere).
 
 `Trace.table()` prints the per-device work; `Trace.from_logs` builds one from
 the per-device `RoundLog`s that `reference.ring` returns.
@@ -32,19 +33,22 @@ class Trace:
     compute_cpu_s: np.ndarray
     wait_s: np.ndarray
     step: str = ""
+    threads: str = ""
 
     @classmethod
-    def from_logs(cls, logs):
+    def from_logs(cls, logs, threads=""):
         """One RoundLog per device (in rank order) -> Trace with [t, j] arrays."""
         return cls(**{name: np.stack([getattr(log, name) for log in logs], axis=1)
-                      for name in RoundLog.FIELDS}, step=logs[0].step)
+                      for name in RoundLog.FIELDS}, step=logs[0].step, threads=threads)
 
     @classmethod
     def from_dict(cls, d):
-        return cls(**{name: np.asarray(d[name]) for name in RoundLog.FIELDS}, step=d.get("step", ""))
+        return cls(**{name: np.asarray(d[name]) for name in RoundLog.FIELDS}, step=d.get("step", ""),
+                   threads=d.get("threads", ""))
 
     def to_dict(self):
-        return {**{name: getattr(self, name).tolist() for name in RoundLog.FIELDS}, "step": self.step}
+        return {**{name: getattr(self, name).tolist() for name in RoundLog.FIELDS}, "step": self.step,
+                "threads": self.threads}
 
     @property
     def n_devices(self):

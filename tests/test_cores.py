@@ -9,7 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from reference import cores, steps
+from reference import cores, ring_attention, steps
+from reference.step import ReadableStep, no_progress
 from reference.step_parts import run_units
 
 
@@ -80,3 +81,42 @@ def test_blas_is_described_by_its_kernels():
     assert info[0]["version"] in text and f"{info[0]['num_threads']} thread" in text
     np.ones((2, 2)) @ np.ones((2, 2))                 # still works after the look-up
     assert steps.get("v3").workers == 1
+
+
+class Recording(ReadableStep):
+    """Version 1, recording the workers it was given and the BLAS threads it ran with."""
+    takes_workers = True
+
+    def __init__(self, workers=1):
+        self.workers, self.seen = workers, set()
+
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
+        self.seen.add((self.workers, cores.blas_threads()))
+        super().forward_tiles(acc, queries, block, plan, progress)
+
+
+@pytest.mark.parametrize("options", [{}, {"threads": 2, "blas_threads": 2}, {"blas_threads": 3}])
+def test_the_virtual_ring_runs_its_devices_with_their_share(blas_count, options):
+    q = np.random.default_rng(0).standard_normal((1, 64, 2, 8))
+    want = cores.share(8, **options)
+    step = Recording(workers=want.workers)
+    out, lse, trace = ring_attention(q, q, q, n_devices=8, tile_size=4, step=step, trace=True, **options)
+    assert step.seen == {(want.workers, want.blas)}            # BLAS held while the devices ran
+    assert trace.threads == want.label
+    np.testing.assert_allclose(out, ring_attention(q, q, q, n_devices=8, tile_size=4)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_the_ring_gives_a_step_its_workers_on_a_copy():
+    q = np.random.default_rng(0).standard_normal((1, 64, 2, 8))
+    step, want = Recording(workers=50), cores.share(8)
+    ring_attention(q, q, q, n_devices=8, tile_size=4, step=step)
+    assert step.workers == 50                                  # the caller's step is left as it was
+    assert step.seen == {(want.workers, want.blas)}            # (a shallow copy records here too)
+
+
+def test_threads_need_a_step_that_takes_workers():
+    q = np.zeros((1, 16, 1, 4))
+    with pytest.raises(ValueError, match="threads=2 applies to steps that take workers"):
+        ring_attention(q, q, q, n_devices=2, step="v1", threads=2)
+    with pytest.raises(ValueError, match="blas_threads must be a positive int"):
+        ring_attention(q, q, q, n_devices=2, step="v1", blas_threads=0)
