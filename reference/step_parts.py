@@ -58,11 +58,12 @@ class QueryRun:
     q: np.ndarray        # (tq, G, D)
     pos: np.ndarray      # (tq,)
     mask: object
+    masks: dict          # the tiles' masks, made once for all heads (`tile_masks`)
 
     @classmethod
-    def of(cls, acc, queries, b, h, qs):
+    def of(cls, acc, queries, b, h, qs, masks):
         return cls(acc.o[b, h, qs], acc.m[b, h, qs], acc.l[b, h, qs], queries.q[b, h, qs], queries.pos[qs],
-                   queries.mask)
+                   queries.mask, masks)
 
 
 @dataclass
@@ -77,7 +78,9 @@ class KeyHead:
     @classmethod
     def of(cls, block, b, h):
         k, v = block.k[b, h], block.v[b, h]
-        return cls(k1=augment(k, 1.0), v1=augment(v, 1.0), pos=block.pos, guard=not all_finite(np, v),
+        k1 = augment(k, 1.0, scratch(("k1", b, h), k.shape[:-1] + (k.shape[-1] + 1,), k.dtype))
+        v1 = augment(v, 1.0, scratch(("v1", b, h), v.shape[:-1] + (v.shape[-1] + 1,), v.dtype))
+        return cls(k1=k1, v1=v1, pos=block.pos, guard=not all_finite(np, v),
                    lazy=max(v.max(initial=0.0), -v.min(initial=0.0)) <= V_LIMIT)   # False for NaN
 
 
@@ -94,13 +97,32 @@ class Base2Rows:
 
 
 class TilePos(NamedTuple):
-    """What makes a masked tile's mask: its query and key positions and the rule."""
+    """What makes a masked tile's mask: its query and key positions, the rule,
+    and where masks already made are kept (`tile_masks`)."""
     q_pos: np.ndarray
     k_pos: np.ndarray
     rule: object
+    masks: dict
 
     def mask(self):
-        return visible(self.q_pos, self.k_pos, self.rule)          # (tq, tk) bool
+        return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[0]     # (tq, tk) bool, True: visible
+
+    def hidden(self):
+        return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[1]     # (tq, tk) bool, True: masked
+
+
+def tile_masks(masks, q_pos, k_pos, rule):
+    """(visible, hidden) of the tile of these positions, each (tq, tk) bool,
+    made once and kept in `masks` (a dict living for one step call): every
+    head of a block has the same positions, so its tiles have the same masks.
+    The key is where the positions' views start and end: within one call the
+    query and key positions are two arrays, and a view of them is its tile."""
+    key = (q_pos.__array_interface__["data"][0], len(q_pos), k_pos.__array_interface__["data"][0], len(k_pos))
+    found = masks.get(key)
+    if found is None:
+        seen = visible(q_pos, k_pos, rule)
+        found = masks[key] = (seen, ~seen)
+    return found
 
 
 # -- the forward ------------------------------------------------------------------
@@ -110,18 +132,20 @@ def forward_rows(run, head, blocks, update, tick=no_progress):
     (query slice within the run, key slice, kind), each through
     ``update(st, s, head, ks, where)``; `tick` after each."""
     tq, G, D = run.q.shape
-    R = tq * G
+    R, dtype = tq * G, run.q.dtype
     m2_in = run.m.reshape(R) * LOG2E                 # (R,) the running shift, base 2
-    st = Base2Rows(ol=augment(run.o.reshape(R, D), run.l.reshape(R)),      # [O, l]
-                   q2=augment(run.q.reshape(R, D) * LOG2E, 0.0), m2=m2_in.copy(),
-                   inc=np.empty((R, D + 1), dtype=run.q.dtype))
+    q2 = np.multiply(run.q.reshape(R, D), dtype.type(LOG2E), out=scratch("q2", (R, D), dtype))
+    st = Base2Rows(ol=augment(run.o.reshape(R, D), run.l.reshape(R), scratch("ol", (R, D + 1), dtype)),  # [O, l]
+                   q2=augment(q2, 0.0, scratch("q2+", (R, D + 1), dtype)), m2=m2_in.copy(),
+                   inc=scratch("inc", (R, D + 1), dtype))
     set_shift(st.q2, st.m2)
-    buf = np.empty(R * max(len(head.k1[ks]) for _, ks, _ in blocks), dtype=run.q.dtype)
+    buf = scratch("s", (R * max(len(head.k1[ks]) for _, ks, _ in blocks),), dtype)
     for qr, ks, kind in blocks:
         rows = slice(qr.start * G, qr.stop * G)      # the block's rows of the run
         tk = len(head.k1[ks])
         s = buf[:(rows.stop - rows.start) * tk].reshape(-1, tk)                   # (rows, tk)
-        update(st[rows], s, head, ks, TilePos(run.pos[qr], head.pos[ks], run.mask) if kind == MASKED else None)
+        where = TilePos(run.pos[qr], head.pos[ks], run.mask, run.masks) if kind == MASKED else None
+        update(st[rows], s, head, ks, where)
         tick()
     run.o[...] = st.ol[:, :D].reshape(tq, G, D)
     run.l[...] = st.ol[:, D].reshape(tq, G)
@@ -131,9 +155,9 @@ def forward_rows(run, head, blocks, update, tick=no_progress):
 
 def exact_update(st, s, head, ks, where):
     """One exact tile: scores S - m into `s` (masked entries -inf), then `exact_tile`."""
-    mask = None if where is None else where.mask()
-    shifted_scores(s, st.q2, head.k1[ks], mask)
-    exact_tile(st, s, head.v1[ks], mask_rows(mask, len(s), np) if head.guard else None)
+    shifted_scores(s, st.q2, head.k1[ks], None if where is None else where.hidden())
+    guarded = head.guard and where is not None
+    exact_tile(st, s, head.v1[ks], mask_rows(where.mask(), len(s), np) if guarded else None)
 
 
 def exact_tile(st, s, vt, vis=None):
@@ -165,7 +189,7 @@ def lazy_tile(st, s, head, ks, where):
     whose |V| could overflow O (``head.lazy`` False) are always exact."""
     if head.lazy and np.isfinite(st.m2).all():
         shifted_scores(s, st.q2, head.k1[ks], None)      # S - m, base 2   (rows, tk)
-        exp2_visible(s, None if where is None else where.mask())   # P, 0 where masked; may overflow
+        exp2_visible(s, None if where is None else where.hidden())   # P, 0 where masked; may overflow
         np.matmul(s, head.v1[ks], out=st.inc)            # [P V, rowsum(P)]   (rows, D+1)
         if st.inc[:, -1].max() <= SUM_LIMIT:             # False for inf and NaN too
             st.ol += st.inc
@@ -186,9 +210,10 @@ class BackwardQueries:
     pos: np.ndarray      # (c,)
     mask: object
     finite: bool         # q, dO and delta hold no NaN or inf
+    masks: dict          # the tiles' masks, made once for all heads (`tile_masks`)
 
     @classmethod
-    def of(cls, queries, rows, b, h):
+    def of(cls, queries, rows, b, h, masks):
         key = ("base2", b, h)
         if key not in rows.cache:
             q, do = queries.q[b, h], rows.do[b, h]
@@ -197,7 +222,7 @@ class BackwardQueries:
             rows.cache[key] = (q2, do1, all_finite(np, q, do1))
         q2, do1, finite = rows.cache[key]
         return cls(q=queries.q[b, h], q2=q2, do=rows.do[b, h], do1=do1, pos=queries.pos,
-                   mask=queries.mask, finite=finite)
+                   mask=queries.mask, finite=finite, masks=masks)
 
 
 @dataclass
@@ -214,11 +239,15 @@ class KeyColumn:
 def backward_head(grads, queries, rows, block, bh, columns, cols, tick=no_progress):
     """Every key tile of one (batch, head) `bh`, each through
     ``cols(hq, column, dq, tiles, guard, tick)``: all add to the head's dQ.
-    `columns`: the plan by key tile, ``by_tile(plan, 1)``."""
+    `columns`: the plan by key tile, ``by_tile(plan, 1)``, and the dict
+    where the tiles' masks are kept for all heads: ``(by_tile(plan, 1), {})``."""
     b, h = bh
-    hq = BackwardQueries.of(queries, rows, b, h)
+    columns, masks = columns
+    hq = BackwardQueries.of(queries, rows, b, h, masks)
     k, v = block.k[b, h], block.v[b, h]
-    k1, v1 = augment(k, 1.0), augment(v, 1.0)                   # [K, 1], [V, 1]   (ck, D+1)
+    wide = k.shape[:-1] + (k.shape[-1] + 1,)
+    k1 = augment(k, 1.0, scratch("bk1", wide, k.dtype))       # [K, 1]   (ck, D+1)
+    v1 = augment(v, 1.0, scratch("bv1", wide, v.dtype))       # [V, 1]
     guard = not (hq.finite and all_finite(np, k, v))            # NaN or inf: guard masked pairs
     for ks, tiles in columns:
         column = KeyColumn(k[ks], k1[ks], v1[ks], block.pos[ks], grads.dk[b, h, ks], grads.dv[b, h, ks])
@@ -230,17 +259,19 @@ def backward_cols(hq, col, dq, tiles, guard, tick=no_progress):
     slice, kind)]; dq (c, G, D) and the column's dk, dv are added to. P is
     exactly 0 where masked, even where lse is NaN: the mask clears it after exp2."""
     tk, D = col.k.shape
-    G = hq.q.shape[1]
-    dk_t, dv_t = np.zeros_like(col.dk), np.zeros_like(col.dv)   # (tk, D) kept in cache over the tiles
+    G, dtype = hq.q.shape[1], hq.q.dtype
+    dk_t, dv_t = scratch("dk_t", col.dk.shape, dtype), scratch("dv_t", col.dv.shape, dtype)
+    dk_t.fill(0)                                                 # (tk, D) kept in cache over the tiles
+    dv_t.fill(0)
     R_max = G * max(len(hq.pos[qs]) for qs, _ in tiles)
-    buf_p, buf_ds = np.empty(R_max * tk, hq.q.dtype), np.empty(R_max * tk, hq.q.dtype)
+    buf_p, buf_ds = scratch("p", (R_max * tk,), dtype), scratch("ds", (R_max * tk,), dtype)
     for qs, kind in tiles:
         tq = len(hq.pos[qs])
         R = tq * G
         p, ds = buf_p[:R * tk].reshape(R, tk), buf_ds[:R * tk].reshape(R, tk)
-        mask = visible(hq.pos[qs], col.pos, hq.mask) if kind == MASKED else None
+        mask, hidden = tile_masks(hq.masks, hq.pos[qs], col.pos, hq.mask) if kind == MASKED else (None, None)
         shifted_scores(p, hq.q2[qs].reshape(R, D + 1), col.k1, None)    # S - lse, base 2
-        exp2_visible(p, mask)                                    # P = exp(S - lse), 0 where masked
+        exp2_visible(p, hidden)                                  # P = exp(S - lse), 0 where masked
         vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None
         vis_t = None if vis is None else vis.T
         dv_t += masked_product(p.T, hq.do[qs].reshape(R, D), vis_t)   # dV += P^T dO
@@ -281,23 +312,43 @@ def set_shift(q2, m2):
     q2[:, -1] = np.where(np.isfinite(m2), -m2, 0.0)
 
 
-def shifted_scores(s, q2, kt, mask):
-    """s (R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, masked entries -inf."""
+def shifted_scores(s, q2, kt, hidden):
+    """s (R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, -inf at
+    the masked pairs of `hidden` (tq, tk) (True: masked; None: none)."""
     np.matmul(q2, kt.T, out=s)
-    if mask is not None:
-        tq, tk = mask.shape
-        np.copyto(s.reshape(tq, -1, tk), -np.inf, where=~mask[:, None, :])
+    if hidden is not None:
+        tq, tk = hidden.shape
+        np.copyto(s.reshape(tq, -1, tk), -np.inf, where=hidden[:, None, :])
 
 
-def exp2_visible(s, mask):
-    """s := exp2(s), then 0 at the masked pairs of `mask` (tq, tk) (None: none).
-    A masked entry may overflow to inf or be NaN before it is cleared; it
-    contributes nothing either way."""
+def exp2_visible(s, hidden):
+    """s := exp2(s), then 0 at the masked pairs of `hidden` (tq, tk) (True:
+    masked; None: none). A masked entry may overflow to inf or be NaN before
+    it is cleared; it contributes nothing either way."""
     with np.errstate(over="ignore", invalid="ignore"):
         np.exp2(s, out=s)
-    if mask is not None:
-        tq, tk = mask.shape
-        np.copyto(s.reshape(tq, -1, tk), 0, where=~mask[:, None, :])
+    if hidden is not None:
+        tq, tk = hidden.shape
+        np.copyto(s.reshape(tq, -1, tk), 0, where=hidden[:, None, :])
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(key, shape, dtype):
+    """An uninitialised array of `shape` for this thread, under `key`: the same
+    memory from call to call, grown when too small. A fresh array of a block's
+    size pays its page faults on every call (measured: a fifth of the CPU time
+    of a forward of a block of 1024 tokens). It is this thread's until it asks
+    for `key` again, so a key names one use that ends before the next begins."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    n, dtype = int(np.prod(shape)), np.dtype(dtype)
+    buf = bufs.get((key, dtype))
+    if buf is None or buf.size < n:
+        buf = bufs[key, dtype] = np.empty(n, dtype)
+    return buf[:n].reshape(shape)
 
 
 # -- taller products --------------------------------------------------------------
@@ -346,14 +397,14 @@ def threaded_forward(acc, queries, block, plan, update, workers, progress=no_pro
     on `workers` threads (`run_units`), each tile through `update`."""
     B, Hkv, c, G, _ = queries.q.shape
     pairs = [(b, h) for b in range(B) for h in range(Hkv)]
-    heads, tick = {}, on_this_thread(progress)
+    heads, masks, tick = {}, {}, on_this_thread(progress)
 
     def prepare(b, h):                                   # [K, 1], [V, 1] of each head, once
         heads[b, h] = KeyHead.of(block, b, h)
 
     def unit(b, h, qs, blocks):
         with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
-            forward_rows(QueryRun.of(acc, queries, b, h, qs), heads[b, h], blocks, update, tick)
+            forward_rows(QueryRun.of(acc, queries, b, h, qs, masks), heads[b, h], blocks, update, tick)
 
     units = sorted(((b, h, qs, blocks) for qs, blocks in forward_units(plan, c, G) for b, h in pairs),
                    key=lambda u: -len(u[3]))             # most blocks first: workers finish together
@@ -365,7 +416,7 @@ def threaded_backward(grads, queries, rows, block, plan, cols, workers, progress
     """A backward in units of one whole head (its key tiles all add to its dQ)
     on `workers` threads, each key tile through `cols` (`backward_head`)."""
     B, Hkv = queries.q.shape[:2]
-    columns, tick = by_tile(plan, 1), on_this_thread(progress)
+    columns, tick = (by_tile(plan, 1), {}), on_this_thread(progress)
 
     def unit(b, h):
         backward_head(grads, queries, rows, block, (b, h), columns, cols, tick)

@@ -37,18 +37,18 @@ class ExactBase2Step(Step):
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         B, Hkv = queries.q.shape[:2]
-        rows = by_tile(plan, 0)                          # [(query slice, [(key slice, kind)])]
+        rows, masks = by_tile(plan, 0), {}              # [(query slice, [(key slice, kind)])], masks of all heads
         for b in range(B):
             for h in range(Hkv):
                 head = KeyHead.of(block, b, h)           # [K, 1], [V, 1] of this head
                 for qs, tiles in rows:                   # one query tile against its key tiles
-                    run = QueryRun.of(acc, queries, b, h, qs)
+                    run = QueryRun.of(acc, queries, b, h, qs, masks)
                     blocks = [(slice(0, len(run.pos)), ks, kind) for ks, kind in tiles]
                     forward_rows(run, head, blocks, exact_update, progress)
 
     def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
         B, Hkv = queries.q.shape[:2]
-        columns = by_tile(plan, 1)                       # [(key slice, [(query slice, kind)])]
+        columns = by_tile(plan, 1), {}                   # [(key slice, [(query slice, kind)])], masks
         for b in range(B):
             for h in range(Hkv):
                 backward_head(grads, queries, rows, block, (b, h), columns, backward_cols, progress)
