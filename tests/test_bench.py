@@ -301,6 +301,10 @@ def test_virtual_ring_section_smoke():
     text, _ = virtual_ring.run(seq_len=256, n_devices=4, tile=16, heads=1, head_dim=8, repeats=1, steps=("v1",))
     rows = [line for line in text.splitlines() if line.startswith("| v1 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["striped", "zigzag"]
-    predicted = [float(r.split("|")[6]) for r in rows]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    predicted = [float(c[8]) for c in cells]
     assert predicted == [round(virtual_ring.total_tile_area(256, 4, "contiguous", 16)
                                / virtual_ring.total_tile_area(256, 4, layout, 16), 2) for layout in ("striped", "zigzag")]
+    for c in cells:                                    # the CPU ratio, against the prediction
+        assert float(c[5]) > 0 and float(c[6]) > 0
+        assert abs(int(c[10][:-1]) - 100 * float(c[7]) / float(c[8])) <= 1
