@@ -308,3 +308,15 @@ def test_virtual_ring_section_smoke():
     for c in cells:                                    # the CPU ratio, against the prediction
         assert float(c[5]) > 0 and float(c[6]) > 0
         assert abs(int(c[10][:-1]) - 100 * float(c[7]) / float(c[8])) <= 1
+
+
+def test_paper_code_deals_tokens_as_our_striped_layout():
+    """bench.paper_code hands the paper's code its tokens in bpt.permute_tokens'
+    order ('b (n d) -> b (d n)'): device r's contiguous shard must then hold
+    our striped layout's positions r, r + N, ..., or the two sides would not
+    compute the same attention (the JAX side itself runs only where jax is)."""
+    import numpy as np
+    from bench.paper_code import _striped_order
+    from reference import positions
+    for S, N in ((16, 4), (64, 8), (24, 3)):
+        np.testing.assert_array_equal(_striped_order(S, N), positions(S, N, "striped").reshape(-1))
