@@ -2,13 +2,17 @@
 
     python scripts/gpu_check.py                        # what `make gpu-check` runs (bash scripts/gpu_check.sh)
     python scripts/gpu_check.py --dry-run              # any machine: every step starts, nothing is measured
+    python scripts/gpu_check.py --fake-gpu             # any machine: every step runs on a GPU made of NumPy
     python scripts/gpu_check.py --only fused rates     # some steps
-    bash scripts/gpu_check.sh --wheels DIR             # first install carried wheels (no package index)
+    bash scripts/gpu_check.sh --wheels DIR             # first install carried wheels (make gpu-wheels; no index)
 
 For one machine with a CUDA 13 GPU, CuPy and mpi4py, and no package index:
-nothing is installed here. Each step has its own time limit and its own
-section in the results file (default bench/results/gpu_check.md, which
-BENCHMARKS.md includes through `bench.gpu_bench`):
+nothing is installed here (scripts/gpu_check.sh installs carried wheels). Each
+step runs in a process of its own, killed when its time is up: its own limit,
+never past what is left of the whole run's 9 minutes. After every step the
+results file (default bench/results/gpu_check.md, which BENCHMARKS.md includes
+through `bench.gpu_bench`) is written again and the step's section printed, so a
+run stopped part-way leaves what it measured:
 
  1. environment     GPU, CUDA, CuPy, MPI library and its CUDA-awareness, mpiexec
                     (required: without it the ring tests cannot run), tools;
@@ -16,12 +20,20 @@ BENCHMARKS.md includes through `bench.gpu_bench`):
  3. GPU tests       tests/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
                     GPU, both transfer paths, the fused kernel; any skip fails;
  4. fused kernel    against the readable step at D = 64 and 128, GQA, float16 and float32;
- 5. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
+ 5. checked run     S = 65,536, Hq = 8 (where the GPU lags the host most), Hkv = 2,
+                    D = 128, float16, forward and backward on 4 ranks, against
+                    float64 attention and gradients computed on the GPU itself;
+ 6. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
                     checks on the CPU in float64, so 2 query heads);
- 6. trace           per round and rank: the step's GPU time and the GPU's idle
+ 7. trace           per round and rank: the step's GPU time and the GPU's idle
                     time before the next step, at 8 query heads: do transfers overlap?;
- 7. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
- 8. rates           plain and fused steps against torch's flash attention, one block.
+ 8. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
+ 9. rates           plain and fused steps against torch's flash attention, one block.
+
+--fake-gpu runs the same steps, at small sizes, on tests/gpu/queued_device.py
+(a GPU made of NumPy whose streams run later; the readable step stands in for
+the fused kernel): it checks this script, and measures nothing. The GPU tests
+skip there, so those two steps fail, as they must on a GPU where tests skip.
 
 Exit status: 0 every step passed; 1 a step failed; 2 no GPU (nothing was checked).
 """
@@ -30,11 +42,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,16 +56,42 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "gpu_check.md"
+QUEUED_GPU = ROOT / "tests" / "gpu" / "queued_device.py"
 RANKS = 4
-BUDGET_S = 510          # no step starts after this: the whole check stays under 9 minutes
-REALISTIC = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1",
-             "--heads", "2", "--layout", "striped", "--backward", "--check", "--tile-size", "1024",
-             "--no-warmup"]
-TRACED = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8",
-          "--kv-heads", "2", "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"]
-FUSED_SHAPES = [(64, np.float32), (64, np.float16), (128, np.float32), (128, np.float16)]
-FUSED_SEQ = 4096        # the fused kernel against the readable step: 4 striped blocks of 1024
-RATE_BLOCK = 4096       # the rates: one block pair of 4096 queries x 4096 keys
+WHOLE_S = 9 * 60        # the whole check, wheels installed included (scripts/gpu_check.sh starts the clock)
+MARGIN_S = 20           # kept back for writing the results, and for killing a step that ran over
+# Open MPI refuses to run as root, and to start more ranks than cores, unless told;
+# MPICH ignores these variables.
+OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the steps run: a GPU's sizes, or small ones for --fake-gpu."""
+    realistic: tuple        # the command line step's arguments
+    traced: tuple           # the trace step's
+    fused_seq: int          # the fused kernel against the readable step: 4 striped blocks of fused_seq / 4
+    fused_dims: tuple       # head dims
+    rate_block: int         # the rates: one block pair of rate_block queries x keys
+    checked: dict           # the checked run: seq_len, heads, kv_heads, head_dim, tile (striped, float16)
+
+
+GPU_SIZES = Sizes(
+    realistic=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
+               "--layout", "striped", "--backward", "--check", "--tile-size", "1024", "--no-warmup"),
+    traced=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
+            "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"),
+    fused_seq=4096, fused_dims=(64, 128), rate_block=4096,
+    checked=dict(seq_len=65536, heads=8, kv_heads=2, head_dim=128, tile=1024))
+FAKE_SIZES = Sizes(
+    realistic=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
+               "--layout", "striped", "--backward", "--check", "--tile-size", "32", "--no-warmup"),
+    traced=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
+            "--layout", "all", "--backward", "--tile-size", "32", "--repeat", "2"),
+    fused_seq=64, fused_dims=(64, 128), rate_block=32,
+    checked=dict(seq_len=256, heads=8, kv_heads=2, head_dim=16, tile=32))
+FUSED_DTYPES = (np.float32, np.float16)
 
 
 @dataclass
@@ -61,7 +100,21 @@ class Context:
     python: str
     mpiexec: str
     work: Path
+    fake: bool = False
+    deadline: float = float("inf")      # time.time() by which this step's commands must have ended
     notes: dict = field(default_factory=dict)
+
+    @property
+    def sizes(self):
+        return FAKE_SIZES if self.fake else GPU_SIZES
+
+    def left(self):
+        """Seconds left to this step."""
+        return self.deadline - time.time()
+
+    def gpu_python(self):
+        """The interpreter, and on a fake GPU the runner that installs one in every process."""
+        return [self.python, str(QUEUED_GPU)] if self.fake else [self.python]
 
 
 @dataclass
@@ -73,16 +126,28 @@ class Result:
 
 # -- helpers -------------------------------------------------------------------------
 
-def run(cmd, timeout, env=None):
-    """(returncode, stdout + stderr) of cmd, or (124, what it printed) past the timeout."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
-               MPIEXEC_TIMEOUT=str(timeout), **(env or {}))
+def run(ctx, cmd, limit):
+    """(returncode, stdout + stderr) of cmd, or (124, what it printed) once
+    `limit` seconds or the step's time left (the smaller) have passed; its whole
+    process group (mpiexec and its ranks) is killed then."""
+    timeout = min(limit, ctx.left())
+    if timeout < 1:
+        return 124, "[not started: no time left]"
+    full_env = dict(os.environ)
+    for name, value in OPEN_MPI_AS_ROOT.items():
+        full_env.setdefault(name, value)
+    full_env.update(PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+                    OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
+                    MPIEXEC_TIMEOUT=str(max(1, int(timeout) - 5)))    # mpiexec ends its ranks first
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 15)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return 124, out + f"\n[timed out after {timeout} s]"
-    return proc.returncode, proc.stdout + proc.stderr
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, (out or "") + f"\n[timed out after {timeout:.0f} s]"
+    return proc.returncode, out
 
 
 def fenced(text, limit=60):
@@ -93,7 +158,7 @@ def fenced(text, limit=60):
 
 
 def mpirun(ctx, *args):
-    return [ctx.mpiexec, "-n", str(RANKS), ctx.python, "-m", "mpi4py", *args]
+    return [ctx.mpiexec, "-n", str(RANKS), *ctx.gpu_python()[:1], "-m", "mpi4py", *ctx.gpu_python()[1:], *args]
 
 
 def find_mpiexec(given, python):
@@ -129,9 +194,9 @@ def environment(ctx):
     rows.append(("compute-sanitizer", find_sanitizer() or "not found"))
     code = ("import gpu_impl; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0]); "
             "print(gpu_impl.mpi_cuda_support()); print(gpu_impl.choose_transfer('auto'))")
-    rc, out = run([ctx.python, "-c", code], 60)
+    rc, out = run(ctx, [ctx.python, "-c", code], 60)
     lines = out.strip().splitlines()
-    rows.append(("MPI library", lines[0] if rc == 0 else f"cannot ask: {out.strip()[-300:]}"))
+    rows.append(("MPI library", lines[0] if rc == 0 else "cannot ask: " + " / ".join(lines[-3:])))
     if rc == 0:
         rows.append(("MPIX_Query_cuda_support()", lines[1]))
         rows.append(("transfer='auto'", lines[2]))
@@ -147,6 +212,9 @@ def environment(ctx):
     if not ctx.mpiexec:
         return Result(False, text + "\n\nmpiexec not found: the ring tests cannot run (give --mpiexec PATH, "
                                     "or carry the mpich wheel: --wheels DIR).")
+    if rc != 0:
+        return Result(False, text + "\n\nmpi4py cannot load an MPI library: carry the mpich wheel "
+                                    "(make gpu-wheels, then --wheels DIR, which sets LD_LIBRARY_PATH).")
     if missing:
         return Result(False, text + f"\n\n{', '.join(missing)} missing: carry their wheels (--wheels DIR).")
     return Result(True, text)
@@ -154,15 +222,15 @@ def environment(ctx):
 
 # -- 2, 3. the tests -------------------------------------------------------------------
 
-def pytest_step(ctx, selection, timeout):
+def pytest_step(ctx, selection):
     """tests/test_gpu.py -m gpu with `selection`; fails on any failure or skip."""
     base = [ctx.python, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-k", selection,
             "-p", "no:cacheprovider", "-q", "-rs"]
     if ctx.dry:
-        rc, out = run(base + ["--collect-only"], 120)
+        rc, out = run(ctx, base + ["--collect-only"], 120)
         collected = sum(1 for line in out.splitlines() if "::" in line)
         return Result(rc == 0 and collected > 0, f"dry run: {collected} GPU tests collected\n\n" + fenced(out, 20))
-    rc, out = run(base, timeout, env={"MPIEXEC_TIMEOUT": "240"})
+    rc, out = run(ctx, base, ctx.left())
     skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
     ok = rc == 0 and not skipped
     why = "" if ok else ("\n\nFAILED: " + ("tests were skipped although a GPU is present" if skipped
@@ -171,11 +239,11 @@ def pytest_step(ctx, selection, timeout):
 
 
 def race_probe(ctx):
-    return pytest_step(ctx, "race_probe", 60)
+    return pytest_step(ctx, "race_probe")
 
 
 def gpu_tests(ctx):
-    return pytest_step(ctx, "not race_probe", 200)
+    return pytest_step(ctx, "not race_probe")
 
 
 # -- 4. fused against readable -----------------------------------------------------------
@@ -184,18 +252,19 @@ def fused_against_readable(ctx):
     """Max |fused - readable| over |readable| at model shapes: 4 striped blocks, GQA 8/2."""
     from gpu_impl import fused
     if ctx.dry:
-        tiles = [fused.fused_tile(None, d) for d, _ in FUSED_SHAPES]
-        return Result(True, f"dry run: fused tiles {tiles} fit at D = 64 and 128")
+        tiles = [fused.fused_tile(None, d) for d in ctx.sizes.fused_dims]
+        return Result(True, f"dry run: fused tiles {tiles} fit at D = {ctx.sizes.fused_dims}")
     import cupy
     from reference import ring, steps
     from reference.layouts import positions, shard
     from reference.step import ForwardAcc, Queries, finish_forward
     rows, ok = [], True
-    for head_dim, dtype in FUSED_SHAPES:
+    seq = ctx.sizes.fused_seq
+    for head_dim, dtype in ((d, t) for d in ctx.sizes.fused_dims for t in FUSED_DTYPES):
         rng = np.random.default_rng(head_dim)
-        q = rng.standard_normal((1, FUSED_SEQ, 8, head_dim)).astype(dtype)
-        k, v = (rng.standard_normal((1, FUSED_SEQ, 2, head_dim)).astype(dtype) for _ in range(2))
-        pos = positions(FUSED_SEQ, 4, "striped")
+        q = rng.standard_normal((1, seq, 8, head_dim)).astype(dtype)
+        k, v = (rng.standard_normal((1, seq, 2, head_dim)).astype(dtype) for _ in range(2))
+        pos = positions(seq, 4, "striped")
         queries = Queries.prepare(cupy.asarray(shard(q, 4, "striped")[3]), 2, pos[3], head_dim ** -0.5)
         accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
         plain, kernel = steps.get("v1"), steps.get("fused")
@@ -210,13 +279,115 @@ def fused_against_readable(ctx):
         ok &= good
         rows.append(f"| {head_dim} | {np.dtype(dtype).name} | {fused.fused_tile(None, head_dim)} | {err:.1e} | "
                     f"{'ok' if good else 'FAILED'} |")
-    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {FUSED_SEQ} on 4 striped "
+    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {seq} on 4 striped "
             "blocks, Hq = 8, Hkv = 2, causal; error scaled by max(1, |readable|), limit 1e-4.\n\n"
             "| D | inputs | fused tile | max error | |\n| ---: | :--- | :--- | ---: | :--- |\n")
     return Result(ok, head + "\n".join(rows))
 
 
-# -- 5, 6. the command line -------------------------------------------------------------------
+# -- 5. a checked run where the GPU lags ----------------------------------------------------------
+
+CHECK_SEED = 7
+CHECK_LIMIT = 1e-2      # float16 inputs, float32 accumulation: a stream race gives errors of order 1
+
+
+def checked_run(ctx):
+    """The ring forward and backward on RANKS ranks at the shape where the GPU
+    lags the host most (Hq = 8, float16, striped), transfer as 'auto' picks,
+    against causal attention and its gradients in float64 computed on the GPU
+    itself (rank 0, `dense_reference_gpu`): max |ring - reference| over
+    max(1, |reference|), per output."""
+    cfg = ctx.sizes.checked
+    what = (f"S = {cfg['seq_len']}, Hq = {cfg['heads']}, Hkv = {cfg['kv_heads']}, D = {cfg['head_dim']}, "
+            f"float16, striped, tile {cfg['tile']}, {RANKS} ranks, forward and backward")
+    if ctx.dry:
+        return Result(True, f"dry run: {what}")
+    path = ctx.work / "checked.json"
+    rc, out = run(ctx, mpirun(ctx, str(Path(__file__).resolve()), "--checked-run", str(path), json.dumps(cfg)),
+                  300)
+    if rc != 0 or not path.exists():
+        return Result(False, f"{what}\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
+    doc = json.loads(path.read_text())
+    rows = [f"| {name} | {err:.1e} | {'ok' if err <= CHECK_LIMIT else 'FAILED'} |" for name, err in doc["errors"].items()]
+    ok = all(err <= CHECK_LIMIT for err in doc["errors"].values())
+    return Result(ok, f"{what}; transfer {doc['transfer']}; ring {doc['ring_s']:.1f} s, reference on the GPU "
+                      f"{doc['reference_s']:.1f} s. Error over max(1, |reference|), limit {CHECK_LIMIT}:\n\n"
+                      "| output | max error | |\n| :--- | ---: | :--- |\n" + "\n".join(rows))
+
+
+def checked_run_worker(path, cfg):
+    """Under mpiexec: this rank's striped shard through gpu_impl, forward and
+    backward; rank 0 gathers, computes the reference on its GPU and writes the errors."""
+    import gpu_impl
+    gpu_impl.use_local_device()                         # before MPI starts
+    import cupy
+    from mpi4py import MPI
+    from reference import positions, unshard
+    from reference.inputs import make_shard
+    comm = MPI.COMM_WORLD
+    n, rank = comm.Get_size(), comm.Get_rank()
+    S, hq, hkv, D = cfg["seq_len"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    shapes = [(1, S, hq, D), (1, S, hkv, D), (1, S, hkv, D), (1, S, hq, D)]      # q, k, v, dout
+
+    def inputs(pos):
+        return [make_shard(CHECK_SEED, i, shape, pos, np.float16) for i, shape in enumerate(shapes)]
+    q, k, v, dout = (cupy.asarray(x) for x in inputs(positions(S, n, "striped")[rank]))
+    opts = dict(comm=comm, layout="striped", tile_size=cfg["tile"])
+    comm.Barrier()
+    start = time.perf_counter()
+    out, lse = gpu_impl.ring_attention(q, k, v, **opts)
+    dq, dk, dv = gpu_impl.ring_attention_backward(q, k, v, out, lse, dout, **opts)
+    cupy.cuda.Device().synchronize()
+    ring_s = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    got = {name: comm.gather(cupy.asnumpy(x)) for name, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
+    if rank != 0:
+        return
+    got = {name: unshard(parts, "striped", axis=2 if name == "lse" else 1) for name, parts in got.items()}
+    start = time.perf_counter()
+    want = dense_reference_gpu(cupy, *(x[0] for x in inputs(np.arange(S))))
+    reference_s = time.perf_counter() - start
+    errors = {}
+    for name, w in want.items():
+        g = got[name][0].astype(np.float64)
+        errors[name] = float(np.abs(g - w).max() / max(1.0, np.abs(w).max()))
+    Path(path).write_text(json.dumps(dict(errors=errors, ring_s=ring_s, reference_s=reference_s,
+                                          transfer=gpu_impl.choose_transfer("auto")[0])))
+
+
+def dense_reference_gpu(cupy, q, k, v, dout, chunk=4096):
+    """Causal attention and its gradients in float64 on the GPU, one query head
+    and `chunk` queries at a time (reference/dense.py's formulas, memory
+    chunk x S per matrix). q, dout (S, Hq, D), k, v (S, Hkv, D) NumPy ->
+    {out, lse (Hq, S), dq, dk, dv} NumPy float64."""
+    S, Hq, D = q.shape
+    G, scale = Hq // k.shape[1], D ** -0.5
+    res = dict(out=np.empty(q.shape), lse=np.empty((Hq, S)), dq=np.empty(q.shape),
+               dk=np.zeros(k.shape), dv=np.zeros(v.shape))
+    for h in range(Hq):
+        kh, vh = (cupy.asarray(x[:, h // G], dtype=cupy.float64) for x in (k, v))       # (S, D)
+        dkh, dvh = cupy.zeros_like(kh), cupy.zeros_like(vh)
+        for start in range(0, S, chunk):
+            rows = slice(start, min(start + chunk, S))
+            qc, doc = (cupy.asarray(x[rows, h], dtype=cupy.float64) for x in (q, dout))   # (C, D)
+            s = qc @ kh.T * scale                                       # S = Q K^T   (C, S)
+            visible = cupy.arange(S)[None, :] <= cupy.arange(rows.start, rows.stop)[:, None]
+            s = cupy.where(visible, s, -cupy.inf)                       # causal: every row sees key 0
+            m = s.max(axis=1, keepdims=True)
+            lse = m + cupy.log(cupy.exp(s - m).sum(axis=1, keepdims=True))     # (C, 1)
+            p = cupy.exp(s - lse)                                       # P = exp(S - lse)
+            oc = p @ vh                                                 # O = P V     (C, D)
+            delta = (doc * oc).sum(axis=1, keepdims=True)               # rowsum(dO * O)
+            ds = p * (doc @ vh.T - delta)                               # dS = P (dP - delta)
+            res["out"][rows, h], res["lse"][h, rows] = cupy.asnumpy(oc), cupy.asnumpy(lse[:, 0])
+            res["dq"][rows, h] = cupy.asnumpy(ds @ kh * scale)          # dQ = dS K scale
+            dkh += ds.T @ qc * scale                                    # dK = dS^T Q scale
+            dvh += p.T @ doc                                            # dV = P^T dO
+        res["dk"][:, h // G] += cupy.asnumpy(dkh)
+        res["dv"][:, h // G] += cupy.asnumpy(dvh)
+    return res
+
+
+# -- 6, 7. the command line -------------------------------------------------------------------
 
 def parse_cli(args):
     """gpu_impl's parser and mpi_impl's option check on these arguments (no MPI, no GPU)."""
@@ -230,32 +401,34 @@ def parse_cli(args):
 
 
 def command_line(ctx):
-    cmd = mpirun(ctx, "-m", "gpu_impl", *REALISTIC)
-    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *REALISTIC])
+    realistic = list(ctx.sizes.realistic)
+    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *realistic])
     if ctx.dry:
-        parse_cli(REALISTIC)
+        parse_cli(realistic)
         return Result(True, f"dry run: `{shown}` parses")
-    rc, out = run(cmd, 170)
+    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *realistic), 170)
     return Result(rc == 0, f"`{shown}`\n\n" + fenced(out, 30) + ("" if rc == 0 else f"\n\nFAILED: exit status {rc}"))
 
 
 def trace(ctx):
     path = ctx.work / "trace.json"
-    args = TRACED + ["--trace-out", str(path)]
-    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *TRACED])
+    traced = list(ctx.sizes.traced)
+    args = traced + ["--trace-out", str(path)]
+    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *traced])
     if ctx.dry:
         parse_cli(args)
         table = overlap_table(example_trace_doc(), {"seconds": 1e-3, "bytes": 1, "path": "staged"})
         return Result("transfers overlap the steps" in table, f"dry run: `{shown}` parses; the overlap "
                                                               f"table is drawn from a trace")
-    rc, out = run(mpirun(ctx, "-m", "gpu_impl", *args), 110)
+    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *args), 110)
     if rc != 0:
         return Result(False, f"`{shown}`\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
     from reference.trace import read_trace
     doc = read_trace(path)
     nbytes = int(doc["layouts"]["striped"]["forward"].bytes_sent[0].max())
     alone = ctx.work / "shift.json"
-    rc, shift_out = run(mpirun(ctx, str(Path(__file__).resolve()), "--time-shifts", str(alone), str(nbytes)), 60)
+    rc, shift_out = run(ctx, mpirun(ctx, str(Path(__file__).resolve()), "--time-shifts", str(alone), str(nbytes)),
+                        60)
     shift = json.loads(alone.read_text()) if rc == 0 else None
     text = f"`{shown}`\n\n" + fenced(out, 12) + "\n\n" + overlap_table(doc, shift)
     return Result(True, text if shift else text + "\n\ntiming a shift alone failed:\n\n" + fenced(shift_out, 20))
@@ -329,7 +502,7 @@ def example_trace_doc():
     return {"layouts": {"striped": {"forward": tr}}}
 
 
-# -- 7. compute-sanitizer -------------------------------------------------------------------
+# -- 8. compute-sanitizer -------------------------------------------------------------------
 
 def one_fused_launch():
     """One small fused launch per K/V dtype (what the sanitizer watches): a
@@ -352,17 +525,18 @@ def one_fused_launch():
 
 def sanitizer(ctx):
     tool = find_sanitizer()
-    me = [ctx.python, str(Path(__file__).resolve()), "--one-fused-launch"]
+    me = [*ctx.gpu_python(), str(Path(__file__).resolve()), "--one-fused-launch"]
     if ctx.dry:
-        rc, out = run(me + ["--dry-run"], 60)
+        rc, out = run(ctx, me + ["--dry-run"], 60)
         return Result(rc == 0, f"dry run: the launch script starts ({out.strip()}); compute-sanitizer: "
                                f"{tool or 'not found'}")
     if tool is None:
-        return Result(True, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH)",
-                      skipped="compute-sanitizer not found")
+        rc, out = run(ctx, me, 60)              # the launch alone, at least
+        return Result(rc == 0, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH); "
+                               "the launch alone:\n\n" + fenced(out, 20), skipped="compute-sanitizer not found")
     parts, ok = [], True
     for name in ("racecheck", "memcheck"):
-        rc, out = run([tool, "--tool", name, "--error-exitcode", "99", *me], 60)
+        rc, out = run(ctx, [tool, "--tool", name, "--error-exitcode", "99", *me], 60)
         good = rc == 0
         ok &= good
         summary = [line for line in out.splitlines() if "SUMMARY" in line or "done" in line]
@@ -370,17 +544,17 @@ def sanitizer(ctx):
     return Result(ok, "\n\n".join(parts))
 
 
-# -- 8. rates --------------------------------------------------------------------------------
+# -- 9. rates --------------------------------------------------------------------------------
 
 def rates(ctx):
-    """One block pair, every tile visible: RATE_BLOCK queries x keys, Hq = 8, Hkv = 2, float16."""
+    """One block pair, every tile visible: rate_block queries x keys, Hq = 8, Hkv = 2, float16."""
     if ctx.dry:
         return Result(True, f"dry run: torch {module_version('torch')}")
     import cupy
     from bench import gpu_bench
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
-    c, hq, hkv = RATE_BLOCK, 8, 2
+    c, hq, hkv = ctx.sizes.rate_block, 8, 2
     rows = []
     for head_dim in (64, 128):
         useful = 4 * head_dim * c * c * hq
@@ -392,8 +566,8 @@ def rates(ctx):
         for name, step, tile in (("v1 (readable), tile 1024", steps.get("v1"), 1024),
                                  ("fused v1, its tile", steps.get("fused"), None)):
             b = ring.as_dtype(block, np.float32, step)
-            seconds = gpu_bench.timed(cupy.cuda.Device().synchronize, lambda: step.forward(ForwardAcc.zeros(queries.q), queries, b,
-                                                                 causal=True, tile_size=tile), repeat=3)
+            seconds = gpu_bench.timed(cupy.cuda.Device().synchronize, lambda: step.forward(
+                ForwardAcc.zeros(queries.q), queries, b, causal=True, tile_size=tile), repeat=3)
             rows.append((head_dim, name, seconds, useful / seconds / 1e12))
         flash = torch_flash(c, hq, hkv, head_dim)
         rows.append((head_dim, "torch flash attention" if flash else "torch: not installed (or no CUDA)",
@@ -425,35 +599,96 @@ def torch_flash(c, hq, hkv, head_dim):
     return gpu_bench.timed(torch.cuda.synchronize, fn)
 
 
-STEPS = {"environment": environment, "race probe": race_probe, "GPU tests": gpu_tests,
-         "fused kernel": fused_against_readable, "command line": command_line, "trace": trace,
-         "sanitizer": sanitizer, "rates": rates}
-SHORT = {"environment": "env", "race probe": "race", "GPU tests": "tests", "fused kernel": "fused",
-         "command line": "cli", "trace": "trace", "sanitizer": "sanitizer", "rates": "rates"}
-
-
 # -- the run ------------------------------------------------------------------------------------
 
-def gpu_missing():
+STEPS = {"environment": (environment, 60), "race probe": (race_probe, 90), "GPU tests": (gpu_tests, 220),
+         "fused kernel": (fused_against_readable, 90), "checked run": (checked_run, 240),
+         "command line": (command_line, 180),
+         "trace": (trace, 180), "sanitizer": (sanitizer, 130), "rates": (rates, 90)}     # name: (step, limit s)
+SHORT = {"environment": "env", "race probe": "race", "GPU tests": "tests", "fused kernel": "fused",
+         "checked run": "checked", "command line": "cli", "trace": "trace", "sanitizer": "sanitizer", "rates": "rates"}
+
+
+def run_step(ctx, name, limit, result_file):
+    """One step in a process of its own, killed when its time is up (the step
+    ends its own commands a few seconds before); the Result it wrote."""
+    cmd = [ctx.python, str(Path(__file__).resolve()), "--step", SHORT[name], "--result", str(result_file),
+           "--work", str(ctx.work), "--deadline", f"{time.time() + limit - 5:.1f}"]
+    cmd += ["--mpiexec", ctx.mpiexec] * bool(ctx.mpiexec) + ["--dry-run"] * ctx.dry + ["--fake-gpu"] * ctx.fake
+    rc, out = run(ctx, cmd, limit)
+    if result_file.exists():
+        result = Result(**json.loads(result_file.read_text()))
+        result_file.unlink()
+        return result
+    return Result(False, f"FAILED: the step's process ended with status {rc} and no result:\n\n" + fenced(out, 40))
+
+
+def step_main(args):
+    """--step: run one step here, write its Result as JSON to --result."""
+    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=args.mpiexec, work=Path(args.work),
+                  fake=args.fake_gpu, deadline=args.deadline)
+    name = next(n for n, short in SHORT.items() if short == args.step)
+    if ctx.fake and not ctx.dry:
+        sys.path.insert(0, str(QUEUED_GPU.parent))
+        import queued_device
+        queued_device.install_for_process()
     try:
-        from gpu_impl import GpuUnavailable, require_cupy
-        require_cupy()
-    except GpuUnavailable as e:
-        return str(e)
-    return None
+        result = STEPS[name][0](ctx)
+    except Exception as e:          # noqa: BLE001 - one step's failure is reported, the others still run
+        result = Result(False, f"FAILED: {type(e).__name__}: {e}")
+    Path(args.result).write_text(json.dumps(asdict(result)))
+    return 0
+
+
+def gpu_missing(ctx):
+    """None where CuPy finds a GPU (asked in a process of its own), else why not."""
+    code = "from gpu_impl import require_cupy; require_cupy()"
+    rc, out = run(ctx, [ctx.python, "-c", code], 60)
+    return None if rc == 0 else out.strip().splitlines()[-1] if out.strip() else f"status {rc}"
+
+
+def write_results(path, ctx, sections, failed, started, steps_left):
+    """The results file as it stands: rewritten after every step."""
+    state = ("every step passed" if not failed else "FAILED: " + ", ".join(failed))
+    if steps_left:
+        state = f"INCOMPLETE ({steps_left} steps still to run); so far " + state
+    head = (f"{'Dry run (nothing measured)' if ctx.dry else 'Fake GPU run (nothing measured)' if ctx.fake else 'Results'}"
+            f" of `make gpu-check` (scripts/gpu_check.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{time.time() - started:.0f} s; {state}.\n")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(head + "\n" + "\n".join(sections))
+    return head
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0],
+                                 epilog="Steps: " + ", ".join(f"{s} ({n})" for n, s in SHORT.items()))
+    ap.add_argument("--dry-run", action="store_true", help="start every step without a GPU; measure nothing")
+    ap.add_argument("--fake-gpu", action="store_true",
+                    help="run every step at small sizes on a GPU made of NumPy (tests/gpu/queued_device.py): "
+                         "checks this script, measures nothing")
+    ap.add_argument("--out", default=str(OUT), help="the Markdown results file (default: %(default)s)")
+    ap.add_argument("--only", nargs="+", choices=list(SHORT.values()), help="run only these steps")
+    ap.add_argument("--mpiexec", help="the launcher (default: beside python, else on PATH)")
+    ap.add_argument("--started", type=float, default=None,
+                    help="when the whole check started (time.time(); default: now): 9 minutes from then")
+    ap.add_argument("--step", choices=list(SHORT.values()), help=argparse.SUPPRESS)       # run one step here
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    ap.add_argument("--one-fused-launch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--time-shifts", nargs=2, metavar=("OUT", "BYTES"), help=argparse.SUPPRESS)
+    ap.add_argument("--checked-run", nargs=2, metavar=("OUT", "CONFIG"), help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="start every step without a GPU; measure nothing")
-    ap.add_argument("--out", default=str(OUT), help="the Markdown results file (default: %(default)s)")
-    ap.add_argument("--only", nargs="+", choices=sorted(SHORT.values()), help="run only these steps")
-    ap.add_argument("--mpiexec", help="the launcher (default: beside python, else on PATH)")
-    ap.add_argument("--one-fused-launch", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--time-shifts", nargs=2, metavar=("OUT", "BYTES"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     if args.time_shifts:
         time_shifts(args.time_shifts[0], int(args.time_shifts[1]))
+        return 0
+    if args.checked_run:
+        checked_run_worker(args.checked_run[0], json.loads(args.checked_run[1]))
         return 0
     if args.one_fused_launch:
         if args.dry_run:
@@ -461,38 +696,37 @@ def main(argv=None):
             return 0
         one_fused_launch()
         return 0
-    reason = None if args.dry_run else gpu_missing()
+    if args.step:
+        return step_main(args)
+    started = args.started or time.time()
+    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(args.mpiexec, sys.executable),
+                  work=Path(tempfile.mkdtemp(prefix="gpu_check_")), fake=args.fake_gpu,
+                  deadline=started + WHOLE_S - MARGIN_S)
+    reason = None if ctx.dry or ctx.fake else gpu_missing(ctx)
     if reason:
         print(f"gpu-check: no usable GPU here, nothing was checked: {reason}", file=sys.stderr)
         return 2
-    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(args.mpiexec, sys.executable),
-                  work=Path(tempfile.mkdtemp(prefix="gpu_check_")))
-    sections, failed, start = [], [], time.perf_counter()
-    for name, fn in STEPS.items():
-        if args.only and SHORT[name] not in args.only:
-            continue
-        t0 = time.perf_counter()
-        print(f"== {name} ({t0 - start:.0f} s)", flush=True)
-        try:
-            if t0 - start > BUDGET_S:
-                raise TimeoutError(f"not started: {BUDGET_S} s spent (rerun it alone: --only {SHORT[name]})")
-            result = fn(ctx)
-        except Exception as e:          # noqa: BLE001 - one step's failure is reported, the others still run
-            result = Result(False, f"FAILED: {type(e).__name__}: {e}")
+    names = [n for n in STEPS if not args.only or SHORT[n] in args.only]
+    sections, failed = [], []
+    for i, name in enumerate(names):
+        t0 = time.time()
+        print(f"== {name} ({t0 - started:.0f} s; {ctx.left():.0f} s left)", flush=True)
+        limit = min(STEPS[name][1], ctx.left())
+        if limit < 10:
+            result = Result(False, f"not started: the whole run's {WHOLE_S} s are spent "
+                                   f"(rerun it alone: --only {SHORT[name]})")
+        else:
+            result = run_step(ctx, name, limit, ctx.work / f"{SHORT[name]}.json")
         status = "skipped: " + result.skipped if result.skipped else ("ok" if result.ok else "FAILED")
-        print(f"   {status} in {time.perf_counter() - t0:.0f} s", flush=True)
         if not result.ok:
             failed.append(name)
-        sections.append(f"### {name}: {status} ({time.perf_counter() - t0:.0f} s)\n\n{result.text}\n")
-        if name == "environment" and not result.ok:
-            break                       # nothing else can run
-    total = time.perf_counter() - start
-    head = (f"{'Dry run (nothing measured)' if ctx.dry else 'Results'} of `make gpu-check` "
-            f"(scripts/gpu_check.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {total:.0f} s; "
-            f"{'every step passed' if not failed else 'FAILED: ' + ', '.join(failed)}.\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(head + "\n" + "\n".join(sections))
-    print(f"\n{head}written: {args.out}")
+        sections.append(f"### {name}: {status} ({time.time() - t0:.0f} s)\n\n{result.text}\n")
+        stop = name == "environment" and not result.ok          # nothing else can run
+        head = write_results(args.out, ctx, sections, failed, started, 0 if stop else len(names) - i - 1)
+        print(sections[-1], flush=True)         # after the file: what is printed is kept
+        if stop:
+            break
+    print(f"{head}written: {args.out}")
     return 1 if failed else 0
 
 

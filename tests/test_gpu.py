@@ -23,7 +23,6 @@ Without a GPU (CI):
   (tests/gpu/emulate_cuda.cpp: a thread per CUDA thread, a barrier per block)
   against the plain step, for random cases, at D = 64 and 128, float16 blocks,
   NaN and inf where the NaN rule decides; its argument checks;
-- `make gpu-check`'s script: its dry run starts every step.
 With a GPU (`make gpu-check`): forward and backward against the dense
 reference (conftest tolerances per dtype) for random hypothesis cases on 1, 2
 and 4 ranks sharing one GPU, through both transfer paths; the fused kernel
@@ -557,12 +556,12 @@ def test_mpi_ranks_on_queued_gpus(n, transfer, tmp_path):
 @needs_mpiexec
 def test_cli_on_queued_gpus_checks_every_layout():
     """python -m gpu_impl on 3 ranks, each on a GPU made of NumPy
-    (tests/gpu/cli_worker.py): every layout forward and backward within the
+    (python tests/gpu/queued_device.py -m gpu_impl): every layout forward and backward within the
     check's float64 tolerance with rectangular tiles, the transfer path MPI
     chose and why, the critical path from device time; then --step fused
     without --tile-size runs with the kernel's own tile."""
-    worker = str(Path(__file__).resolve().parent / "gpu" / "cli_worker.py")
-    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+    worker = (str(Path(__file__).resolve().parent / "gpu" / "queued_device.py"), "-m", "gpu_impl")
+    proc = mpirun(3, *worker, "--seq-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
                   "--dtype", "float64", "--tile-size", "4x6", "--layout", "all", "--check", "--backward")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -572,7 +571,7 @@ def test_cli_on_queued_gpus_checks_every_layout():
     assert [r[0] for r in rows] == ["contiguous", "striped", "zigzag"], proc.stdout
     assert all(float(r[1]) <= 1e-10 for r in rows), proc.stdout
     assert "busiest rank's device time (CUDA events)" in proc.stdout
-    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "2", "--head-dim", "8", "--layout", "striped",
+    proc = mpirun(3, *worker, "--seq-len", "48", "--heads", "2", "--head-dim", "8", "--layout", "striped",
                   "--step", "fused", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"tile={fused.DEFAULT_TILE}" in proc.stdout and "step fused" in proc.stdout, proc.stdout
@@ -801,6 +800,27 @@ def test_fused_positions_are_uploaded_once():
     np.testing.assert_array_equal(other, [0, 5, 8])
 
 
+def test_fused_positions_are_kept_per_stream():
+    """Two streams of one GPU (the queued GPU's compute and copy streams made
+    current in turn) get positions of their own: each uploads its own copy on
+    itself, never reads one uploaded on the other stream, and clearing one
+    stream's cache leaves the other's arrays alone."""
+    gpu = QueuedDevice()
+    pos = np.arange(0, 64, 4)
+    with gpu.installed():
+        cupy = gpu.xp
+        fused.POSITIONS.clear()
+        on_compute = fused.positions_for(cupy, 0).get(cupy, pos)
+        with gpu.copy:
+            other = fused.positions_for(cupy, 0)
+            on_copy = other.get(cupy, pos)
+        assert on_copy is not on_compute and other.uploads == 1
+        assert fused.positions_for(cupy, 0).get(cupy, pos) is on_compute       # back on the compute stream
+        other._kept.clear()
+        assert fused.positions_for(cupy, 0).get(cupy, pos) is on_compute
+        fused.POSITIONS.clear()
+
+
 def test_fused_options_are_checked():
     assert fused.fused_tile(None, 64) == fused.DEFAULT_TILE
     with pytest.raises(ValueError, match="does not fit step='fused'"):
@@ -821,78 +841,7 @@ def test_fused_kernel_is_a_registered_forward_only_step():
         steps.check_step("fused", np)
 
 
-# -- make gpu-check and the benchmark, without a GPU ----------------------------------
-
-GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
-GPU_CHECK_STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "command line", "trace",
-                   "sanitizer", "rates")
-
-
-@pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
-def test_gpu_check_script_fails_clearly_without_gpu(tmp_path):
-    """No GPU: the script stops with status 2 and the reason, checking nothing."""
-    proc = subprocess.run(["bash", str(GPU_CHECK), "--out", str(tmp_path / "r.md")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "no usable GPU here, nothing was checked" in proc.stderr
-    assert "== environment" not in proc.stdout and not (tmp_path / "r.md").exists()
-
-
-@needs_mpiexec
-def test_gpu_check_dry_run_starts_every_step(tmp_path):
-    """--dry-run, here without a GPU: every step starts (tests collected, the
-    command lines parse, the sanitizer's launch script imports) and the
-    results file has one passing section per step, in order."""
-    out = tmp_path / "gpu_check.md"
-    proc = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = out.read_text()
-    assert text.startswith("Dry run (nothing measured)") and "every step passed" in text
-    headings = [line for line in text.splitlines() if line.startswith("### ")]
-    assert [h[4:].split(":")[0] for h in headings] == list(GPU_CHECK_STEPS), headings
-    assert all(": ok (" in h for h in headings), headings
-    assert "15 GPU tests collected" in text or "GPU tests collected" in text
-    assert "test_gpu_ring_matches_reference[4-staged]" in text          # 4 ranks sharing the GPU
-    assert "2 GPU tests collected" in text                               # the race probe, both ways
-    assert "--seq-len 65536 --head-dim 128 --dtype float16" in text and "--backward --check" in text
-
-
-def test_gpu_check_measuring_steps_run_on_a_queued_gpu(monkeypatch, tmp_path):
-    """The steps of make gpu-check that measure in-process (the environment
-    table, the fused kernel against the readable step, the sanitizer's launch,
-    the rates) run to the end on a GPU made of NumPy, at small sizes, the
-    readable step standing in for the kernel: their Python has run before a
-    GPU's time is spent on it."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    monkeypatch.setattr(gpu_check, "FUSED_SEQ", 64)
-    monkeypatch.setattr(gpu_check, "RATE_BLOCK", 32)
-    monkeypatch.setattr(fused, "launch_kernel", lambda acc, queries, block, tile, causal: ReadableStep().forward(
-        acc, queries, ring.as_dtype(block, np.float32), causal=causal, tile_size=tile))
-    ctx = gpu_check.Context(dry=False, python=sys.executable, mpiexec=MPIEXEC or "mpiexec", work=tmp_path)
-    with QueuedDevice("copies-early").installed():
-        assert "QueuedDevice (NumPy)" in gpu_check.environment(ctx).text
-        result = gpu_check.fused_against_readable(ctx)
-        assert result.ok and result.text.count("| ok |") == 4, result.text
-        gpu_check.one_fused_launch()
-        result = gpu_check.rates(ctx)
-        assert result.ok and result.text.count("fused v1") == 2, result.text
-
-
-def test_gpu_check_fails_without_mpiexec(tmp_path):
-    """Without mpiexec the ring tests cannot run: the check fails (status 1),
-    says so, and runs no further step."""
-    out = tmp_path / "gpu_check.md"
-    proc = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--mpiexec", str(tmp_path / "no-mpiexec"),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    text = out.read_text()
-    assert "mpiexec not found: the ring tests cannot run" in text and "FAILED: environment" in text
-    assert "### race probe" not in text
-
+# -- the GPU benchmark, without a GPU ----------------------------------------------
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
 def test_gpu_bench_says_no_gpu(tmp_path):
@@ -1011,22 +960,35 @@ SPIN_CYCLES = 2_000_000          # about a millisecond
 
 @needs_gpu
 @pytest.mark.parametrize("slow", ["kernels", "copies"])
-def test_staged_upload_race_probe(slow, fake_mpi):
+def test_staged_upload_race_probe(slow, fake_mpi, monkeypatch):
     """The staged path's stream order on a real GPU: 3 ranks as threads on one
-    GPU (a fake MPI of threads moves the pinned buffers), with a spin kernel of
-    about a millisecond queued before every step (kernels lag: an upload that
-    does not wait for the step still reading its buffer overwrites it) or
-    before every upload (copies lag: a step that does not wait for its upload
-    reads the old block). Results must equal the virtual ring's."""
+    GPU (a fake MPI of threads moves the pinned buffers), float16 blocks (the
+    step reads float32 copies, whose memory CuPy's pool takes back while the
+    step's kernels are still queued), with a spin kernel of about a millisecond
+    inside every tile (kernels lag: an upload into memory a queued kernel still
+    reads overwrites it) or before every upload (copies lag: a step that does
+    not wait for its upload reads the old block). Results must equal the
+    virtual ring's within float16's tolerance."""
     import cupy
     from gpu_impl.device import CupyDevice
     from gpu_impl.transfer import StagedBuffers
+    from reference import step as step_module
     spin = cupy.RawKernel(SPIN_SOURCE, "spin")
     case = Case(layout="striped", n_devices=3, B=1, S=3 * 256, Hq=4, Hkv=2, D=32, tile_size=64, causal=True,
-                scale=None, dtype=np.float64, kind="gaussian", seed=7)
+                scale=None, dtype=np.float16, kind="gaussian", seed=7)
     q, k, v, dout = case.inputs()
     pos = positions(case.S, 3, case.layout)
     boxes = fake_world(3)
+
+    def spun(tile):
+        def slow_tile(*args, **kwargs):
+            spin((1,), (1,), (np.int64(SPIN_CYCLES),))       # queued before the tile's kernels
+            return tile(*args, **kwargs)
+        return slow_tile
+
+    if slow == "kernels":
+        monkeypatch.setattr(step_module, "forward_tile", spun(step_module.forward_tile))
+        monkeypatch.setattr(step_module, "backward_tile", spun(step_module.backward_tile))
 
     class SlowCopies(CupyDevice):
         def upload(self, host, a, stream):
@@ -1034,22 +996,12 @@ def test_staged_upload_race_probe(slow, fake_mpi):
                 spin((1,), (1,), (np.int64(SPIN_CYCLES),))
             super().upload(host, a, stream)
 
-    class SlowStep(ReadableStep):
-        def forward(self, *args, **kwargs):
-            spin((1,), (1,), (np.int64(SPIN_CYCLES),))
-            return super().forward(*args, **kwargs)
-
-        def backward(self, *args, **kwargs):
-            spin((1,), (1,), (np.int64(SPIN_CYCLES),))
-            return super().backward(*args, **kwargs)
-
     def device(j, _virtual):
         with cupy.cuda.Stream(non_blocking=True):          # each rank's own compute stream
             dev = (SlowCopies if slow == "copies" else CupyDevice)(cupy, 0)
             ring_comm = RingComm(FakeComm(j, 3, boxes), StagedBuffers(dev))
             qj, kj, vj, dj = (cupy.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
-            step = SlowStep() if slow == "kernels" else ReadableStep()
-            kw = dict(causal=True, scale=case.D ** -0.5, tile_size=64, step=step)
+            kw = dict(causal=True, scale=case.D ** -0.5, tile_size=64, step=ReadableStep())
             out, lse, _ = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, **kw)
             grads = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, **kw)[:3]
             return tuple(cupy.asnumpy(x) for x in (out, lse) + grads)
@@ -1057,7 +1009,7 @@ def test_staged_upload_race_probe(slow, fake_mpi):
     got = run_devices(3, device)
     for i, (name, want) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), virtual_ring_results(case))):
         axis = 2 if name == "lse" else 1
-        assert_close(unshard([g[i] for g in got], case.layout, axis=axis), want, np.float64,
+        assert_close(unshard([g[i] for g in got], case.layout, axis=axis), want, np.float16,
                      what=f"{name}, {slow} slowed")
 
 
