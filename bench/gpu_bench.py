@@ -211,7 +211,7 @@ def ring_worker(args):
     from mpi4py import MPI
 
     import gpu_impl
-    from mpi_impl.cli import make_shard
+    from reference.inputs import make_shard
     from reference import LAYOUTS, positions
     comm, MAX = MPI.COMM_WORLD, MPI.MAX
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -241,7 +241,7 @@ def ring_worker(args):
 
 def ring_error(cupy, outs, layout, args):
     """Largest |out - float64 reference|, scaled by max(1, |reference|)."""
-    from mpi_impl.cli import make_shard
+    from reference.inputs import make_shard
     from reference import unshard
     S, H, D = args.seq_len, args.heads, args.head_dim
     full = np.arange(S)

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpi_impl.cli import read_trace
+from reference.trace import read_trace
 
 from . import RESULTS, markdown_table
 

@@ -2,7 +2,7 @@
 
 One head, D = 64, striped, forward and backward, on N ranks of this machine
 (one BLAS thread each), for a few sequence lengths so that the growth shows.
-Every rank makes its own shard of the random inputs (`mpi_impl.cli.make_shard`,
+Every rank makes its own shard of the random inputs (`reference.inputs.make_shard`,
 chunk by chunk from a seed); rank 0 then checks the result on a sample of
 query rows against float64 dense attention computed on those rows only (the
 dense formula with positions, `reference.attention(q[rows], k, v, q_pos=rows)`):
@@ -48,7 +48,7 @@ def worker(args):
     from mpi4py import MPI
 
     import mpi_impl
-    from mpi_impl.cli import make_shard
+    from reference.inputs import make_shard
     from reference import positions, steps
     comm = MPI.COMM_WORLD
     n, rank, S = comm.Get_size(), comm.Get_rank(), args.seq_len
@@ -83,7 +83,7 @@ def worker(args):
 
 def check(found, rows, S):
     """Largest error of out, lse and dq on the sampled rows, each over max(1, |reference|)."""
-    from mpi_impl.cli import make_shard
+    from reference.inputs import make_shard
     from reference import attention, attention_backward
     got_pos = np.concatenate([p for p, *_ in found])
     order = np.argsort(got_pos)

@@ -38,7 +38,7 @@ def build_parser():
 
 
 def backend(args, comm, index):
-    """mpi_impl.cli's Backend for CuPy on this rank's GPU."""
+    """The command line's Backend for CuPy on this rank's GPU."""
     cupy = require_cupy()
     path, reason = choose_transfer(args.transfer)
     name = cupy.cuda.runtime.getDeviceProperties(index)["name"].decode()

@@ -23,7 +23,7 @@ With more ranks than cores, wall time measures the scheduler; read the critical
 path. Give each rank one BLAS thread (OPENBLAS_NUM_THREADS=1) so that CPU time is
 the step's time.
 
-Other backends reuse this module:
+Another backend reuses the command line with a `Backend` of its own:
 
     from mpi_impl.cli import Backend, build_parser, main
     parser = build_parser(prog="mpiexec -n N python -m mpi4py -m gpu_impl")
@@ -33,26 +33,29 @@ Other backends reuse this module:
 
 with ``fwd``, ``bwd`` taking this package's keyword arguments (``comm``,
 ``layout``, ``causal``, ``tile_size``, ``trace="rank"``), e.g.
-``functools.partial(mpi_impl.ring_attention, make_ring=...)``. `run`,
-`format_table`, `write_trace`, `read_trace` and `plot_timeline` are usable alone.
+``functools.partial(mpi_impl.ring_attention, make_ring=...)``. What it writes
+is read with the library: `reference.trace.read_trace` (--trace-out), and
+`reference.plot.plot_timeline` draws --plot; the random shards are
+`reference.inputs.make_shard`.
 """
 
 import argparse
-import json
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
 import numpy as np
 
 from reference import LAYOUTS, attention, attention_backward, cost, positions, steps, unshard
-from reference.masks import cu_seqlens_from_lengths, make_mask
 from reference import ring_attention as reference_ring
 from reference import ring_attention_backward as reference_ring_backward
-from reference.trace import Trace
+from reference.inputs import make_shard
+from reference.masks import cu_seqlens_from_lengths, make_mask
+from reference.plot import plot_timeline
+from reference.trace import write_trace
 
 from .attention import gather_trace, ring_attention, ring_attention_backward
 
@@ -61,7 +64,6 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 # tests measure is far below: float64 1e-15, float32 1e-6
 DENSE_MAX_SEQ = 2048     # --check uses the dense S x S formula up to here
 CHECK_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-CHUNK = 256          # tokens per independently seeded piece of the random inputs
 
 
 def _same(x):
@@ -209,9 +211,10 @@ def report(rows, args, comm, backend):
     (1 if --check found an error above the tolerance, or NaN)."""
     print(format_table(rows, args, comm.Get_size(), backend.name, busy=backend.busy))
     if args.trace_out:
-        write_trace(args.trace_out, rows, args, comm.Get_size())
+        write_trace(args.trace_out, run_document(rows, args, comm.Get_size()))
     if args.plot:
-        plot_timeline(args.plot, rows, f"S={args.seq_len}, N={comm.Get_size()}, tile={args.tile_size}")
+        plot_timeline(args.plot, {r.layout: r.traces for r in rows},
+                      f"S={args.seq_len}, N={comm.Get_size()}, tile={args.tile_size}")
     tol = CHECK_TOL[args.dtype]
     failed = [r for r in rows if args.check and not r.error <= tol]     # NaN is not <= tol: it fails
     if failed:
@@ -300,29 +303,24 @@ def shapes(args):
     return (B, S, args.heads, D), (B, S, hkv, D)
 
 
-def make_shard(seed, which, shape, pos, dtype):
-    """Tokens `pos` of a standard-normal (B, S, H, D) array defined CHUNK tokens at a
-    time from (seed, which, chunk), so that each rank makes only its own shard."""
-    B, S, H, D = shape
-    out = np.zeros((B, len(pos), H, D), dtype=dtype)             # (B, c, H, D); padding stays 0
-    for start in range(0, S, CHUNK):
-        here = np.nonzero((pos >= start) & (pos < min(start + CHUNK, S)))[0]   # not the padding
-        if len(here):
-            rng = np.random.default_rng([seed, which, start])
-            piece = rng.standard_normal((B, min(CHUNK, S - start), H, D))
-            out[:, here] = piece[:, pos[here] - start]
-    return out
-
-
 def inputs(args, pos):
     """q, k, v, dout for the tokens at `pos`, NumPy."""
     sq, skv = shapes(args)
     return tuple(make_shard(args.seed, i, s, pos, args.dtype) for i, s in enumerate((sq, skv, skv, sq)))
 
 
+@dataclass
+class Timed:
+    """One timed run of the passes, on this rank."""
+    wall_s: float       # the slowest rank's
+    out: object
+    lse: object
+    grads: object       # (dq, dk, dv), or None without --backward
+    logs: dict          # "forward" (and "backward") -> this rank's RoundLog
+
+
 def time_passes(args, layout, backend, comm):
-    """One timed run: (wall of the slowest rank, out, lse, grads or None, forward
-    RoundLog, backward RoundLog or None)."""
+    """One timed run of the forward (and backward) pass of `layout`."""
     n, rank = comm.Get_size(), comm.Get_rank()
     pos = positions(args.seq_len, n, layout)[rank]
     q, k, v, dout = (backend.to_device(x) for x in inputs(args, pos))
@@ -332,45 +330,45 @@ def time_passes(args, layout, backend, comm):
     comm.Barrier()
     start = time.perf_counter()
     out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", step=fwd_step, **opts)
-    grads = bwd_log = None
+    grads, logs = None, {"forward": fwd_log}
     if args.backward:
-        *grads, bwd_log = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank",
-                                                          step=bwd_step, **opts)
+        *grads, logs["backward"] = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank",
+                                                                   step=bwd_step, **opts)
     backend.synchronize()
     wall = comm.allreduce(time.perf_counter() - start, op=_max())
-    return wall, out, lse, grads, fwd_log, bwd_log
+    return Timed(wall, out, lse, grads, logs)
 
 
 def run_layout(args, layout, backend, comm):
+    """--repeat timed runs of `layout`: on rank 0 its Row, None elsewhere."""
     n, rank = comm.Get_size(), comm.Get_rank()
-    best, least_cpu = None, {}
+    best, least = None, {}
     for _ in range(args.repeat):
         timed = time_passes(args, layout, backend, comm)
-        best = timed if best is None or timed[0] < best[0] else best     # one run's arrays held, not all
-        for name, log in (("forward", timed[4]), ("backward", timed[5])):
-            if log is not None:
-                busy = getattr(log, backend.busy)
-                least_cpu[name] = np.minimum(least_cpu.get(name, busy), busy)
-    wall, out, lse, grads, fwd_log, bwd_log = best
+        best = timed if best is None or timed.wall_s < best.wall_s else best   # one run's arrays held, not all
+        for kind, log in timed.logs.items():
+            busy = getattr(log, backend.busy)
+            least[kind] = np.minimum(least.get(kind, busy), busy)
     # The critical path takes the max over ranks of each round's CPU time, and a
     # max of noisy times is biased upwards, most for balanced layouts whose ranks
     # are all near it: each (round, rank) keeps its least CPU time over the repeats.
-    setattr(fwd_log, backend.busy, least_cpu["forward"])
-    if bwd_log is not None:
-        setattr(bwd_log, backend.busy, least_cpu["backward"])
-    traces = {"forward": gather_trace(fwd_log, comm)}
-    if bwd_log is not None:
-        traces["backward"] = gather_trace(bwd_log, comm)
-    errors = check_errors(args, layout, comm, backend, out, lse, grads) if args.check else {}
-    error = _largest(errors.values())
+    traces = {kind: _least_times(gather_trace(log, comm), least[kind], backend.busy, comm)
+              for kind, log in best.logs.items()}
+    errors = check_errors(args, layout, comm, backend, best.out, best.lse, best.grads) if args.check else {}
     rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if rank != 0:
         return None
-    return Row(layout=layout, wall_s=wall, error=error, errors=errors, traces=traces, peak_rss_kb=rss,
-               critical_cpu_s=sum(t.critical_path(backend.busy) for t in traces.values()),
+    return Row(layout=layout, wall_s=best.wall_s, error=_largest(errors.values()), errors=errors, traces=traces,
+               peak_rss_kb=rss, critical_cpu_s=sum(t.critical_path(backend.busy) for t in traces.values()),
                wait_fraction=_wait_fraction(traces.values()),
                predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal,
                                       **mask_options(args)))
+
+
+def _least_times(trace, least, busy, comm):
+    """The best run's Trace with its `busy` times, [t, j], replaced by every
+    rank's least over the repeats (`least`, this rank's, (N rounds,)). Collective."""
+    return replace(trace, **{busy: np.stack(comm.allgather(least), axis=1)})
 
 
 def _max():
@@ -385,12 +383,6 @@ def _wait_fraction(traces):
     return float((wait / np.maximum(compute, 1e-12)).max())
 
 
-def check(args, layout, comm, backend, out, lse, grads):
-    """Largest error of out, lse (and dq, dk, dv) against the dense reference,
-    scaled by max(1, |reference|), NaN if any is NaN; computed on rank 0, NaN elsewhere."""
-    return _largest(check_errors(args, layout, comm, backend, out, lse, grads).values())
-
-
 def _largest(errors):
     """The largest error; NaN if any is NaN, or if there is none (Python's max
     would skip a NaN that is not first, and pass a NaN result)."""
@@ -399,8 +391,8 @@ def _largest(errors):
 
 
 def check_errors(args, layout, comm, backend, out, lse, grads):
-    """{"out", "lse" (and "dq", "dk", "dv"): error against the reference} on rank 0
-    (see `check`), {} elsewhere."""
+    """{"out", "lse" (and "dq", "dk", "dv"): error against the reference, scaled by
+    max(1, |reference|), NaN if NaN} on rank 0, {} elsewhere. Collective."""
     mine = [backend.to_host(x) for x in (out, lse, *(grads or ()))]
     gathered = comm.gather(mine)
     if comm.Get_rank() != 0:
@@ -485,58 +477,11 @@ def steps_ran(rows):
     return ", ".join(f"{kind} step {name}" for kind, name in ran.items())
 
 
-def write_trace(path, rows, args, n_ranks):
-    doc = {"args": vars(args), "n_ranks": n_ranks, "layouts": {
+def run_document(rows, args, n_ranks):
+    """What --trace-out writes (`reference.trace.write_trace`): the options, and
+    per layout the figures of the table and the traces of its passes."""
+    return {"args": vars(args), "n_ranks": n_ranks, "layouts": {
         r.layout: {"wall_s": r.wall_s, "critical_cpu_s": r.critical_cpu_s, "predicted_speedup": r.predicted,
                    "max_error": None if np.isnan(r.error) else r.error, "wait_fraction": r.wait_fraction,
-                   "peak_rss_kb": r.peak_rss_kb, **{k: t.to_dict() for k, t in r.traces.items()}}
+                   "peak_rss_kb": r.peak_rss_kb, **r.traces}
         for r in rows}}
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-
-
-def read_trace(path):
-    """The document `--trace-out` wrote, with Trace objects back."""
-    with open(path) as f:
-        doc = json.load(f)
-    for entry in doc["layouts"].values():
-        for kind in ("forward", "backward"):
-            if kind in entry:
-                entry[kind] = Trace.from_dict(entry[kind])
-    return doc
-
-
-def plot_timeline(path, rows, title=""):
-    """One panel per layout, one line per rank: each round's compute (colour)
-    then wait (grey), forward then backward, laid end to end."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    n = rows[0].traces["forward"].n_devices
-    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 1.2 + 0.45 * n * len(rows)), sharex=True, squeeze=False)
-    for ax, row in zip(axes[:, 0], rows):
-        _draw_rounds(ax, list(row.traces.items()))
-        ax.set_ylabel(row.layout)
-    axes[-1, 0].set_xlabel("seconds (per rank: compute, then wait, round after round)")
-    axes[0, 0].set_title(title)
-    axes[0, 0].legend(loc="upper right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _draw_rounds(ax, traces):
-    colours = {"forward": "tab:blue", "backward": "tab:orange"}
-    n = traces[0][1].n_devices
-    for j in range(n):
-        x = 0.0
-        for kind, tr in traces:
-            for t in range(tr.compute_s.shape[0]):
-                c, w = tr.compute_s[t, j], tr.wait_s[t, j]
-                ax.barh(j, c, left=x, color=colours[kind], edgecolor="white", linewidth=0.5,
-                        label=f"{kind} compute" if (j, t) == (0, 0) else None)
-                first = (j, t, kind) == (0, 0, "forward")
-                ax.barh(j, w, left=x + c, color="0.75", label="wait" if first else None)
-                x += c + w
-    ax.set_yticks(range(n), [f"rank {j}" for j in range(n)])
-    ax.invert_yaxis()

@@ -45,7 +45,7 @@ from IPython.display import Image, display
 
 import reference
 from mpi_impl import RingComm
-from mpi_impl.cli import read_trace
+from reference.trace import read_trace
 from reference import LAYOUTS, cost, positions, ring_attention, ring_attention_backward
 from reference.tiles import FULL, MASKED, classify
 
@@ -99,7 +99,7 @@ print(table)
 
 # %% [markdown]
 # The trace file holds every rank's per-round record, gathered by rank 0;
-# `mpi_impl.cli.read_trace` reads it back as `reference.Trace` objects, one per pass.
+# `reference.trace.read_trace` reads it back as `reference.Trace` objects, one per pass.
 
 # %%
 run = read_trace(OUT / "check.json")

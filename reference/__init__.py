@@ -10,7 +10,8 @@ documents, padding, dropout), `tiles` (which tiles to skip), `heads` (the comput
 layout), `step` (one device, one block: the readable version 1 and the
 contract), `ring` (one device's rounds, shared by every backend), `virtual` (N
 devices as threads), `lockstep` (the same rounds in one loop), `steps` (the
-numbered step versions: `step_v2`, `step_v3`), `trace`, `cost`, `tms`.
+numbered step versions: `step_v2`, `step_v3`), `trace` (and its files), `plot`,
+`inputs` (random shards a device makes alone), `cost`, `tms`.
 ``python -m reference`` prints the per-device work of each layout.
 """
 

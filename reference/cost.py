@@ -34,18 +34,17 @@ import numpy as np
 from .layouts import LAYOUTS, positions
 from .masks import as_mask, count_visible_pairs, layout_mask
 from .tiles import SKIP, classify, tile_edges, tile_shape
+from .trace import Work
 from .tms import HARDWARE, MODELS, paper_rows, theoretical_max_speedup  # noqa: F401 (re-exported)
 
 MODES = ("tiles", "pairs")
 
 
 @dataclass
-class Prediction:
-    """Predicted per-round, per-device work; arrays (N rounds, N devices)."""
-    source: np.ndarray
-    tiles_computed: np.ndarray
-    tiles_skipped: np.ndarray
-    pairs: np.ndarray
+class Prediction(Work):
+    """Predicted per-round, per-device work (`reference.trace.Work`: the
+    fields a run's trace records), arrays (N rounds, N devices), with the area
+    of the tiles computed."""
     tile_area: np.ndarray     # (query, key) entries in the computed tiles, masked ones included
 
     def work(self, mode="tiles"):
@@ -54,6 +53,7 @@ class Prediction:
         return self.tile_area if mode == "tiles" else self.pairs
 
     def critical_path(self, mode="tiles"):
+        """Sum over rounds of the busiest device's work, counted as `mode`."""
         return int(self.work(mode).max(axis=1).sum())
 
 

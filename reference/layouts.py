@@ -145,6 +145,11 @@ def array_module(x):
     return np
 
 
+def to_host(x):
+    """A small array (positions, the owner) as NumPy, wherever it lives."""
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
 if __name__ == "__main__":
     for name in LAYOUTS:
         print(f"{name:<11}", "  ".join(f"dev{r} {p}" for r, p in enumerate(positions(16, 4, name))))

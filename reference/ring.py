@@ -29,16 +29,14 @@ the bool `causal`) says which keys each query sees, from positions alone, so
 it is the same object on every device.
 """
 
-import time
-from contextlib import contextmanager
-
 import numpy as np
 
 from . import steps
 from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
 from .layouts import array_module
 from .masks import resolve
-from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward, to_host
+from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward
+from .trace import RoundLog
 
 KV, DKV = 1, 2            # tags of the two kinds of message in flight
 
@@ -142,71 +140,3 @@ def new_kv_grads(block, dtype):
     round's are still being sent."""
     xp = array_module(block.k)
     return xp.zeros(block.k.shape, dtype), xp.zeros(block.v.shape, dtype)
-
-
-class RoundLog:
-    """Per-round record of one device: the trace row, plus timings.
-
-    With a `clock` (a device's: ``mark()`` records an event on the compute
-    stream, ``seconds(a, b)`` reads the time between two), ``compute_s`` is the
-    step's time on the device and ``wait_s`` the time the device sat idle
-    before the next round's step (waiting for its block), both read in
-    `close`; ``compute_cpu_s`` stays the host's time queueing the step.
-    Without one, wall and CPU clocks around the calls."""
-
-    FIELDS = ("source", "tiles_computed", "tiles_skipped", "pairs", "bytes_sent",
-              "compute_s", "compute_cpu_s", "wait_s")
-
-    def __init__(self, n_rounds, step="", clock=None):
-        for name in self.FIELDS:
-            setattr(self, name, np.zeros(n_rounds, dtype=float if name.endswith("_s") else np.int64))
-        self.step = step            # the step version that ran
-        self.clock, self._marks = clock, []      # [(t, start event, end event)]
-
-    def record(self, t, counts, block, *, sent):
-        """The step's counts, the device `block` started on (read from the
-        block: it travels with it) and the bytes of `sent` (arrays)."""
-        self.source[t] = int(to_host(block.source)[0])     # NumPy: no wait for the device
-        self.tiles_computed[t] = counts.tiles_computed
-        self.tiles_skipped[t] = counts.tiles_skipped
-        self.pairs[t] = counts.pairs
-        self.bytes_sent[t] = _nbytes(sent)
-
-    @contextmanager
-    def computing(self, t):
-        """Wall and CPU time of the step in round t (device time with a clock)."""
-        start = self.clock.mark() if self.clock else None
-        wall, cpu = time.perf_counter(), time.thread_time()
-        yield
-        self.compute_cpu_s[t] += time.thread_time() - cpu
-        if self.clock:
-            self._marks.append((t, start, self.clock.mark()))
-        else:
-            self.compute_s[t] += time.perf_counter() - wall
-
-    @contextmanager
-    def waiting(self, t):
-        """Wall time spent waiting for a transfer in round t (with a clock:
-        read from the device's idle time in `close`)."""
-        wall = time.perf_counter()
-        yield
-        if not self.clock:
-            self.wait_s[t] += time.perf_counter() - wall
-
-    def close(self):
-        """With a clock: read the device times (this waits for the last step),
-        and drop the clock, so that the log pickles (MPI gathers it)."""
-        clock, self.clock = self.clock, None
-        if not self._marks:
-            return
-        ends = [start for _, start, _ in self._marks[1:]] + [clock.mark()]
-        for (t, start, end), next_start in zip(self._marks, ends):
-            self.compute_s[t] += clock.seconds(start, end)
-            self.wait_s[t] += clock.seconds(end, next_start)   # idle until the next step started
-        self._marks = []
-
-
-def _nbytes(x):
-    if isinstance(x, tuple):
-        return sum(_nbytes(a) for a in x)
-    return int(x.nbytes)

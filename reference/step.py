@@ -51,7 +51,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .heads import accumulate_dtype, q_to_heads, rows_to_heads
-from .layouts import array_module
+from .layouts import array_module, to_host
 from .masks import CAUSAL, any_visible, count_visible_pairs, keep_weights, resolve, visible
 from .tiles import MASKED, tile_plan, tile_shape
 
@@ -221,11 +221,6 @@ def finish_forward(acc):
         lse = acc.m + xp.log(l_safe)
     lse = xp.where(empty, -np.inf, xp.where(acc.l == 0, np.nan, lse))
     return out, lse
-
-
-def to_host(x):
-    """A small array (positions, the owner) as NumPy, wherever it lives."""
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 # -- version 1: the formulas on whole tiles -------------------------------

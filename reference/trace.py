@@ -8,43 +8,35 @@ Fields (all shape (N rounds, N devices)):
   bytes_sent      bytes this device put on the ring in round t
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
                   seconds spent waiting for a transfer (zero where not timed)
-and `step`, the step version that ran (e.g. "v3, 2 workers").
+and `step`, the step version that ran (e.g. "v3, 2 workers"). The first four
+are the `Work` that the cost model predicts without running (`reference.cost`).
 
-`Trace.table()` prints the per-device work; `Trace.from_logs` builds one from
-the per-device `RoundLog`s that `reference.ring` returns.
+Each device keeps a `RoundLog` (one row of the trace) while it runs its rounds
+(`reference.ring`); `Trace.from_logs` stacks the devices' logs. `Trace.table()`
+prints the per-device work; `write_trace` / `read_trace` keep a run's traces in
+a JSON file (``python -m mpi_impl --trace-out``).
+
+    out, lse, trace = reference.ring_attention(q, k, v, n_devices=4, trace=True)
+    print(trace.table("striped"))
 """
 
-from dataclasses import dataclass
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .ring import RoundLog
+from .layouts import to_host
 
 
 @dataclass
-class Trace:
+class Work:
+    """The work of one ring pass, per round t and device j: arrays (N, N)."""
     source: np.ndarray
     tiles_computed: np.ndarray
     tiles_skipped: np.ndarray
     pairs: np.ndarray
-    bytes_sent: np.ndarray
-    compute_s: np.ndarray
-    compute_cpu_s: np.ndarray
-    wait_s: np.ndarray
-    step: str = ""
-
-    @classmethod
-    def from_logs(cls, logs):
-        """One RoundLog per device (in rank order) -> Trace with [t, j] arrays."""
-        return cls(**{name: np.stack([getattr(log, name) for log in logs], axis=1)
-                      for name in RoundLog.FIELDS}, step=logs[0].step)
-
-    @classmethod
-    def from_dict(cls, d):
-        return cls(**{name: np.asarray(d[name]) for name in RoundLog.FIELDS}, step=d.get("step", ""))
-
-    def to_dict(self):
-        return {**{name: getattr(self, name).tolist() for name in RoundLog.FIELDS}, "step": self.step}
 
     @property
     def n_devices(self):
@@ -57,6 +49,126 @@ class Trace:
     def table(self, title=""):
         return work_table(self.pairs, self.tiles_computed, self.tiles_skipped, self.source, title)
 
+
+@dataclass
+class Trace(Work):
+    """A run's Work, with the bytes each device sent and its timings."""
+    bytes_sent: np.ndarray
+    compute_s: np.ndarray
+    compute_cpu_s: np.ndarray
+    wait_s: np.ndarray
+    step: str = ""
+
+    @classmethod
+    def from_logs(cls, logs):
+        """One RoundLog per device (in rank order) -> Trace with [t, j] arrays."""
+        return cls(**{name: np.stack([getattr(log, name) for log in logs], axis=1) for name in FIELDS},
+                   step=logs[0].step)
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(**{name: np.asarray(d[name]) for name in FIELDS}, step=d.get("step", ""))
+
+    def to_dict(self):
+        return {**{name: getattr(self, name).tolist() for name in FIELDS}, "step": self.step}
+
+
+FIELDS = tuple(f.name for f in fields(Trace) if f.name != "step")      # the [t, j] arrays
+
+
+class RoundLog:
+    """Per-round record of one device: its row of the Trace (`FIELDS`, each
+    an array over rounds t), and the step version that ran.
+
+    With a `clock` (a device's: ``mark()`` records an event on the compute
+    stream, ``seconds(a, b)`` reads the time between two), ``compute_s`` is the
+    step's time on the device and ``wait_s`` the time the device sat idle
+    before the next round's step (waiting for its block), both read in
+    `close`; ``compute_cpu_s`` stays the host's time queueing the step.
+    Without one, wall and CPU clocks around the calls."""
+
+    FIELDS = FIELDS
+
+    def __init__(self, n_rounds, step="", clock=None):
+        for name in FIELDS:
+            setattr(self, name, np.zeros(n_rounds, dtype=float if name.endswith("_s") else np.int64))
+        self.step = step            # the step version that ran
+        self.clock, self._marks = clock, []      # [(t, start event, end event)]
+
+    def record(self, t, counts, block, *, sent):
+        """The step's counts (`reference.step.StepCounts`), the device `block`
+        started on (read from the block: it travels with it) and the bytes of
+        `sent` (arrays)."""
+        self.source[t] = int(to_host(block.source)[0])     # NumPy: no wait for the device
+        self.tiles_computed[t] = counts.tiles_computed
+        self.tiles_skipped[t] = counts.tiles_skipped
+        self.pairs[t] = counts.pairs
+        self.bytes_sent[t] = _nbytes(sent)
+
+    @contextmanager
+    def computing(self, t):
+        """Wall and CPU time of the step in round t (device time with a clock)."""
+        start = self.clock.mark() if self.clock else None
+        wall, cpu = time.perf_counter(), time.thread_time()
+        yield
+        self.compute_cpu_s[t] += time.thread_time() - cpu
+        if self.clock:
+            self._marks.append((t, start, self.clock.mark()))
+        else:
+            self.compute_s[t] += time.perf_counter() - wall
+
+    @contextmanager
+    def waiting(self, t):
+        """Wall time spent waiting for a transfer in round t (with a clock:
+        read from the device's idle time in `close`)."""
+        wall = time.perf_counter()
+        yield
+        if not self.clock:
+            self.wait_s[t] += time.perf_counter() - wall
+
+    def close(self):
+        """With a clock: read the device times (this waits for the last step),
+        and drop the clock, so that the log pickles (MPI gathers it)."""
+        clock, self.clock = self.clock, None
+        if not self._marks:
+            return
+        ends = [start for _, start, _ in self._marks[1:]] + [clock.mark()]
+        for (t, start, end), next_start in zip(self._marks, ends):
+            self.compute_s[t] += clock.seconds(start, end)
+            self.wait_s[t] += clock.seconds(end, next_start)   # idle until the next step started
+        self._marks = []
+
+
+def _nbytes(x):
+    if isinstance(x, tuple):
+        return sum(_nbytes(a) for a in x)
+    return int(x.nbytes)
+
+
+# -- a run's traces in a file ------------------------------------------------
+
+def write_trace(path, doc):
+    """Write `doc` as JSON, every Trace in it as its fields: a run's document,
+    e.g. ``{"args": {...}, "layouts": {"striped": {"wall_s": 0.1, "forward": Trace}}}``."""
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=_as_json)
+
+
+def read_trace(path):
+    """The document `write_trace` wrote, every trace in it a Trace again."""
+    with open(path) as f:
+        return json.load(f, object_hook=lambda d: Trace.from_dict(d) if set(FIELDS) <= set(d) else d)
+
+
+def _as_json(x):
+    if isinstance(x, Trace):
+        return x.to_dict()
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON: write_trace writes Traces, dicts, lists and numbers")
+
+
+# -- printed -------------------------------------------------------------------
 
 def work_table(pairs, computed, skipped, source=None, title=""):
     """Per round and device: visible pairs, and tiles computed / total.

@@ -251,7 +251,7 @@ def trace(ctx):
     rc, out = run(mpirun(ctx, "-m", "gpu_impl", *args), 110)
     if rc != 0:
         return Result(False, f"`{shown}`\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
-    from mpi_impl.cli import read_trace
+    from reference.trace import read_trace
     doc = read_trace(path)
     nbytes = int(doc["layouts"]["striped"]["forward"].bytes_sent[0].max())
     alone = ctx.work / "shift.json"

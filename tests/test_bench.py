@@ -282,7 +282,7 @@ def test_scale_check_sees_a_wrong_row():
     """The sampled check is a real comparison: one wrong value of dq shows."""
     import numpy as np
     from bench import scale
-    from mpi_impl.cli import make_shard
+    from reference.inputs import make_shard
     from reference import attention, attention_backward
     S = 64
     rows, everything = np.array([3, 40]), np.arange(S)

@@ -219,6 +219,26 @@ def test_trace_round_trips_and_prints():
     assert f"critical path (sum of busiest): {trace.critical_path('pairs')} pairs" in table
 
 
+def test_trace_file_gives_back_every_trace_in_the_document(tmp_path):
+    from reference.trace import FIELDS, RoundLog, read_trace, write_trace
+    fwd, _ = run_traced("striped", 16, 4, 2, True)
+    bwd, _ = run_traced("striped", 16, 4, 2, True, backward=True)
+    doc = {"args": {"seq_len": 16}, "layouts": {"striped": {"wall_s": np.float64(0.5), "forward": fwd,
+                                                            "backward": bwd}}}
+    write_trace(tmp_path / "run.json", doc)
+    again = read_trace(tmp_path / "run.json")
+    assert again["args"] == {"seq_len": 16} and again["layouts"]["striped"]["wall_s"] == 0.5
+    for kind, trace in (("forward", fwd), ("backward", bwd)):
+        got = again["layouts"]["striped"][kind]
+        assert isinstance(got, Trace) and got.step == trace.step
+        for name in FIELDS:
+            np.testing.assert_array_equal(getattr(got, name), getattr(trace, name), err_msg=name)
+    # the fields are declared once: a device's log, the trace and the prediction share them
+    assert RoundLog.FIELDS == FIELDS and set(TRACED) <= set(cost.Prediction.__dataclass_fields__)
+    with pytest.raises(TypeError, match="set is not JSON"):
+        write_trace(tmp_path / "bad.json", {"x": {1, 2}})
+
+
 # -- counts held to a brute force that shares nothing with reference.tiles ------
 
 def brute_force_counts(q_pos, k_pos, tile_size, causal):

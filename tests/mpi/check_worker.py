@@ -17,7 +17,8 @@ largest status, as ``python -m mpi_impl`` would with any of them.
   always-causal   --no-causal, but the ring runs causal     -> 1
   repeat          --repeat 3: canned CPU times per (repeat, round, rank); the
                   trace file TRACE_DIR/repeat.json must hold the critical path
-                  of the least time per (round, rank)
+                  of the least time per (round, rank), and the logs the backend
+                  returned must still hold their canned times (status 3 if not)
 """
 
 import sys
@@ -35,14 +36,17 @@ ARGS = ["--seq-len", "32", "--heads", "2", "--head-dim", "8", "--dtype", "float6
         "--layout", "striped", "--backward", "--check", "--no-warmup"]
 
 
-def spoiled(scenario, comm):
-    """A Backend whose results are mpi_impl's, spoiled as `scenario` says on rank 1."""
+def spoiled(scenario, comm, handed=None):
+    """A Backend whose results are mpi_impl's, spoiled as `scenario` says on
+    rank 1; the logs with canned times it returns are appended to `handed`."""
     on_rank_1 = comm.Get_rank() == 1
     calls = {"forward": 0, "backward": 0}
 
     def canned(log, kind):
         log.compute_cpu_s = np.array(CANNED_CPU_S[calls[kind]][comm.Get_rank()])
         calls[kind] += 1
+        if handed is not None:
+            handed.append((log, log.compute_cpu_s.copy()))
         return log
 
     def forward(q, k, v, **options):
@@ -83,7 +87,10 @@ def run(trace_dir):
     statuses = []
     for scenario, extra in SCENARIOS.items():
         argv = ARGS + extra + ["--trace-out", f"{trace_dir}/{scenario}.json"]
-        status = main(argv, backend=spoiled(scenario, comm))
+        handed = []
+        status = main(argv, backend=spoiled(scenario, comm, handed))
+        if any(not np.array_equal(log.compute_cpu_s, times) for log, times in handed):
+            status = 3          # the command line wrote into a log the backend handed it
         print(f"rank {comm.Get_rank()}: {scenario}: status {status}", flush=True)
         statuses.append(status)
     return max(statuses)
