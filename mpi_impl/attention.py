@@ -48,8 +48,9 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     `step`: a name of `reference.steps` ("auto": the fastest validated step for
     the arrays) or a `reference.step.Step`.
     ``make_ring(comm)`` builds the communication object (another backend passes
-    its own), a context manager: its exit ends the ring's transfers and frees
-    what it holds, however the ring ended. `seq_len` and
+    its own), a context manager whose exit ends the ring's transfers and frees
+    what it holds however the ring ended, with a list of `transfers` (their
+    times, for the trace). `seq_len` and
     `mask_options`: see the module docstring.
     Collective: every rank of `comm` must call it."""
     found = {}
@@ -60,6 +61,7 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     with make_ring(comm) as ring_comm, named_rank(comm):     # freed however the ring ends
         out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, mask=found["mask"],
                                           scale=scale, tile_size=tile_size, step=found["step"])
+    log.add_transfers(ring_comm.transfers, ring.KV)         # when each block arrived, for the trace
     return (out, lse) + _trace_result(log, comm, trace)
 
 
@@ -86,6 +88,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
         dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
                                              mask=found["mask"], scale=scale, tile_size=tile_size,
                                              step=found["step"])
+    log.add_transfers(ring_comm.transfers, ring.KV)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
 
 

@@ -168,6 +168,7 @@ class StrictRing:
         self._sent = []         # (shift, array index) sent: checked again at close
         self._started = {}      # tag -> shifts started (the round, in the ring's loops)
         self.progress_calls = 0
+        self.transfers = []     # RingComm records its transfers' times; nothing is timed here
 
     def start_shift(self, arrays, tag):
         arrays = tuple(arrays)

@@ -347,3 +347,32 @@ def test_mpi_ring_with_messages_above_the_eager_threshold(n, tmp_path):
     results = run_batch(n, LARGE[n], tmp_path)
     for i, case in enumerate(LARGE[n]):
         assert_case(case, results[i])
+
+
+# -- the trace's timeline ------------------------------------------------------------
+
+def test_trace_timeline_orders_each_blocks_arrival_between_its_sending_and_its_use():
+    """mpi_impl on 3 ranks as threads (RingComm over the stand-in MPI): each
+    round's step starts after the last; the block received in round t arrived
+    after that round's step began (its receive is first tested then) and
+    before the next round's step, which uses it; none is recorded for the last
+    round, which receives nothing."""
+    import threading
+
+    import mpi_impl
+    from test_gpu import ThreadComm, fake_world
+    n = 3
+    world, gathered, barrier = fake_world(n), [None] * n, threading.Barrier(n)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 2, 4)) for _ in range(3))
+
+    def device(j, _world):
+        comm = ThreadComm(j, n, world, gathered, barrier)
+        return mpi_impl.ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2, trace=True)[2]
+
+    for trace in run_threads(n, device)[:1]:
+        for j in range(n):
+            start, arrived = trace.start_s[:, j], trace.arrived_s[:, j]
+            assert (np.diff(start) > 0).all(), start
+            assert (arrived[:-1] >= start[:-1]).all() and (arrived[:-1] <= start[1:]).all(), (start, arrived)
+            assert np.isnan(arrived[-1])
