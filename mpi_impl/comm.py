@@ -64,6 +64,7 @@ a `clock` for the ring's RoundLog (CUDA events on a GPU), exposed as
             print(ring.rank, ring.finish_shift(ring.start_shift((np.full(3, ring.rank),), 1)))"
 """
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -203,6 +204,11 @@ class RingComm:
         it between tiles."""
         for shift in list(self._active):
             self._test(shift)
+
+    def all_arrived(self):
+        """True when every receive in flight has completed, as last tested
+        (by `progress`): the next `finish_shift` will not wait."""
+        return not any(shift.receives for shift in self._active)
 
     def finish_shift(self, shift):
         """Wait for the shift's receives; return the arrays that arrived. They
@@ -502,6 +508,37 @@ def _ready_for_mpi(arrays):
         if xp.__name__ == "cupy":
             xp.cuda.get_current_stream().synchronize()
             return
+
+
+# -- an asynchronous progress thread -------------------------------------------------
+
+ASYNC_PROGRESS = "MPIR_CVAR_ASYNC_PROGRESS"      # MPICH's control variable, read when MPI starts
+
+
+def ask_for_async_progress(environ=None):
+    """Ask the MPI library for its asynchronous progress thread, which moves
+    messages while no MPI call runs, at the cost of a thread polling: MPICH
+    starts one when MPI starts with MPIR_CVAR_ASYNC_PROGRESS=1 in the
+    environment (raising the thread level to MPI_THREAD_MULTIPLE; its own
+    help text, in libmpi, asks to leave a hardware thread free for it), so
+    call this before ``from mpi4py import MPI``. Open MPI 5 has none for
+    shared memory (only its TCP transport's btl_tcp_progress_thread, in
+    ``ompi_info --all``): see `progress_engine`."""
+    (os.environ if environ is None else environ)[ASYNC_PROGRESS] = "1"
+
+
+def progress_engine(MPI, environ=None):
+    """What moves the ring's transfers while ranks compute, in words: the
+    step's progress() calls, and the library's progress thread where it runs."""
+    environ = os.environ if environ is None else environ
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    asked = environ.get(ASYNC_PROGRESS) == "1"
+    if not asked:
+        return "progress() between tiles"
+    if library.startswith("MPICH"):
+        return "progress() between tiles and MPICH's progress thread"
+    return (f"progress() between tiles only: {library.split(',')[0]} has no asynchronous progress thread "
+            "here (asked with --async-progress)")
 
 
 def rank_name(mpi_comm, rank=None):

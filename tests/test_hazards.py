@@ -22,7 +22,9 @@ flight goes unnoticed. Here:
 - both checkers catch the hazards they are for (small loops that commit them);
 - the ring runs on real MPI ranks with every message of K, V, dK and dV at
   least 256 KiB, above the eager threshold of MPICH and Open MPI, so that MPI
-  reads the buffers during the transfer (the rendezvous protocol).
+  reads the buffers during the transfer (the rendezvous protocol);
+- a 4 MiB block arrives while its receiver computes and calls progress()
+  (real MPI, no timing), and the trace's timeline orders each block's arrival.
 
     .venv/bin/python -m pytest tests/test_hazards.py -q
 """
@@ -347,6 +349,21 @@ def test_mpi_ring_with_messages_above_the_eager_threshold(n, tmp_path):
     results = run_batch(n, LARGE[n], tmp_path)
     for i, case in enumerate(LARGE[n]):
         assert_case(case, results[i])
+
+
+def test_block_arrives_while_its_receiver_computes_given_progress():
+    """tests/mpi/progress_worker.py: rank 0 idle in finish_shift, rank 1
+    computing tiles and calling progress() between them; its 4 MiB block
+    (rendezvous: MPI moves it only inside MPI calls) completes before rank 1
+    calls finish_shift. No timing: rank 1 computes until the block is there."""
+    pytest.importorskip("mpi4py")
+    from test_mpi import MPIEXEC, WORKERS, mpirun
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    proc, _ = mpirun(2, str(WORKERS / "progress_worker.py"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "rank 1: arrived during the step" in output and output.count(": done") == 2, output
 
 
 # -- the trace's timeline ------------------------------------------------------------
