@@ -200,7 +200,7 @@ def report(runs, examples, seconds):
               "(with those hypothesis ran while shrinking a disagreement); for a run that agrees, the "
               "largest error / tolerance of any element of each output (1 is the line; the project's "
               "own virtual ring reaches 0.27 in float32 and 0.98 in float16, where the final rounding "
-              "alone can take it all: `python -m reference.testing`).", ""]
+              "alone can take it all: `python -m reference.testing measure`).", ""]
     for library in ("ring-attention-pytorch", "ring-flash-attn"):
         peers = [p for p in PEERS.values() if p.library == library]
         lines += [f"## {library} {v[library]}", "", "Conventions (from the adapter):", ""]

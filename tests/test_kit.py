@@ -236,7 +236,7 @@ def test_replicated_outputs_must_agree_between_ranks():
 
 def test_correct_rings_use_a_fraction_of_the_tolerance():
     """The line sits above the worst error of the oracle at the dtype and of
-    the virtual ring (`python -m reference.testing` measures 400 cases: at most
+    the virtual ring (`python -m reference.testing measure` measures 400 cases: at most
     0.34 of it in float32 and float64, 0.98 in float16, which is its final rounding),
     and not far above: 30 cases here."""
     table = measure(examples=30, seed=1)

@@ -1,0 +1,53 @@
+"""The conformance kit: point the float64 oracle at anyone's ring attention.
+
+A user brings a ring / striped / zigzag attention (NumPy, PyTorch, JAX, CUDA)
+behind a small adapter and gets, from hypothesis, the smallest problem on
+which it is not exact attention, with the first bad element named:
+
+    from hypothesis import given
+    from reference.testing import Adapter, cases, check_ring_attention
+
+    class Mine(Adapter):
+        name = "mine"
+        def run(self, case, shards):          # shards.q[r]: rank r's (B, c, Hq, D), ...
+            return [my_ring(case, shards, r) for r in range(case.n_devices)]   # dicts: out, lse, dq, dk, dv
+
+    @given(cases())
+    def test_mine(case):
+        check_ring_attention(Mine(), case)
+
+One room per job, in reading order:
+
+    cases.py     `Case` (one problem), its inputs (`INPUT_KINDS`: scores in the hundreds,
+                 constant rows, values exact in float16, injected NaN / inf) and the
+                 hypothesis strategy `cases()`
+    oracle.py    `oracle(case)`: float64 out, lse, dq, dk, dv, and each element's error
+                 budget (`ErrorModel`, `tolerances`)
+    compare.py   `attention_mismatch` / `assert_attention_close` (the message naming the
+                 first bad element), and the project's same-precision table (`TOL`,
+                 `assert_close`) for one backend against another
+    adapter.py   the `Adapter` protocol, `check_ring_attention`, `VirtualRingAdapter`
+    group.py     `ProcessGroup`: a multi-process implementation served one example at a time
+    measure.py   how much of the line correct implementations use (`python -m
+                 reference.testing measure`)
+
+Only NumPy is needed to import the kit; hypothesis is imported by the
+strategies when they are called.
+"""
+
+from .adapter import Adapter, Shards, Unsupported, VirtualRingAdapter, check_ring_attention, make_shards
+from .cases import (BACKWARD, DTYPES, FORWARD, INPUT_KINDS, MAX_DEVICES, MAX_HEAD_DIM, MAX_SEQ, NAMES, Case,
+                    cases, make_qkv, tile_sizes)
+from .compare import (BFLOAT16, LARGE_LOGITS_FACTOR, LARGE_LOGITS_GRAD_FACTOR, TOL, Tolerance,
+                      assert_attention_close, assert_close, assert_finite, attention_mismatch)
+from .group import ProcessGroup, serve_requests
+from .measure import measure
+from .oracle import GROWTH, ErrorModel, magnitudes, oracle, tolerances, unit_roundoff
+
+__all__ = ["Adapter", "Shards", "Unsupported", "VirtualRingAdapter", "check_ring_attention", "make_shards",
+           "BACKWARD", "DTYPES", "FORWARD", "INPUT_KINDS", "MAX_DEVICES", "MAX_HEAD_DIM", "MAX_SEQ", "NAMES",
+           "Case", "cases", "make_qkv", "tile_sizes",
+           "BFLOAT16", "LARGE_LOGITS_FACTOR", "LARGE_LOGITS_GRAD_FACTOR", "TOL", "Tolerance",
+           "assert_attention_close", "assert_close", "assert_finite", "attention_mismatch",
+           "ProcessGroup", "serve_requests", "measure",
+           "GROWTH", "ErrorModel", "magnitudes", "oracle", "tolerances", "unit_roundoff"]

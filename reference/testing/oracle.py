@@ -1,0 +1,163 @@
+"""The oracle: float64 results of the dense formula, and each element's error budget.
+
+`oracle(case)` gives out, lse, dq, dk, dv in float64 from `reference.attention`
+and `attention_backward` on the case's inputs, and the magnitudes behind each
+element; `tolerances(case, accumulate=...)` turns them into a per-element line
+an implementation in the case's dtype must stay under (`ErrorModel`).
+
+    want = oracle(case)                                    # natural order, oracle shapes
+    tol = tolerances(case, accumulate=np.float32)          # {name: array like want[name]}
+
+The error model (why the line sits where it does). The inputs are values of
+the case's dtype, so the float64 oracle sees exactly the values the
+implementation sees, and every difference is rounding inside the computation.
+Rounding a sum of products of a and b costs at most about u * sum |a| |b|
+(u: the unit roundoff of the arithmetic), so each element's budget is the
+same formula as the element with every term made non-negative, the
+*magnitude* M (computed by `oracle` in float64):
+
+    L_ij  = |scale| sum_d |q_id| |k_jd|                 a score's rounding scale
+    E_ij  = 1 + L_ij + |lse_i| + sum_j P_ij L_ij        relative error of P_ij / u
+    M_out = (P E) |V| + rowsum(P E) |out|       M_lse = 1 + |lse| + sum_j P_ij L_ij + n_visible
+    G     = P E (|dO| |V|^T + rowsum(|dO| |out|)) + P rowsum(|dO| M_out)   the budget of dS = P (dP - delta)
+    M_dv  = (P E)^T |dO|,  M_dq = |scale| G |K|,  M_dk = |scale| G^T |Q|   (summed over a group)
+    M_stored (dq, dk only) = the same products with G_s = P rowsum(|dO| |out|): delta reads
+            the forward's out as returned, rounded to the output dtype
+
+    tol = growth * (u_acc * M + u_out * M_stored) + u_out * |expected|
+          + max(smallest subnormal of the output dtype, smallest normal of the accumulation dtype)
+
+u_acc is the unit roundoff of the dtype the implementation accumulates in
+(`Adapter.accumulate_dtype`: float32 for float16 inputs here; flash-attn style
+kernels that round P to float16 before P V declare float16), u_out that of
+the dtype it returns. `growth` absorbs the constants of the bounds (sum
+lengths, exp and log); `GROWTH` was measured, with its margin, by
+
+    python -m reference.testing measure --examples 400
+
+Measured (`python -m reference.testing measure --examples 400`, seed 0, on a shared
+2-core machine): the largest error / tolerance of any element over 400
+random cases per dtype (every kind, layout, N <= 4, forward and backward; 1
+is the line, GROWTH = 8):
+
+    dtype    dense oracle at dtype   virtual ring at dtype
+    float64  0 (it is the oracle)    0.34
+    float32  0.22                    0.27
+    float16  0.98                    0.98     (the final rounding to float16: u_out |expected|,
+                                               which no correct float16 result can beat)
+
+With growth = 1 the same cases reach 2.0 (float64 ring), 1.3 / 1.8 (float32)
+and 1.4 / 1.6 (float16): the sums' share of the bound is used up to twice,
+so GROWTH = 8 leaves a margin of 3 to 4 above the worst correct error seen in
+float32 and float64. The planted bugs of tests/test_kit.py sit 10^4 to 10^14
+above the line, and an out 64 float32 ulps too large fails it.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dense import attention, attention_backward
+from .cases import NAMES
+
+
+def unit_roundoff(dtype):
+    """u = eps / 2 of a float dtype: float64 1.1e-16, float32 6.0e-8, float16 4.9e-4."""
+    return float(np.finfo(dtype).eps) / 2
+
+
+@dataclass(frozen=True)
+class ErrorModel:
+    """tol = growth * (u(accumulate) * M + u(output) * M_stored) + u(output) * |expected|
+           + max(smallest subnormal of output, smallest normal of accumulate)."""
+    growth: float = 8.0
+
+    def tolerance(self, magnitude, stored, expected, *, accumulate, output):
+        # below the smallest normal number of the sums, rounding is absolute, not relative
+        floor = max(float(np.finfo(output).smallest_subnormal), float(np.finfo(accumulate).tiny))
+        with np.errstate(invalid="ignore"):
+            extra = np.where(np.isfinite(expected), np.abs(expected), 0.0)
+        return (self.growth * (unit_roundoff(accumulate) * magnitude + unit_roundoff(output) * stored)
+                + unit_roundoff(output) * extra + floor)
+
+
+GROWTH = ErrorModel().growth
+
+
+def _heads_first(x, Hq):
+    """(B, S, H, D) -> (B, Hq, S, D) float64, a key/value head repeated for its group."""
+    return np.repeat(np.asarray(x, np.float64), Hq // x.shape[2], axis=2).transpose(0, 2, 1, 3)
+
+
+def _group_sum(x, Hkv):
+    """(B, Hq, S, D) -> (B, S, Hkv, D): a key/value head's share summed over its query heads."""
+    B, Hq, S, D = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, S, Hkv, Hq // Hkv, D).sum(axis=3)
+
+
+def magnitudes(case, q, k, v, dout, out, lse):
+    """Each element's rounding scales, float64, oracle shapes: ({name: M}, {name:
+    M_stored}), M for the rounding in the sums (u_acc), M_stored for the
+    rounding of the forward's out to the output dtype (u_out), which the
+    backward reads (module docstring)."""
+    signed = case.scale if case.scale is not None else case.D ** -0.5
+    scale = abs(signed)
+    Q, K, V, dO, O = (np.nan_to_num(_heads_first(x, case.Hq), nan=0.0, posinf=0.0, neginf=0.0)
+                      for x in (q, k, v, dout, out))                           # (B, Hq, S, D)
+    Qa, Ka, Va, dOa, Oa = (np.abs(x) for x in (Q, K, V, dO, O))
+    qp = np.arange(case.S)
+    visible = qp[:, None] >= qp[None, :] if case.causal else np.ones((case.S, case.S), bool)
+    L = scale * Qa @ Ka.swapaxes(-1, -2)                                        # (B, Hq, S, S)
+    finite_lse = np.where(np.isfinite(lse), lse, 0.0)
+    # P <= 1 (clipped: a poisoned row's lse is NaN, and its result is NaN whatever the budget)
+    P = np.where(visible, np.exp(np.minimum(signed * Q @ K.swapaxes(-1, -2) - finite_lse[..., None], 0.0)), 0.0)
+    PL = (P * L).sum(-1)                                                        # (B, Hq, S)
+    E = 1 + L + np.abs(finite_lse)[..., None] + PL[..., None]
+    PE = P * E
+    m_out = PE @ Va + PE.sum(-1)[..., None] * Oa
+    m_lse = 1 + np.abs(finite_lse) + PL + visible.sum(-1)       # + n: the row sum of n terms
+    # delta = rowsum(dO * out) reads the forward's out: its rounding in the sums
+    # (u_acc M_out) and in the returned dtype (u_out |out|, the "stored" part)
+    G = PE * (dOa @ Va.swapaxes(-1, -2) + (dOa * Oa).sum(-1)[..., None]) + P * (dOa * m_out).sum(-1)[..., None]
+    G_stored = P * (dOa * Oa).sum(-1)[..., None]
+    m_dq, s_dq = (scale * g @ Ka for g in (G, G_stored))
+    m_dk, s_dk = (_group_sum(scale * g.swapaxes(-1, -2) @ Qa, case.Hkv) for g in (G, G_stored))
+    m_dv = _group_sum(PE.swapaxes(-1, -2) @ dOa, case.Hkv)
+    zeros = np.zeros_like
+    acc = dict(out=m_out.transpose(0, 2, 1, 3), lse=m_lse, dq=m_dq.transpose(0, 2, 1, 3), dk=m_dk, dv=m_dv)
+    stored = dict(out=zeros(acc["out"]), lse=zeros(m_lse), dq=s_dq.transpose(0, 2, 1, 3), dk=s_dk, dv=zeros(m_dv))
+    return acc, stored
+
+
+_ORACLE_CACHE = {}
+
+
+def oracle(case):
+    """{"out", "lse", "dq", "dk", "dv"}: float64 results of the dense formula on
+    the case's inputs (natural order, oracle shapes), and "magnitude": the same
+    names' rounding scales M. Cached per case (hypothesis replays while shrinking)."""
+    if case not in _ORACLE_CACHE:
+        if len(_ORACLE_CACHE) > 64:
+            _ORACLE_CACHE.clear()
+        q, k, v, dout = (x.astype(np.float64) for x in case.inputs())
+        opts = dict(causal=case.causal, scale=case.scale)
+        with np.errstate(all="ignore"):
+            out, lse = attention(q, k, v, **opts)
+            dq, dk, dv = attention_backward(q, k, v, out, lse, dout, **opts)
+            mags, stored = magnitudes(case, q, k, v, dout, out, lse)
+        _ORACLE_CACHE[case] = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, magnitude=mags, stored=stored)
+    return _ORACLE_CACHE[case]
+
+
+def tolerances(case, *, accumulate=None, model=None):
+    """{name: per-element tolerance array} for an implementation of `case`
+    accumulating in `accumulate` (default: float32 for float16 inputs)."""
+    model = model or ErrorModel()
+    accumulate = np.dtype(accumulate or (np.float64 if np.dtype(case.dtype) == np.float64 else np.float32))
+    want = oracle(case)
+    result = {}
+    for name in NAMES:
+        output = np.dtype(case.dtype) if name != "lse" else max(np.dtype(case.dtype), np.dtype(np.float32))
+        result[name] = model.tolerance(want["magnitude"][name], want["stored"][name], want[name],
+                                       accumulate=accumulate, output=output)
+    return result
