@@ -155,7 +155,7 @@ class RingComm:
         self._active = []           # shifts with requests not yet complete
         self.buffer_sets_allocated = 0
         self.transfers = []         # a Transfer per shift finished: its times, for the trace
-        self._notices = _Notices(self) if self.size > 1 else None
+        self._notices = _Notices(mpi_comm, self.prev, self.next) if self.size > 1 else None
         self._owns_comm = False     # a duplicate made by `on`, freed by `close`
 
     @classmethod
@@ -289,6 +289,7 @@ class RingComm:
         self._free()
 
     def _free(self):
+        self._lanes.clear()         # the buffer sets go now, whoever still holds this object
         if self._owns_comm:
             self._owns_comm = False
             self.comm.Free()
@@ -394,17 +395,16 @@ class _Notices:
     a receive posted for a notice from either neighbour, and waits for a
     transfer or that notice, whichever comes first."""
 
-    def __init__(self, ring_comm):
-        self.ring = ring_comm
-        comm = ring_comm.comm
+    def __init__(self, comm, prev, next):
+        self.comm, self.prev, self.next = comm, prev, next      # no reference back: no cycle to collect
         self._buffers = {FROM_PREV: np.zeros(NOTICE_BYTES, np.uint8), FROM_NEXT: np.zeros(NOTICE_BYTES, np.uint8)}
-        self._peers = {FROM_PREV: ring_comm.prev, FROM_NEXT: ring_comm.next}
+        self._peers = {FROM_PREV: prev, FROM_NEXT: next}
         self._requests = {tag: comm.Irecv(self._buffers[tag], source=self._peers[tag], tag=tag)
                           for tag in (FROM_PREV, FROM_NEXT)}
         self._said = {}             # tag -> the reason a neighbour gave
 
     def _tag(self, peer):
-        return FROM_PREV if peer == self.ring.prev else FROM_NEXT
+        return FROM_PREV if peer == self.prev else FROM_NEXT
 
     def wait(self, request, peer):
         """Wait for `request` or the notice from `peer`; raise _NeighbourLeft for the notice."""
@@ -425,9 +425,9 @@ class _Notices:
         payload = np.zeros(NOTICE_BYTES, np.uint8)
         data = reason.encode()[:NOTICE_BYTES]
         payload[:len(data)] = np.frombuffer(data, np.uint8)
-        comm = self.ring.comm
+        comm = self.comm
         # the neighbour after this one hears it from its prev, the one before from its next
-        for dest, tag in ((self.ring.next, FROM_PREV), (self.ring.prev, FROM_NEXT)):
+        for dest, tag in ((self.next, FROM_PREV), (self.prev, FROM_NEXT)):
             request = comm.Isend(payload, dest=dest, tag=tag)
             # A small message: MPI copies it when sent, so it is complete at once; one that
             # is not is kept, with its buffer, for as long as the process lives.
