@@ -5,8 +5,10 @@
 #   make train       train the small transformer over MPI ranks, draw its loss curve (train_loss.png)
 #   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
+#   make gpu-wheels  the wheels a GPU machine without a package index needs -> .gpu-wheels/
+#                    (for its Python: GPU_PYTHON=3.12, manylinux x86-64)
 #   make gpu-check   the prepared GPU validation -> bench/results/gpu_check.md (a CUDA 13 GPU;
-#                    installs nothing: GPU_CHECK="--wheels DIR" installs carried wheels first)
+#                    installs nothing: GPU_CHECK="--wheels .gpu-wheels" installs those wheels first)
 #   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
 #   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md
 #                    (its own venv, peers/.venv, with torch on the CPU; never part of make test)
@@ -35,7 +37,7 @@ $(error MPI must be mpich or openmpi, got '$(MPI)')
 endif
 PY     := $(VENV)/bin/python
 
-.PHONY: demo train test notebooks bench gpu-check wheel-check conformance clean
+.PHONY: demo train test notebooks bench gpu-check gpu-wheels wheel-check conformance clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,11 +68,17 @@ bench: $(VENV)/.installed
 	$(PY) -m bench.run $(BENCH)
 
 GPU_CHECK ?=
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= .gpu-wheels
 
 # No .venv dependency: a GPU machine may have no package index. The script uses
 # .venv/bin/python where it exists, else python3 with CuPy and mpi4py installed.
 gpu-check:
 	bash scripts/gpu_check.sh $(GPU_CHECK)
+
+# On a machine with an index, for the GPU machine's Python (scripts/gpu_wheels.py)
+gpu-wheels: $(VENV)/.installed
+	$(PY) scripts/gpu_wheels.py --dest $(GPU_WHEELS) --python-version $(GPU_PYTHON)
 
 wheel-check: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/wheel_check.sh
@@ -88,4 +96,4 @@ conformance: $(PEERS_VENV)/.installed
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
 
 clean:
-	rm -rf .venv .venv-openmpi $(PEERS_VENV) .pytest_cache .hypothesis
+	rm -rf .venv .venv-openmpi $(PEERS_VENV) .pytest_cache .hypothesis .gpu-venv

@@ -2,13 +2,17 @@
 
     python scripts/gpu_check.py                        # what `make gpu-check` runs (bash scripts/gpu_check.sh)
     python scripts/gpu_check.py --dry-run              # any machine: every step starts, nothing is measured
+    python scripts/gpu_check.py --fake-gpu             # any machine: every step runs on a GPU made of NumPy
     python scripts/gpu_check.py --only fused rates     # some steps
-    bash scripts/gpu_check.sh --wheels DIR             # first install carried wheels (no package index)
+    bash scripts/gpu_check.sh --wheels DIR             # first install carried wheels (make gpu-wheels; no index)
 
 For one machine with a CUDA 13 GPU, CuPy and mpi4py, and no package index:
-nothing is installed here. Each step has its own time limit and its own
-section in the results file (default bench/results/gpu_check.md, which
-BENCHMARKS.md includes through `bench.gpu_bench`):
+nothing is installed here (scripts/gpu_check.sh installs carried wheels). Each
+step runs in a process of its own, killed when its time is up: its own limit,
+never past what is left of the whole run's 9 minutes. After every step the
+results file (default bench/results/gpu_check.md, which BENCHMARKS.md includes
+through `bench.gpu_bench`) is written again and the step's section printed, so a
+run stopped part-way leaves what it measured:
 
  1. environment     GPU, CUDA, CuPy, MPI library and its CUDA-awareness, mpiexec
                     (required: without it the ring tests cannot run), tools;
@@ -23,6 +27,11 @@ BENCHMARKS.md includes through `bench.gpu_bench`):
  7. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
  8. rates           plain and fused steps against torch's flash attention, one block.
 
+--fake-gpu runs the same steps, at small sizes, on tests/gpu/queued_device.py
+(a GPU made of NumPy whose streams run later; the readable step stands in for
+the fused kernel): it checks this script, and measures nothing. The GPU tests
+skip there, so those two steps fail, as they must on a GPU where tests skip.
+
 Exit status: 0 every step passed; 1 a step failed; 2 no GPU (nothing was checked).
 """
 
@@ -30,11 +39,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,16 +53,39 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "gpu_check.md"
+QUEUED_GPU = ROOT / "tests" / "gpu" / "queued_device.py"
 RANKS = 4
-BUDGET_S = 510          # no step starts after this: the whole check stays under 9 minutes
-REALISTIC = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1",
-             "--heads", "2", "--layout", "striped", "--backward", "--check", "--tile-size", "1024",
-             "--no-warmup"]
-TRACED = ["--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8",
-          "--kv-heads", "2", "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"]
-FUSED_SHAPES = [(64, np.float32), (64, np.float16), (128, np.float32), (128, np.float16)]
-FUSED_SEQ = 4096        # the fused kernel against the readable step: 4 striped blocks of 1024
-RATE_BLOCK = 4096       # the rates: one block pair of 4096 queries x 4096 keys
+WHOLE_S = 9 * 60        # the whole check, wheels installed included (scripts/gpu_check.sh starts the clock)
+MARGIN_S = 20           # kept back for writing the results, and for killing a step that ran over
+# Open MPI refuses to run as root, and to start more ranks than cores, unless told;
+# MPICH ignores these variables.
+OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the steps run: a GPU's sizes, or small ones for --fake-gpu."""
+    realistic: tuple        # the command line step's arguments
+    traced: tuple           # the trace step's
+    fused_seq: int          # the fused kernel against the readable step: 4 striped blocks of fused_seq / 4
+    fused_dims: tuple       # head dims
+    rate_block: int         # the rates: one block pair of rate_block queries x keys
+
+
+GPU_SIZES = Sizes(
+    realistic=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
+               "--layout", "striped", "--backward", "--check", "--tile-size", "1024", "--no-warmup"),
+    traced=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
+            "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"),
+    fused_seq=4096, fused_dims=(64, 128), rate_block=4096)
+FAKE_SIZES = Sizes(
+    realistic=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
+               "--layout", "striped", "--backward", "--check", "--tile-size", "32", "--no-warmup"),
+    traced=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
+            "--layout", "all", "--backward", "--tile-size", "32", "--repeat", "2"),
+    fused_seq=64, fused_dims=(64, 128), rate_block=32)
+FUSED_DTYPES = (np.float32, np.float16)
 
 
 @dataclass
@@ -61,7 +94,21 @@ class Context:
     python: str
     mpiexec: str
     work: Path
+    fake: bool = False
+    deadline: float = float("inf")      # time.time() by which this step's commands must have ended
     notes: dict = field(default_factory=dict)
+
+    @property
+    def sizes(self):
+        return FAKE_SIZES if self.fake else GPU_SIZES
+
+    def left(self):
+        """Seconds left to this step."""
+        return self.deadline - time.time()
+
+    def gpu_python(self):
+        """The interpreter, and on a fake GPU the runner that installs one in every process."""
+        return [self.python, str(QUEUED_GPU)] if self.fake else [self.python]
 
 
 @dataclass
@@ -73,16 +120,28 @@ class Result:
 
 # -- helpers -------------------------------------------------------------------------
 
-def run(cmd, timeout, env=None):
-    """(returncode, stdout + stderr) of cmd, or (124, what it printed) past the timeout."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
-               MPIEXEC_TIMEOUT=str(timeout), **(env or {}))
+def run(ctx, cmd, limit):
+    """(returncode, stdout + stderr) of cmd, or (124, what it printed) once
+    `limit` seconds or the step's time left (the smaller) have passed; its whole
+    process group (mpiexec and its ranks) is killed then."""
+    timeout = min(limit, ctx.left())
+    if timeout < 1:
+        return 124, "[not started: no time left]"
+    full_env = dict(os.environ)
+    for name, value in OPEN_MPI_AS_ROOT.items():
+        full_env.setdefault(name, value)
+    full_env.update(PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+                    OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
+                    MPIEXEC_TIMEOUT=str(max(1, int(timeout) - 5)))    # mpiexec ends its ranks first
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 15)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return 124, out + f"\n[timed out after {timeout} s]"
-    return proc.returncode, proc.stdout + proc.stderr
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, (out or "") + f"\n[timed out after {timeout:.0f} s]"
+    return proc.returncode, out
 
 
 def fenced(text, limit=60):
@@ -93,7 +152,7 @@ def fenced(text, limit=60):
 
 
 def mpirun(ctx, *args):
-    return [ctx.mpiexec, "-n", str(RANKS), ctx.python, "-m", "mpi4py", *args]
+    return [ctx.mpiexec, "-n", str(RANKS), *ctx.gpu_python()[:1], "-m", "mpi4py", *ctx.gpu_python()[1:], *args]
 
 
 def find_mpiexec(given, python):
@@ -129,9 +188,9 @@ def environment(ctx):
     rows.append(("compute-sanitizer", find_sanitizer() or "not found"))
     code = ("import gpu_impl; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0]); "
             "print(gpu_impl.mpi_cuda_support()); print(gpu_impl.choose_transfer('auto'))")
-    rc, out = run([ctx.python, "-c", code], 60)
+    rc, out = run(ctx, [ctx.python, "-c", code], 60)
     lines = out.strip().splitlines()
-    rows.append(("MPI library", lines[0] if rc == 0 else f"cannot ask: {out.strip()[-300:]}"))
+    rows.append(("MPI library", lines[0] if rc == 0 else "cannot ask: " + " / ".join(lines[-3:])))
     if rc == 0:
         rows.append(("MPIX_Query_cuda_support()", lines[1]))
         rows.append(("transfer='auto'", lines[2]))
@@ -147,6 +206,9 @@ def environment(ctx):
     if not ctx.mpiexec:
         return Result(False, text + "\n\nmpiexec not found: the ring tests cannot run (give --mpiexec PATH, "
                                     "or carry the mpich wheel: --wheels DIR).")
+    if rc != 0:
+        return Result(False, text + "\n\nmpi4py cannot load an MPI library: carry the mpich wheel "
+                                    "(make gpu-wheels, then --wheels DIR, which sets LD_LIBRARY_PATH).")
     if missing:
         return Result(False, text + f"\n\n{', '.join(missing)} missing: carry their wheels (--wheels DIR).")
     return Result(True, text)
@@ -154,15 +216,15 @@ def environment(ctx):
 
 # -- 2, 3. the tests -------------------------------------------------------------------
 
-def pytest_step(ctx, selection, timeout):
+def pytest_step(ctx, selection):
     """tests/test_gpu.py -m gpu with `selection`; fails on any failure or skip."""
     base = [ctx.python, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-k", selection,
             "-p", "no:cacheprovider", "-q", "-rs"]
     if ctx.dry:
-        rc, out = run(base + ["--collect-only"], 120)
+        rc, out = run(ctx, base + ["--collect-only"], 120)
         collected = sum(1 for line in out.splitlines() if "::" in line)
         return Result(rc == 0 and collected > 0, f"dry run: {collected} GPU tests collected\n\n" + fenced(out, 20))
-    rc, out = run(base, timeout, env={"MPIEXEC_TIMEOUT": "240"})
+    rc, out = run(ctx, base, ctx.left())
     skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
     ok = rc == 0 and not skipped
     why = "" if ok else ("\n\nFAILED: " + ("tests were skipped although a GPU is present" if skipped
@@ -171,11 +233,11 @@ def pytest_step(ctx, selection, timeout):
 
 
 def race_probe(ctx):
-    return pytest_step(ctx, "race_probe", 60)
+    return pytest_step(ctx, "race_probe")
 
 
 def gpu_tests(ctx):
-    return pytest_step(ctx, "not race_probe", 200)
+    return pytest_step(ctx, "not race_probe")
 
 
 # -- 4. fused against readable -----------------------------------------------------------
@@ -184,18 +246,19 @@ def fused_against_readable(ctx):
     """Max |fused - readable| over |readable| at model shapes: 4 striped blocks, GQA 8/2."""
     from gpu_impl import fused
     if ctx.dry:
-        tiles = [fused.fused_tile(None, d) for d, _ in FUSED_SHAPES]
-        return Result(True, f"dry run: fused tiles {tiles} fit at D = 64 and 128")
+        tiles = [fused.fused_tile(None, d) for d in ctx.sizes.fused_dims]
+        return Result(True, f"dry run: fused tiles {tiles} fit at D = {ctx.sizes.fused_dims}")
     import cupy
     from reference import ring, steps
     from reference.layouts import positions, shard
     from reference.step import ForwardAcc, Queries, finish_forward
     rows, ok = [], True
-    for head_dim, dtype in FUSED_SHAPES:
+    seq = ctx.sizes.fused_seq
+    for head_dim, dtype in ((d, t) for d in ctx.sizes.fused_dims for t in FUSED_DTYPES):
         rng = np.random.default_rng(head_dim)
-        q = rng.standard_normal((1, FUSED_SEQ, 8, head_dim)).astype(dtype)
-        k, v = (rng.standard_normal((1, FUSED_SEQ, 2, head_dim)).astype(dtype) for _ in range(2))
-        pos = positions(FUSED_SEQ, 4, "striped")
+        q = rng.standard_normal((1, seq, 8, head_dim)).astype(dtype)
+        k, v = (rng.standard_normal((1, seq, 2, head_dim)).astype(dtype) for _ in range(2))
+        pos = positions(seq, 4, "striped")
         queries = Queries.prepare(cupy.asarray(shard(q, 4, "striped")[3]), 2, pos[3], head_dim ** -0.5)
         accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
         plain, kernel = steps.get("v1"), steps.get("fused")
@@ -210,7 +273,7 @@ def fused_against_readable(ctx):
         ok &= good
         rows.append(f"| {head_dim} | {np.dtype(dtype).name} | {fused.fused_tile(None, head_dim)} | {err:.1e} | "
                     f"{'ok' if good else 'FAILED'} |")
-    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {FUSED_SEQ} on 4 striped "
+    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {seq} on 4 striped "
             "blocks, Hq = 8, Hkv = 2, causal; error scaled by max(1, |readable|), limit 1e-4.\n\n"
             "| D | inputs | fused tile | max error | |\n| ---: | :--- | :--- | ---: | :--- |\n")
     return Result(ok, head + "\n".join(rows))
@@ -230,32 +293,34 @@ def parse_cli(args):
 
 
 def command_line(ctx):
-    cmd = mpirun(ctx, "-m", "gpu_impl", *REALISTIC)
-    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *REALISTIC])
+    realistic = list(ctx.sizes.realistic)
+    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *realistic])
     if ctx.dry:
-        parse_cli(REALISTIC)
+        parse_cli(realistic)
         return Result(True, f"dry run: `{shown}` parses")
-    rc, out = run(cmd, 170)
+    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *realistic), 170)
     return Result(rc == 0, f"`{shown}`\n\n" + fenced(out, 30) + ("" if rc == 0 else f"\n\nFAILED: exit status {rc}"))
 
 
 def trace(ctx):
     path = ctx.work / "trace.json"
-    args = TRACED + ["--trace-out", str(path)]
-    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *TRACED])
+    traced = list(ctx.sizes.traced)
+    args = traced + ["--trace-out", str(path)]
+    shown = " ".join(["mpiexec", "-n", str(RANKS), "python", "-m", "mpi4py", "-m", "gpu_impl", *traced])
     if ctx.dry:
         parse_cli(args)
         table = overlap_table(example_trace_doc(), {"seconds": 1e-3, "bytes": 1, "path": "staged"})
         return Result("transfers overlap the steps" in table, f"dry run: `{shown}` parses; the overlap "
                                                               f"table is drawn from a trace")
-    rc, out = run(mpirun(ctx, "-m", "gpu_impl", *args), 110)
+    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *args), 110)
     if rc != 0:
         return Result(False, f"`{shown}`\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
     from reference.trace import read_trace
     doc = read_trace(path)
     nbytes = int(doc["layouts"]["striped"]["forward"].bytes_sent[0].max())
     alone = ctx.work / "shift.json"
-    rc, shift_out = run(mpirun(ctx, str(Path(__file__).resolve()), "--time-shifts", str(alone), str(nbytes)), 60)
+    rc, shift_out = run(ctx, mpirun(ctx, str(Path(__file__).resolve()), "--time-shifts", str(alone), str(nbytes)),
+                        60)
     shift = json.loads(alone.read_text()) if rc == 0 else None
     text = f"`{shown}`\n\n" + fenced(out, 12) + "\n\n" + overlap_table(doc, shift)
     return Result(True, text if shift else text + "\n\ntiming a shift alone failed:\n\n" + fenced(shift_out, 20))
@@ -352,17 +417,18 @@ def one_fused_launch():
 
 def sanitizer(ctx):
     tool = find_sanitizer()
-    me = [ctx.python, str(Path(__file__).resolve()), "--one-fused-launch"]
+    me = [*ctx.gpu_python(), str(Path(__file__).resolve()), "--one-fused-launch"]
     if ctx.dry:
-        rc, out = run(me + ["--dry-run"], 60)
+        rc, out = run(ctx, me + ["--dry-run"], 60)
         return Result(rc == 0, f"dry run: the launch script starts ({out.strip()}); compute-sanitizer: "
                                f"{tool or 'not found'}")
     if tool is None:
-        return Result(True, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH)",
-                      skipped="compute-sanitizer not found")
+        rc, out = run(ctx, me, 60)              # the launch alone, at least
+        return Result(rc == 0, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH); "
+                               "the launch alone:\n\n" + fenced(out, 20), skipped="compute-sanitizer not found")
     parts, ok = [], True
     for name in ("racecheck", "memcheck"):
-        rc, out = run([tool, "--tool", name, "--error-exitcode", "99", *me], 60)
+        rc, out = run(ctx, [tool, "--tool", name, "--error-exitcode", "99", *me], 60)
         good = rc == 0
         ok &= good
         summary = [line for line in out.splitlines() if "SUMMARY" in line or "done" in line]
@@ -373,14 +439,14 @@ def sanitizer(ctx):
 # -- 8. rates --------------------------------------------------------------------------------
 
 def rates(ctx):
-    """One block pair, every tile visible: RATE_BLOCK queries x keys, Hq = 8, Hkv = 2, float16."""
+    """One block pair, every tile visible: rate_block queries x keys, Hq = 8, Hkv = 2, float16."""
     if ctx.dry:
         return Result(True, f"dry run: torch {module_version('torch')}")
     import cupy
     from bench import gpu_bench
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
-    c, hq, hkv = RATE_BLOCK, 8, 2
+    c, hq, hkv = ctx.sizes.rate_block, 8, 2
     rows = []
     for head_dim in (64, 128):
         useful = 4 * head_dim * c * c * hq
@@ -392,8 +458,8 @@ def rates(ctx):
         for name, step, tile in (("v1 (readable), tile 1024", steps.get("v1"), 1024),
                                  ("fused v1, its tile", steps.get("fused"), None)):
             b = ring.as_dtype(block, np.float32, step)
-            seconds = gpu_bench.timed(cupy.cuda.Device().synchronize, lambda: step.forward(ForwardAcc.zeros(queries.q), queries, b,
-                                                                 causal=True, tile_size=tile), repeat=3)
+            seconds = gpu_bench.timed(cupy.cuda.Device().synchronize, lambda: step.forward(
+                ForwardAcc.zeros(queries.q), queries, b, causal=True, tile_size=tile), repeat=3)
             rows.append((head_dim, name, seconds, useful / seconds / 1e12))
         flash = torch_flash(c, hq, hkv, head_dim)
         rows.append((head_dim, "torch flash attention" if flash else "torch: not installed (or no CUDA)",
@@ -425,33 +491,89 @@ def torch_flash(c, hq, hkv, head_dim):
     return gpu_bench.timed(torch.cuda.synchronize, fn)
 
 
-STEPS = {"environment": environment, "race probe": race_probe, "GPU tests": gpu_tests,
-         "fused kernel": fused_against_readable, "command line": command_line, "trace": trace,
-         "sanitizer": sanitizer, "rates": rates}
+# -- the run ------------------------------------------------------------------------------------
+
+STEPS = {"environment": (environment, 60), "race probe": (race_probe, 90), "GPU tests": (gpu_tests, 220),
+         "fused kernel": (fused_against_readable, 90), "command line": (command_line, 180),
+         "trace": (trace, 180), "sanitizer": (sanitizer, 130), "rates": (rates, 90)}     # name: (step, limit s)
 SHORT = {"environment": "env", "race probe": "race", "GPU tests": "tests", "fused kernel": "fused",
          "command line": "cli", "trace": "trace", "sanitizer": "sanitizer", "rates": "rates"}
 
 
-# -- the run ------------------------------------------------------------------------------------
+def run_step(ctx, name, limit, result_file):
+    """One step in a process of its own, killed when its time is up (the step
+    ends its own commands a few seconds before); the Result it wrote."""
+    cmd = [ctx.python, str(Path(__file__).resolve()), "--step", SHORT[name], "--result", str(result_file),
+           "--work", str(ctx.work), "--deadline", f"{time.time() + limit - 5:.1f}"]
+    cmd += ["--mpiexec", ctx.mpiexec] * bool(ctx.mpiexec) + ["--dry-run"] * ctx.dry + ["--fake-gpu"] * ctx.fake
+    rc, out = run(ctx, cmd, limit)
+    if result_file.exists():
+        result = Result(**json.loads(result_file.read_text()))
+        result_file.unlink()
+        return result
+    return Result(False, f"FAILED: the step's process ended with status {rc} and no result:\n\n" + fenced(out, 40))
 
-def gpu_missing():
+
+def step_main(args):
+    """--step: run one step here, write its Result as JSON to --result."""
+    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=args.mpiexec, work=Path(args.work),
+                  fake=args.fake_gpu, deadline=args.deadline)
+    name = next(n for n, short in SHORT.items() if short == args.step)
+    if ctx.fake and not ctx.dry:
+        sys.path.insert(0, str(QUEUED_GPU.parent))
+        import queued_device
+        queued_device.install_for_process()
     try:
-        from gpu_impl import GpuUnavailable, require_cupy
-        require_cupy()
-    except GpuUnavailable as e:
-        return str(e)
-    return None
+        result = STEPS[name][0](ctx)
+    except Exception as e:          # noqa: BLE001 - one step's failure is reported, the others still run
+        result = Result(False, f"FAILED: {type(e).__name__}: {e}")
+    Path(args.result).write_text(json.dumps(asdict(result)))
+    return 0
+
+
+def gpu_missing(ctx):
+    """None where CuPy finds a GPU (asked in a process of its own), else why not."""
+    code = "from gpu_impl import require_cupy; require_cupy()"
+    rc, out = run(ctx, [ctx.python, "-c", code], 60)
+    return None if rc == 0 else out.strip().splitlines()[-1] if out.strip() else f"status {rc}"
+
+
+def write_results(path, ctx, sections, failed, started, steps_left):
+    """The results file as it stands: rewritten after every step."""
+    state = ("every step passed" if not failed else "FAILED: " + ", ".join(failed))
+    if steps_left:
+        state = f"INCOMPLETE ({steps_left} steps still to run); so far " + state
+    head = (f"{'Dry run (nothing measured)' if ctx.dry else 'Fake GPU run (nothing measured)' if ctx.fake else 'Results'}"
+            f" of `make gpu-check` (scripts/gpu_check.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+            f"{time.time() - started:.0f} s; {state}.\n")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(head + "\n" + "\n".join(sections))
+    return head
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0],
+                                 epilog="Steps: " + ", ".join(f"{s} ({n})" for n, s in SHORT.items()))
+    ap.add_argument("--dry-run", action="store_true", help="start every step without a GPU; measure nothing")
+    ap.add_argument("--fake-gpu", action="store_true",
+                    help="run every step at small sizes on a GPU made of NumPy (tests/gpu/queued_device.py): "
+                         "checks this script, measures nothing")
+    ap.add_argument("--out", default=str(OUT), help="the Markdown results file (default: %(default)s)")
+    ap.add_argument("--only", nargs="+", choices=list(SHORT.values()), help="run only these steps")
+    ap.add_argument("--mpiexec", help="the launcher (default: beside python, else on PATH)")
+    ap.add_argument("--started", type=float, default=None,
+                    help="when the whole check started (time.time(); default: now): 9 minutes from then")
+    ap.add_argument("--step", choices=list(SHORT.values()), help=argparse.SUPPRESS)       # run one step here
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
+    ap.add_argument("--one-fused-launch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--time-shifts", nargs=2, metavar=("OUT", "BYTES"), help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="start every step without a GPU; measure nothing")
-    ap.add_argument("--out", default=str(OUT), help="the Markdown results file (default: %(default)s)")
-    ap.add_argument("--only", nargs="+", choices=sorted(SHORT.values()), help="run only these steps")
-    ap.add_argument("--mpiexec", help="the launcher (default: beside python, else on PATH)")
-    ap.add_argument("--one-fused-launch", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--time-shifts", nargs=2, metavar=("OUT", "BYTES"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     if args.time_shifts:
         time_shifts(args.time_shifts[0], int(args.time_shifts[1]))
         return 0
@@ -461,38 +583,37 @@ def main(argv=None):
             return 0
         one_fused_launch()
         return 0
-    reason = None if args.dry_run else gpu_missing()
+    if args.step:
+        return step_main(args)
+    started = args.started or time.time()
+    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(args.mpiexec, sys.executable),
+                  work=Path(tempfile.mkdtemp(prefix="gpu_check_")), fake=args.fake_gpu,
+                  deadline=started + WHOLE_S - MARGIN_S)
+    reason = None if ctx.dry or ctx.fake else gpu_missing(ctx)
     if reason:
         print(f"gpu-check: no usable GPU here, nothing was checked: {reason}", file=sys.stderr)
         return 2
-    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(args.mpiexec, sys.executable),
-                  work=Path(tempfile.mkdtemp(prefix="gpu_check_")))
-    sections, failed, start = [], [], time.perf_counter()
-    for name, fn in STEPS.items():
-        if args.only and SHORT[name] not in args.only:
-            continue
-        t0 = time.perf_counter()
-        print(f"== {name} ({t0 - start:.0f} s)", flush=True)
-        try:
-            if t0 - start > BUDGET_S:
-                raise TimeoutError(f"not started: {BUDGET_S} s spent (rerun it alone: --only {SHORT[name]})")
-            result = fn(ctx)
-        except Exception as e:          # noqa: BLE001 - one step's failure is reported, the others still run
-            result = Result(False, f"FAILED: {type(e).__name__}: {e}")
+    names = [n for n in STEPS if not args.only or SHORT[n] in args.only]
+    sections, failed = [], []
+    for i, name in enumerate(names):
+        t0 = time.time()
+        print(f"== {name} ({t0 - started:.0f} s; {ctx.left():.0f} s left)", flush=True)
+        limit = min(STEPS[name][1], ctx.left())
+        if limit < 10:
+            result = Result(False, f"not started: the whole run's {WHOLE_S} s are spent "
+                                   f"(rerun it alone: --only {SHORT[name]})")
+        else:
+            result = run_step(ctx, name, limit, ctx.work / f"{SHORT[name]}.json")
         status = "skipped: " + result.skipped if result.skipped else ("ok" if result.ok else "FAILED")
-        print(f"   {status} in {time.perf_counter() - t0:.0f} s", flush=True)
         if not result.ok:
             failed.append(name)
-        sections.append(f"### {name}: {status} ({time.perf_counter() - t0:.0f} s)\n\n{result.text}\n")
-        if name == "environment" and not result.ok:
-            break                       # nothing else can run
-    total = time.perf_counter() - start
-    head = (f"{'Dry run (nothing measured)' if ctx.dry else 'Results'} of `make gpu-check` "
-            f"(scripts/gpu_check.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {total:.0f} s; "
-            f"{'every step passed' if not failed else 'FAILED: ' + ', '.join(failed)}.\n")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(head + "\n" + "\n".join(sections))
-    print(f"\n{head}written: {args.out}")
+        sections.append(f"### {name}: {status} ({time.time() - t0:.0f} s)\n\n{result.text}\n")
+        stop = name == "environment" and not result.ok          # nothing else can run
+        head = write_results(args.out, ctx, sections, failed, started, 0 if stop else len(names) - i - 1)
+        print(sections[-1], flush=True)         # after the file: what is printed is kept
+        if stop:
+            break
+    print(f"{head}written: {args.out}")
     return 1 if failed else 0
 
 

@@ -2,31 +2,67 @@
 # make gpu-check: the prepared GPU validation (scripts/gpu_check.py), on a machine with a CUDA 13 GPU.
 #
 #   bash scripts/gpu_check.sh                    # what `make gpu-check` runs: installs nothing
-#   bash scripts/gpu_check.sh --wheels DIR       # first pip-install the wheels carried in DIR (no index)
+#   bash scripts/gpu_check.sh --wheels DIR       # first install the wheels `make gpu-wheels` put in DIR (no index)
 #   bash scripts/gpu_check.sh --dry-run          # any machine: every step starts, nothing is measured
-#   bash scripts/gpu_check.sh --python PATH ...  # another interpreter (default: .venv/bin/python, else python3)
+#   bash scripts/gpu_check.sh --python PATH ...  # another interpreter (default: .venv/bin/python, else the
+#                                                # first of python3, python that imports cupy, else python3)
+#   bash scripts/gpu_check.sh --venv DIR ...     # where --wheels installs (default: .gpu-venv)
 #
-# Every other option goes to scripts/gpu_check.py (--out FILE, --only STEP..., --mpiexec PATH).
-# The interpreter needs NumPy, CuPy, mpi4py, pytest and hypothesis; mpiexec must be
-# beside it or on PATH (the mpich wheel brings one). Exit status: 0 passed, 1 a step
-# failed (or mpiexec is missing), 2 no GPU.
+# Every other option goes to scripts/gpu_check.py (--out FILE, --only STEP..., --mpiexec PATH,
+# --fake-gpu). The interpreter needs NumPy, CuPy, mpi4py, pytest and hypothesis; mpiexec must
+# be beside it or on PATH.
+#
+# --wheels DIR makes a fresh venv (--venv) that sees every package the interpreter sees (its
+# CuPy, torch, NumPy: their folders are listed in a .pth file, so this works from a system
+# Python, a venv or conda alike), installs into it with the pip carried in DIR: mpich and
+# mpi4py always, the rest of DIR/requirements.txt only where missing; and runs the check with
+# that venv's Python. So mpiexec lies beside that Python, and mpi4py finds the mpich wheel's
+# libmpi.so.12 in the venv's lib/ (where `pip install --target` would drop it). The 9
+# minutes of the check count from here, the install included.
+# Exit status: 0 passed, 1 a step failed (or mpiexec is missing), 2 no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$(date +%s)
 
-PY=.venv/bin/python
-[[ -x "$PY" ]] || PY=python3
+PY=""
 wheels=""
+venv=.gpu-venv
 args=()
 while (( $# )); do
     case "$1" in
         --wheels) wheels="$2"; shift 2 ;;
         --python) PY="$2"; shift 2 ;;
+        --venv) venv="$2"; shift 2 ;;
         *) args+=("$1"); shift ;;
     esac
 done
+if [[ -z "$PY" ]]; then     # .venv's, else the first of python3, python that has CuPy, else python3
+    PY=.venv/bin/python
+    if [[ ! -x "$PY" ]]; then
+        PY=python3
+        for candidate in python3 python; do
+            if command -v "$candidate" >/dev/null && "$candidate" -c "import cupy" 2>/dev/null; then
+                PY=$candidate; break
+            fi
+        done
+    fi
+fi
 
 if [[ -n "$wheels" ]]; then
-    echo "== installing the wheels in $wheels (no package index)"
-    "$PY" -m pip install -q --no-index --find-links "$wheels" "$wheels"/*.whl
+    echo "== installing the wheels in $wheels into the venv $venv (no package index)"
+    for f in forced.txt requirements.txt; do
+        [[ -f "$wheels/$f" ]] || { echo "gpu-check: $wheels has no $f: prepare it with make gpu-wheels" >&2; exit 1; }
+    done
+    pip_wheel=$(ls "$wheels"/pip-*.whl | head -1)
+    rm -rf "$venv"
+    "$PY" -m venv --without-pip "$venv"
+    site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    "$PY" -c "import os, sys; print('\n'.join(p for p in sys.path if os.path.isdir(p) and p.endswith(('site-packages', 'dist-packages'))))" \
+        > "$site/machine-packages.pth"          # the interpreter's own packages, after the venv's
+    pip=("$venv/bin/python" "$pip_wheel/pip" install -q --disable-pip-version-check --no-index --find-links "$wheels")
+    "${pip[@]}" --ignore-installed --no-deps -r "$wheels/forced.txt"     # the machine's mpi4py has no MPI library
+    "${pip[@]}" -r "$wheels/requirements.txt"
+    PY="$venv/bin/python"
+    echo "   installed in $(( $(date +%s) - started )) s: $(ls "$site" | grep -c dist-info) packages in $site"
 fi
-exec "$PY" scripts/gpu_check.py "${args[@]+"${args[@]}"}"
+exec "$PY" scripts/gpu_check.py --started "$started" "${args[@]+"${args[@]}"}"

@@ -23,7 +23,6 @@ Without a GPU (CI):
   (tests/gpu/emulate_cuda.cpp: a thread per CUDA thread, a barrier per block)
   against the plain step, for random cases, at D = 64 and 128, float16 blocks,
   NaN and inf where the NaN rule decides; its argument checks;
-- `make gpu-check`'s script: its dry run starts every step.
 With a GPU (`make gpu-check`): forward and backward against the dense
 reference (conftest tolerances per dtype) for random hypothesis cases on 1, 2
 and 4 ranks sharing one GPU, through both transfer paths; the fused kernel
@@ -526,12 +525,12 @@ def test_mpi_ranks_on_queued_gpus(n, transfer, tmp_path):
 @needs_mpiexec
 def test_cli_on_queued_gpus_checks_every_layout():
     """python -m gpu_impl on 3 ranks, each on a GPU made of NumPy
-    (tests/gpu/cli_worker.py): every layout forward and backward within the
+    (python tests/gpu/queued_device.py -m gpu_impl): every layout forward and backward within the
     check's float64 tolerance with rectangular tiles, the transfer path MPI
     chose and why, the critical path from device time; then --step fused
     without --tile-size runs with the kernel's own tile."""
-    worker = str(Path(__file__).resolve().parent / "gpu" / "cli_worker.py")
-    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+    worker = (str(Path(__file__).resolve().parent / "gpu" / "queued_device.py"), "-m", "gpu_impl")
+    proc = mpirun(3, *worker, "--seq-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
                   "--dtype", "float64", "--tile-size", "4x6", "--layout", "all", "--check", "--backward")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -541,7 +540,7 @@ def test_cli_on_queued_gpus_checks_every_layout():
     assert [r[0] for r in rows] == ["contiguous", "striped", "zigzag"], proc.stdout
     assert all(float(r[1]) <= 1e-10 for r in rows), proc.stdout
     assert "busiest rank's device time (CUDA events)" in proc.stdout
-    proc = mpirun(3, worker, "--seq-len", "48", "--heads", "2", "--head-dim", "8", "--layout", "striped",
+    proc = mpirun(3, *worker, "--seq-len", "48", "--heads", "2", "--head-dim", "8", "--layout", "striped",
                   "--step", "fused", "--check")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"tile={fused.DEFAULT_TILE}" in proc.stdout and "step fused" in proc.stdout, proc.stdout
@@ -790,78 +789,7 @@ def test_fused_kernel_is_a_registered_forward_only_step():
         steps.check_step("fused", np)
 
 
-# -- make gpu-check and the benchmark, without a GPU ----------------------------------
-
-GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
-GPU_CHECK_STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "command line", "trace",
-                   "sanitizer", "rates")
-
-
-@pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
-def test_gpu_check_script_fails_clearly_without_gpu(tmp_path):
-    """No GPU: the script stops with status 2 and the reason, checking nothing."""
-    proc = subprocess.run(["bash", str(GPU_CHECK), "--out", str(tmp_path / "r.md")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "no usable GPU here, nothing was checked" in proc.stderr
-    assert "== environment" not in proc.stdout and not (tmp_path / "r.md").exists()
-
-
-@needs_mpiexec
-def test_gpu_check_dry_run_starts_every_step(tmp_path):
-    """--dry-run, here without a GPU: every step starts (tests collected, the
-    command lines parse, the sanitizer's launch script imports) and the
-    results file has one passing section per step, in order."""
-    out = tmp_path / "gpu_check.md"
-    proc = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = out.read_text()
-    assert text.startswith("Dry run (nothing measured)") and "every step passed" in text
-    headings = [line for line in text.splitlines() if line.startswith("### ")]
-    assert [h[4:].split(":")[0] for h in headings] == list(GPU_CHECK_STEPS), headings
-    assert all(": ok (" in h for h in headings), headings
-    assert "15 GPU tests collected" in text or "GPU tests collected" in text
-    assert "test_gpu_ring_matches_reference[4-staged]" in text          # 4 ranks sharing the GPU
-    assert "2 GPU tests collected" in text                               # the race probe, both ways
-    assert "--seq-len 65536 --head-dim 128 --dtype float16" in text and "--backward --check" in text
-
-
-def test_gpu_check_measuring_steps_run_on_a_queued_gpu(monkeypatch, tmp_path):
-    """The steps of make gpu-check that measure in-process (the environment
-    table, the fused kernel against the readable step, the sanitizer's launch,
-    the rates) run to the end on a GPU made of NumPy, at small sizes, the
-    readable step standing in for the kernel: their Python has run before a
-    GPU's time is spent on it."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    monkeypatch.setattr(gpu_check, "FUSED_SEQ", 64)
-    monkeypatch.setattr(gpu_check, "RATE_BLOCK", 32)
-    monkeypatch.setattr(fused, "launch_kernel", lambda acc, queries, block, tile, causal: ReadableStep().forward(
-        acc, queries, ring.as_dtype(block, np.float32), causal=causal, tile_size=tile))
-    ctx = gpu_check.Context(dry=False, python=sys.executable, mpiexec=MPIEXEC or "mpiexec", work=tmp_path)
-    with QueuedDevice("copies-early").installed():
-        assert "QueuedDevice (NumPy)" in gpu_check.environment(ctx).text
-        result = gpu_check.fused_against_readable(ctx)
-        assert result.ok and result.text.count("| ok |") == 4, result.text
-        gpu_check.one_fused_launch()
-        result = gpu_check.rates(ctx)
-        assert result.ok and result.text.count("fused v1") == 2, result.text
-
-
-def test_gpu_check_fails_without_mpiexec(tmp_path):
-    """Without mpiexec the ring tests cannot run: the check fails (status 1),
-    says so, and runs no further step."""
-    out = tmp_path / "gpu_check.md"
-    proc = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--mpiexec", str(tmp_path / "no-mpiexec"),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    text = out.read_text()
-    assert "mpiexec not found: the ring tests cannot run" in text and "FAILED: environment" in text
-    assert "### race probe" not in text
-
+# -- the GPU benchmark, without a GPU ----------------------------------------------
 
 @pytest.mark.skipif(GPU_MISSING is None, reason="a GPU is present")
 def test_gpu_bench_says_no_gpu(tmp_path):

@@ -28,9 +28,18 @@ code of the wrapped step when its turn comes.
     gpu = QueuedDevice("copies-early")
     with gpu.installed():             # sys.modules["cupy"] is fake_cupy(gpu) inside
         ...
+
+Run as a script, it runs a module or a script on such a GPU, one per process
+(`install_for_process`: even local ranks copies early, odd ones kernels early;
+gpu_impl takes it for CupyDevice, and the readable step stands in for the fused
+kernel, since CUDA cannot run on NumPy):
+
+    mpiexec -n 3 python -m mpi4py tests/gpu/queued_device.py -m gpu_impl --seq-len 48 --check
+    python tests/gpu/queued_device.py scripts/gpu_check.py --one-fused-launch
 """
 
 import contextlib
+import runpy
 import sys
 import threading
 import types
@@ -129,6 +138,7 @@ def fake_cupy():
         return kernel
 
     cupy.__getattr__ = lambda name: wrap(getattr(np, name))
+    cupy.__version__ = "QueuedDevice (NumPy)"
     cupy.ndarray = DeviceArray
     cupy.asnumpy = lambda x: x.get() if isinstance(x, DeviceArray) else np.asarray(x)
     properties = {"name": b"QueuedDevice (NumPy)", "totalGlobalMem": 2**30, "major": 0, "minor": 0}
@@ -342,3 +352,45 @@ class QueuedStep(Step):
         assert isinstance(block.pos, np.ndarray), "block positions must be on the host"
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)
         return plan, _count(plan, skipped, queries.pos, block.pos, mask)
+
+
+# -- a process on a QueuedDevice ---------------------------------------------------------
+
+_PROCESS_GPU = []      # the installed context of install_for_process, kept for the process's life
+
+
+def stand_in_for_the_kernel(acc, queries, block, tile, causal):
+    """gpu_impl.fused.launch_kernel on NumPy: the readable step does the kernel's work."""
+    from reference.step import ReadableStep
+    ReadableStep().forward(acc, queries, block, causal=causal, tile_size=tile)
+
+
+def install_for_process(policy=None):
+    """This process's GPU is a QueuedDevice from now on (policy by local rank
+    unless given): `import cupy` gives the fake, gpu_impl's CupyDevice is this
+    device, and the fused kernel's launch runs the readable step."""
+    from gpu_impl import api, device, fused
+    gpu = QueuedDevice(policy or POLICIES[(device.local_rank_from_env() or 0) % 2])
+    installed = gpu.installed()
+    installed.__enter__()
+    _PROCESS_GPU.append(installed)
+    api.CupyDevice = device.CupyDevice = lambda cupy, index: gpu
+    fused.launch_kernel = stand_in_for_the_kernel
+    return gpu
+
+
+def main(argv):
+    """python tests/gpu/queued_device.py (-m MODULE | SCRIPT) [ARGS...]: run it on a QueuedDevice."""
+    if not argv or argv[0] == "-m" and len(argv) < 2:
+        sys.exit("usage: python tests/gpu/queued_device.py (-m MODULE | SCRIPT) [ARGS...]")
+    install_for_process()
+    if argv[0] == "-m":
+        sys.argv = [argv[1]] + argv[2:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
