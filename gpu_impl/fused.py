@@ -102,7 +102,17 @@ class DevicePositions:
         return device
 
 
-POSITIONS = {}      # GPU index -> its DevicePositions
+POSITIONS = {}      # (GPU index, stream) -> its DevicePositions
+
+
+def positions_for(cupy, device_id):
+    """The positions kept for the current stream of GPU `device_id`.
+    Hazard: an array uploaded on one stream and read by a launch on another
+    needs an event between them, and dropping the cache frees arrays that
+    kernels queued on its stream may still read (CuPy's pool hands their
+    memory out again at once). Kept per stream, upload, launches and the
+    pool's reuse of that memory are all in that one stream's order."""
+    return POSITIONS.setdefault((device_id, cupy.cuda.get_current_stream().ptr), DevicePositions())
 
 
 class FusedStep(Step):
@@ -166,7 +176,7 @@ def launch_kernel(acc, queries, block, tile, causal):
     B, Hkv, c, G, D = q.shape
     tq, tk = tile
     grid = ((c + tq - 1) // tq, G, B * Hkv)
-    positions = POSITIONS.setdefault(q.device.id, DevicePositions())
+    positions = positions_for(cupy, q.device.id)
     _kernel(D, tq, tk, k.dtype == np.float16)(grid, (tq,), (
         q, k, v, positions.get(cupy, queries.pos), positions.get(cupy, block.pos),
         acc.o, acc.m, acc.l, np.int32(c), np.int32(k.shape[2]), np.int32(G), np.int32(bool(causal))))

@@ -20,12 +20,15 @@ run stopped part-way leaves what it measured:
  3. GPU tests       tests/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
                     GPU, both transfer paths, the fused kernel; any skip fails;
  4. fused kernel    against the readable step at D = 64 and 128, GQA, float16 and float32;
- 5. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
+ 5. checked run     S = 65,536, Hq = 8 (where the GPU lags the host most), Hkv = 2,
+                    D = 128, float16, forward and backward on 4 ranks, against
+                    float64 attention and gradients computed on the GPU itself;
+ 6. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
                     checks on the CPU in float64, so 2 query heads);
- 6. trace           per round and rank: the step's GPU time and the GPU's idle
+ 7. trace           per round and rank: the step's GPU time and the GPU's idle
                     time before the next step, at 8 query heads: do transfers overlap?;
- 7. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
- 8. rates           plain and fused steps against torch's flash attention, one block.
+ 8. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
+ 9. rates           plain and fused steps against torch's flash attention, one block.
 
 --fake-gpu runs the same steps, at small sizes, on tests/gpu/queued_device.py
 (a GPU made of NumPy whose streams run later; the readable step stands in for
@@ -71,6 +74,7 @@ class Sizes:
     fused_seq: int          # the fused kernel against the readable step: 4 striped blocks of fused_seq / 4
     fused_dims: tuple       # head dims
     rate_block: int         # the rates: one block pair of rate_block queries x keys
+    checked: dict           # the checked run: seq_len, heads, kv_heads, head_dim, tile (striped, float16)
 
 
 GPU_SIZES = Sizes(
@@ -78,13 +82,15 @@ GPU_SIZES = Sizes(
                "--layout", "striped", "--backward", "--check", "--tile-size", "1024", "--no-warmup"),
     traced=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
             "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"),
-    fused_seq=4096, fused_dims=(64, 128), rate_block=4096)
+    fused_seq=4096, fused_dims=(64, 128), rate_block=4096,
+    checked=dict(seq_len=65536, heads=8, kv_heads=2, head_dim=128, tile=1024))
 FAKE_SIZES = Sizes(
     realistic=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
                "--layout", "striped", "--backward", "--check", "--tile-size", "32", "--no-warmup"),
     traced=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
             "--layout", "all", "--backward", "--tile-size", "32", "--repeat", "2"),
-    fused_seq=64, fused_dims=(64, 128), rate_block=32)
+    fused_seq=64, fused_dims=(64, 128), rate_block=32,
+    checked=dict(seq_len=256, heads=8, kv_heads=2, head_dim=16, tile=32))
 FUSED_DTYPES = (np.float32, np.float16)
 
 
@@ -279,7 +285,109 @@ def fused_against_readable(ctx):
     return Result(ok, head + "\n".join(rows))
 
 
-# -- 5, 6. the command line -------------------------------------------------------------------
+# -- 5. a checked run where the GPU lags ----------------------------------------------------------
+
+CHECK_SEED = 7
+CHECK_LIMIT = 1e-2      # float16 inputs, float32 accumulation: a stream race gives errors of order 1
+
+
+def checked_run(ctx):
+    """The ring forward and backward on RANKS ranks at the shape where the GPU
+    lags the host most (Hq = 8, float16, striped), transfer as 'auto' picks,
+    against causal attention and its gradients in float64 computed on the GPU
+    itself (rank 0, `dense_reference_gpu`): max |ring - reference| over
+    max(1, |reference|), per output."""
+    cfg = ctx.sizes.checked
+    what = (f"S = {cfg['seq_len']}, Hq = {cfg['heads']}, Hkv = {cfg['kv_heads']}, D = {cfg['head_dim']}, "
+            f"float16, striped, tile {cfg['tile']}, {RANKS} ranks, forward and backward")
+    if ctx.dry:
+        return Result(True, f"dry run: {what}")
+    path = ctx.work / "checked.json"
+    rc, out = run(ctx, mpirun(ctx, str(Path(__file__).resolve()), "--checked-run", str(path), json.dumps(cfg)),
+                  300)
+    if rc != 0 or not path.exists():
+        return Result(False, f"{what}\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
+    doc = json.loads(path.read_text())
+    rows = [f"| {name} | {err:.1e} | {'ok' if err <= CHECK_LIMIT else 'FAILED'} |" for name, err in doc["errors"].items()]
+    ok = all(err <= CHECK_LIMIT for err in doc["errors"].values())
+    return Result(ok, f"{what}; transfer {doc['transfer']}; ring {doc['ring_s']:.1f} s, reference on the GPU "
+                      f"{doc['reference_s']:.1f} s. Error over max(1, |reference|), limit {CHECK_LIMIT}:\n\n"
+                      "| output | max error | |\n| :--- | ---: | :--- |\n" + "\n".join(rows))
+
+
+def checked_run_worker(path, cfg):
+    """Under mpiexec: this rank's striped shard through gpu_impl, forward and
+    backward; rank 0 gathers, computes the reference on its GPU and writes the errors."""
+    import gpu_impl
+    gpu_impl.use_local_device()                         # before MPI starts
+    import cupy
+    from mpi4py import MPI
+    from reference import positions, unshard
+    from reference.inputs import make_shard
+    comm = MPI.COMM_WORLD
+    n, rank = comm.Get_size(), comm.Get_rank()
+    S, hq, hkv, D = cfg["seq_len"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    shapes = [(1, S, hq, D), (1, S, hkv, D), (1, S, hkv, D), (1, S, hq, D)]      # q, k, v, dout
+
+    def inputs(pos):
+        return [make_shard(CHECK_SEED, i, shape, pos, np.float16) for i, shape in enumerate(shapes)]
+    q, k, v, dout = (cupy.asarray(x) for x in inputs(positions(S, n, "striped")[rank]))
+    opts = dict(comm=comm, layout="striped", tile_size=cfg["tile"])
+    comm.Barrier()
+    start = time.perf_counter()
+    out, lse = gpu_impl.ring_attention(q, k, v, **opts)
+    dq, dk, dv = gpu_impl.ring_attention_backward(q, k, v, out, lse, dout, **opts)
+    cupy.cuda.Device().synchronize()
+    ring_s = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    got = {name: comm.gather(cupy.asnumpy(x)) for name, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
+    if rank != 0:
+        return
+    got = {name: unshard(parts, "striped", axis=2 if name == "lse" else 1) for name, parts in got.items()}
+    start = time.perf_counter()
+    want = dense_reference_gpu(cupy, *(x[0] for x in inputs(np.arange(S))))
+    reference_s = time.perf_counter() - start
+    errors = {}
+    for name, w in want.items():
+        g = got[name][0].astype(np.float64)
+        errors[name] = float(np.abs(g - w).max() / max(1.0, np.abs(w).max()))
+    Path(path).write_text(json.dumps(dict(errors=errors, ring_s=ring_s, reference_s=reference_s,
+                                          transfer=gpu_impl.choose_transfer("auto")[0])))
+
+
+def dense_reference_gpu(cupy, q, k, v, dout, chunk=4096):
+    """Causal attention and its gradients in float64 on the GPU, one query head
+    and `chunk` queries at a time (reference/dense.py's formulas, memory
+    chunk x S per matrix). q, dout (S, Hq, D), k, v (S, Hkv, D) NumPy ->
+    {out, lse (Hq, S), dq, dk, dv} NumPy float64."""
+    S, Hq, D = q.shape
+    G, scale = Hq // k.shape[1], D ** -0.5
+    res = dict(out=np.empty(q.shape), lse=np.empty((Hq, S)), dq=np.empty(q.shape),
+               dk=np.zeros(k.shape), dv=np.zeros(v.shape))
+    for h in range(Hq):
+        kh, vh = (cupy.asarray(x[:, h // G], dtype=cupy.float64) for x in (k, v))       # (S, D)
+        dkh, dvh = cupy.zeros_like(kh), cupy.zeros_like(vh)
+        for start in range(0, S, chunk):
+            rows = slice(start, min(start + chunk, S))
+            qc, doc = (cupy.asarray(x[rows, h], dtype=cupy.float64) for x in (q, dout))   # (C, D)
+            s = qc @ kh.T * scale                                       # S = Q K^T   (C, S)
+            visible = cupy.arange(S)[None, :] <= cupy.arange(rows.start, rows.stop)[:, None]
+            s = cupy.where(visible, s, -cupy.inf)                       # causal: every row sees key 0
+            m = s.max(axis=1, keepdims=True)
+            lse = m + cupy.log(cupy.exp(s - m).sum(axis=1, keepdims=True))     # (C, 1)
+            p = cupy.exp(s - lse)                                       # P = exp(S - lse)
+            oc = p @ vh                                                 # O = P V     (C, D)
+            delta = (doc * oc).sum(axis=1, keepdims=True)               # rowsum(dO * O)
+            ds = p * (doc @ vh.T - delta)                               # dS = P (dP - delta)
+            res["out"][rows, h], res["lse"][h, rows] = cupy.asnumpy(oc), cupy.asnumpy(lse[:, 0])
+            res["dq"][rows, h] = cupy.asnumpy(ds @ kh * scale)          # dQ = dS K scale
+            dkh += ds.T @ qc * scale                                    # dK = dS^T Q scale
+            dvh += p.T @ doc                                            # dV = P^T dO
+        res["dk"][:, h // G] += cupy.asnumpy(dkh)
+        res["dv"][:, h // G] += cupy.asnumpy(dvh)
+    return res
+
+
+# -- 6, 7. the command line -------------------------------------------------------------------
 
 def parse_cli(args):
     """gpu_impl's parser and mpi_impl's option check on these arguments (no MPI, no GPU)."""
@@ -394,7 +502,7 @@ def example_trace_doc():
     return {"layouts": {"striped": {"forward": tr}}}
 
 
-# -- 7. compute-sanitizer -------------------------------------------------------------------
+# -- 8. compute-sanitizer -------------------------------------------------------------------
 
 def one_fused_launch():
     """One small fused launch per K/V dtype (what the sanitizer watches): a
@@ -436,7 +544,7 @@ def sanitizer(ctx):
     return Result(ok, "\n\n".join(parts))
 
 
-# -- 8. rates --------------------------------------------------------------------------------
+# -- 9. rates --------------------------------------------------------------------------------
 
 def rates(ctx):
     """One block pair, every tile visible: rate_block queries x keys, Hq = 8, Hkv = 2, float16."""
@@ -494,10 +602,11 @@ def torch_flash(c, hq, hkv, head_dim):
 # -- the run ------------------------------------------------------------------------------------
 
 STEPS = {"environment": (environment, 60), "race probe": (race_probe, 90), "GPU tests": (gpu_tests, 220),
-         "fused kernel": (fused_against_readable, 90), "command line": (command_line, 180),
+         "fused kernel": (fused_against_readable, 90), "checked run": (checked_run, 240),
+         "command line": (command_line, 180),
          "trace": (trace, 180), "sanitizer": (sanitizer, 130), "rates": (rates, 90)}     # name: (step, limit s)
 SHORT = {"environment": "env", "race probe": "race", "GPU tests": "tests", "fused kernel": "fused",
-         "command line": "cli", "trace": "trace", "sanitizer": "sanitizer", "rates": "rates"}
+         "checked run": "checked", "command line": "cli", "trace": "trace", "sanitizer": "sanitizer", "rates": "rates"}
 
 
 def run_step(ctx, name, limit, result_file):
@@ -569,6 +678,7 @@ def parse_args(argv=None):
     ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     ap.add_argument("--one-fused-launch", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--time-shifts", nargs=2, metavar=("OUT", "BYTES"), help=argparse.SUPPRESS)
+    ap.add_argument("--checked-run", nargs=2, metavar=("OUT", "CONFIG"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -576,6 +686,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.time_shifts:
         time_shifts(args.time_shifts[0], int(args.time_shifts[1]))
+        return 0
+    if args.checked_run:
+        checked_run_worker(args.checked_run[0], json.loads(args.checked_run[1]))
         return 0
     if args.one_fused_launch:
         if args.dry_run:

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gpu_impl
@@ -32,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 GPU_CHECK_PY = ROOT / "scripts" / "gpu_check.py"
 GPU_WHEELS = ROOT / "scripts" / "gpu_wheels.py"
-STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "command line", "trace", "sanitizer", "rates")
+STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "checked run", "command line", "trace",
+         "sanitizer", "rates")
 
 
 def _gpu_present():
@@ -131,7 +133,8 @@ def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
     the environment table, the pytest runs of the GPU tests (which skip without
     a GPU, so these two steps fail, saying why: any skip fails), the fused
     kernel against the readable step (the readable step standing in for the
-    kernel), the command line with --check and the trace under mpiexec (MPICH,
+    kernel), the checked run against its float64 reference, the command line
+    with --check and the trace under mpiexec (MPICH,
     with Open MPI's root settings in the environment), the sanitizer's launch,
     the rates."""
     out = tmp_path / "gpu_check.md"
@@ -141,7 +144,7 @@ def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert text.startswith("Fake GPU run (nothing measured)") and "FAILED: race probe, GPU tests." in text
     assert headings(text) == [("environment", "ok"), ("race probe", "FAILED"), ("GPU tests", "FAILED"),
-                              ("fused kernel", "ok"), ("command line", "ok"), ("trace", "ok"),
+                              ("fused kernel", "ok"), ("checked run", "ok"), ("command line", "ok"), ("trace", "ok"),
                               ("sanitizer", "skipped: compute-sanitizer not found"), ("rates", "ok")], text
     assert "| GPU | 1 x QueuedDevice (NumPy)" in section(text, "environment")
     for name, count in (("race probe", 2), ("GPU tests", 15)):
@@ -149,6 +152,7 @@ def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
         assert f"{count} skipped" in part and "needs a GPU" in part, part     # pytest ran them
         assert "FAILED: tests were skipped although a GPU is present" in part
     assert section(text, "fused kernel").count("| ok |") == 4
+    assert section(text, "checked run").count("| ok |") == 5                  # out, lse, dq, dk, dv
     cli = section(text, "command line")
     rows = [line.split() for line in cli.splitlines() if line.startswith("striped ")]
     assert len(rows) == 1 and float(rows[0][1]) < 1e-2, cli               # --check's max error, float16
@@ -219,3 +223,28 @@ def test_a_command_is_killed_with_its_process_group_when_the_step_time_is_up(tmp
         time.sleep(0.1)
     else:
         pytest.fail(f"the command's background child outlived the step: {stat.read_text()}")
+
+
+class NumpyAsCupy:
+    """NumPy under CuPy's names, for the check's GPU formulas on a CPU."""
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    asnumpy = staticmethod(np.asarray)
+
+
+def test_checked_runs_reference_is_the_dense_reference():
+    """The checked run's float64 reference on the GPU (query chunks, GQA)
+    equals reference.attention and attention_backward: a chunk boundary
+    inside the sequence, 2 query heads per K/V head."""
+    from reference import attention, attention_backward
+    gpu_check = load_gpu_check()
+    rng = np.random.default_rng(3)
+    q, dout = (rng.standard_normal((1, 40, 4, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 40, 2, 8)) for _ in range(2))
+    got = gpu_check.dense_reference_gpu(NumpyAsCupy(), q[0], k[0], v[0], dout[0], chunk=16)
+    out, lse = attention(q, k, v)
+    want = dict(out=out[0], lse=lse[0], **dict(zip(("dq", "dk", "dv"),
+                                                    (x[0] for x in attention_backward(q, k, v, out, lse, dout)))))
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=1e-10, atol=1e-12, err_msg=name)

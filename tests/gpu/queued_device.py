@@ -144,8 +144,14 @@ def fake_cupy():
     properties = {"name": b"QueuedDevice (NumPy)", "totalGlobalMem": 2**30, "major": 0, "minor": 0}
     runtime = types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda index: properties,
                                     runtimeGetVersion=lambda: 0, driverGetVersion=lambda: 0)
-    cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device)
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=_Device, get_current_stream=_current_stream)
     return cupy
+
+
+def _current_stream():
+    """cupy.cuda.get_current_stream(): the compute stream unless another is entered."""
+    gpu = _gpu()
+    return gpu.current[-1] if gpu is not None else None
 
 
 class _Device:
@@ -176,6 +182,7 @@ class Stream:
 
     def __init__(self, gpu, name):
         self.gpu, self.name, self.items = gpu, name, deque()
+        self.ptr = id(self)             # as cupy.cuda.Stream.ptr: which stream, for caches keyed by it
 
     def runnable(self):
         if not self.items:
@@ -206,9 +213,11 @@ class Stream:
         self.gpu.eager()
 
     def __enter__(self):
+        self.gpu.current.append(self)       # the current stream, as `with cupy.cuda.Stream()`
         return self
 
     def __exit__(self, *exc):
+        self.gpu.current.pop()
         return False
 
 
@@ -221,6 +230,7 @@ class QueuedDevice:
         self.compute, self.copy = Stream(self, "compute"), Stream(self, "copy")
         self.clock = self.in_kernel = self.kernels_queued = self.kernels_run = 0
         self.host_reads, self.host_syncs = 0, []
+        self.current = [self.compute]       # the current stream (entered streams on top)
         self.xp = FAKE_CUPY
 
     @contextlib.contextmanager
