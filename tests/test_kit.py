@@ -1,19 +1,27 @@
 """The conformance kit (reference.testing) catches what it is for.
 
 A toy ring written the plain way (one process, N ranks in a loop, the
-online-softmax merge, K/V and dK/dV travelling) passes `check_ring_attention`;
-the same toy with one planted bug fails, and hypothesis shrinks the failure to
-a small case whose message names the output, rank, global position and head:
+online-softmax merge, K/V with their positions and documents and dK/dV
+travelling) passes `check_ring_attention` on every mask (windows, packed
+documents, padding) and dtype (bfloat16 too), and so does its varlen form
+(each document dealt zigzag on its own); the same toy with one planted bug
+fails, and hypothesis shrinks the failure to a small case whose message names
+the output, rank, global position and head:
 
 - a wrong GQA head mapping (query head h reads key/value head h % Hkv, as
   `tile` / `repeat` instead of `repeat_interleave` gives);
 - dK / dV not returned to their owner (the last shift of the backward left out);
-- a stale lse (the lse of the first block returned with the final out).
+- a stale lse (the lse of the first block returned with the final out);
+- a window one key too wide; a document boundary crossed (documents masked on
+  the rank's own block only); a rank's document offsets wrong; padding keys
+  seen; dq rounded to bfloat16 (ring-flash-attn's `dq.to(torch.bfloat16)`).
 
-Then the pieces: the message of `assert_attention_close`, NaN and inf rules,
-the error model's margin (a correct ring uses a fraction of its tolerance; an
-error of a few ulps more per block does not pass), the README's example, and
-the lazy hypothesis import.
+Then the verdict's own checks, each of which a wrong ring could slip past if
+left out (a missing rank or output, the returned dtype and shape, an infinity
+of the wrong sign, float16 / bfloat16 held to float32 sums), the message of
+`assert_attention_close`, NaN and inf rules, the error model's margin (a
+correct ring uses a fraction of its tolerance; an error of a few ulps more
+per block does not pass), the README's example, and the lazy hypothesis import.
 
     .venv/bin/python -m pytest tests/test_kit.py -q
 """
@@ -29,8 +37,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, find, given, settings
 
-from reference import attention, positions
-from reference.testing import (Adapter, Case, ErrorModel, ProcessGroup, VirtualRingAdapter, assert_attention_close,
+from reference import attention
+from reference.testing import (ALL_DTYPES, BFLOAT16, MASKS, NAMES, Adapter, Case, ErrorModel, ProcessGroup,
+                               Unsupported, VirtualRingAdapter, assert_attention_close, parse_case,
                                attention_mismatch, cases, check_ring_attention, measure, oracle,
                                tolerances)
 
@@ -41,16 +50,43 @@ SHRINK = settings(max_examples=200, deadline=None, database=None,
 
 # -- a toy ring, plain, with switches for the planted bugs ----------------------
 
-def scores(q, k, q_pos, k_pos, causal, scale, heads):
-    """S = Q K^T * scale of one block, -inf where pos_k > pos_q (causal): (B, Hq, c, c).
+def documents(case, pos):
+    """The document of each position (the toy's own reading of cu_seqlens /
+    segment_ids), or None without documents; padding positions get -1."""
+    if case.cu_seqlens is not None:
+        doc = np.searchsorted(np.array(case.cu_seqlens), pos, side="right") - 1
+    elif case.segment_ids is not None:
+        doc = np.array(case.segment_ids)[np.minimum(pos, case.S - 1)]
+    else:
+        return None
+    return np.where(pos < case.S, doc, -1)
+
+
+def visible(case, q_pos, k_pos, q_doc, k_doc, plant=None):
+    """(c, c) bool: which keys each query sees, from positions (and documents
+    where given): causal or not, a window of W keys (|q - k| < W), padding
+    neither seeing nor seen."""
+    seen = (q_pos[:, None] < case.S) & (k_pos[None, :] < case.S)
+    if case.causal:
+        seen &= k_pos[None, :] <= q_pos[:, None]
+    if case.window is not None:
+        width = case.window + (1 if plant == "window" else 0)       # the bug: W + 1 keys
+        seen &= np.abs(q_pos[:, None] - k_pos[None, :]) < width
+    if q_doc is not None and k_doc is not None:
+        seen &= q_doc[:, None] == k_doc[None, :]
+    return seen
+
+
+def scores(q, k, seen, scale, heads):
+    """S = Q K^T * scale of one block, -inf where not `seen`: (B, Hq, c, c).
     `heads[h]` is the key/value head query head h reads."""
     s = np.einsum("bihd,bjhd->bhij", q, k[:, :, heads]) * scale
-    return np.where((q_pos[:, None] >= k_pos[None, :]) | (not causal), s, -np.inf)
+    return np.where(seen, s, -np.inf)
 
 
-def block(q, k, v, q_pos, k_pos, causal, scale, heads):
+def block(q, k, v, seen, scale, heads):
     """out (B, c, Hq, D) and lse (B, Hq, c) of q attending to one block alone."""
-    s = scores(q, k, q_pos, k_pos, causal, scale, heads)
+    s = scores(q, k, seen, scale, heads)
     m = s.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)                 # a row with no visible key in this block
     with np.errstate(divide="ignore"):                   # its lse is log 0 = -inf
@@ -69,9 +105,11 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 class ToyRing(Adapter):
     """Algorithm 1 in a loop: in round t rank j holds the K/V block of rank
-    (j - t) mod N; the backward's dK, dV travel with K, V and a last shift brings
-    them home. Float64 inside, results in the input dtype."""
+    (j - t) mod N, with its positions and documents; the backward's dK, dV
+    travel with K, V and a last shift brings them home. Float64 inside,
+    results in the input dtype. Every mask, every dtype."""
     name = "toy ring"
+    masks = MASKS
 
     def __init__(self, plant=None):
         self.plant = plant
@@ -82,33 +120,50 @@ class ToyRing(Adapter):
             return [h % case.Hkv for h in range(case.Hq)]
         return [h // group for h in range(case.Hq)]
 
+    def docs(self, case, shards):
+        """Each rank's documents, computed by the rank from its positions."""
+        return [documents(case, p) for p in shards.positions]
+
+    def mask(self, case, shards, docs, j, src):
+        """Which keys of the block from rank `src` rank j's queries see."""
+        k_doc = docs[src] if self.plant != "documents" or src == j else None   # the bug: remote blocks
+        return visible(case, shards.positions[j], shards.positions[src], docs[j], k_doc, self.plant)
+
     def run(self, case, shards):
-        n, scale = case.n_devices, case.scale if case.scale is not None else case.D ** -0.5
+        n, scale = case.n_devices, case.scale_value
         q, k, v, dout = ([x.astype(np.float64) for x in xs] for xs in (shards.q, shards.k, shards.v, shards.dout))
-        pos, heads = shards.positions, self.heads(case)
+        heads, docs = self.heads(case), self.docs(case, shards)
+        masks = [[self.mask(case, shards, docs, j, src) for src in range(n)] for j in range(n)]
         results = []
         for j in range(n):
             out, lse = np.zeros_like(q[j]), np.full((case.B, case.Hq, case.c), -np.inf)
             for t in range(n):
                 src = (j - t) % n
-                out, lse = merge(out, lse, *block(q[j], k[src], v[src], pos[j], pos[src], case.causal, scale, heads))
+                out, lse = merge(out, lse, *block(q[j], k[src], v[src], masks[j][src], scale, heads))
                 if t == 0:
                     first_lse = lse
             results.append(dict(out=out, lse=first_lse if self.plant == "stale-lse" else lse))
-        grads = self.backward_pass(case, q, k, v, dout, [(r["out"], r["lse"]) for r in results], scale, heads)
+        grads = self.backward_pass(case, q, k, v, dout, [(r["out"], r["lse"]) for r in results], masks, heads)
         lse_dtype = np.float64 if case.dtype == np.float64 else np.float32
         return [dict(out=r["out"].astype(case.dtype), lse=r["lse"].astype(lse_dtype),
-                     **{name: x.astype(case.dtype) for name, x in g.items()}) for r, g in zip(results, grads)]
+                     **{name: self.rounded(name, x).astype(case.dtype) for name, x in g.items()})
+                for r, g in zip(results, grads)]
 
-    def backward_pass(self, case, q, k, v, dout, saved, scale, heads):
-        n, pos = case.n_devices, positions(case.S, case.n_devices, case.layout)
+    def rounded(self, name, x):
+        if self.plant == "bfloat16-dq" and name == "dq":    # the bug: dq.to(torch.bfloat16)
+            return x.astype(BFLOAT16)
+        return x
+
+    def backward_pass(self, case, q, k, v, dout, saved, masks, heads):
+        n, scale = case.n_devices, case.scale_value
         dq = [np.zeros_like(x) for x in q]
         held = [(np.zeros_like(k[j]), np.zeros_like(v[j])) for j in range(n)]   # dK, dV travelling, by holder
         for t in range(n):
             for j in range(n):
                 src = (j - t) % n
                 out, lse = saved[j]
-                p = np.exp(scores(q[j], k[src], pos[j], pos[src], case.causal, scale, heads) - lse[..., None])
+                lse = np.where(np.isfinite(lse), lse, 0.0)     # hazard: a row with no visible key, -inf - -inf
+                p = np.exp(scores(q[j], k[src], masks[j][src], scale, heads) - lse[..., None])
                 dp = np.einsum("bihd,bjhd->bhij", dout[j], v[src][:, :, heads])
                 delta = (dout[j] * out).sum(-1).transpose(0, 2, 1)[..., None]          # (B, Hq, c, 1)
                 ds = p * (dp - delta)
@@ -126,6 +181,38 @@ class ToyRing(Adapter):
         return [dict(dq=dq[j], dk=held[j][0], dv=held[j][1]) for j in range(n)]
 
 
+class VarlenToyRing(ToyRing):
+    """The toy as varlen rings deal packed documents: each document cut into 2N
+    chunks, rank r holding chunks r and 2N-1-r of every document (zigzag within
+    each document), so every document's length is a multiple of 2N; a rank
+    finds its tokens' documents from its local cu_seqlens, cu_seqlens // N, as
+    varlen kernels take them."""
+    name = "varlen toy ring"
+    masks = ("causal", "full", "cu_seqlens")
+
+    def document_multiple(self, n_devices):
+        return 2 * n_devices
+
+    def positions(self, case):
+        n, cu = case.n_devices, case.cu_seqlens or (0, case.S)
+        ranks = [[] for _ in range(n)]
+        for start, end in zip(cu[:-1], cu[1:]):
+            chunks = np.arange(start, end).reshape(2 * n, -1)
+            for r in range(n):
+                ranks[r] += [*chunks[r], *chunks[2 * n - 1 - r]]
+        return np.array(ranks)
+
+    def docs(self, case, shards):
+        n, cu = case.n_devices, np.array(case.cu_seqlens or (0, case.S))
+        result = []
+        for r in range(n):
+            local = cu // n
+            if self.plant == "rank-offsets" and r > 0:   # the bug: later ranks' boundaries one token late
+                local[1:-1] += 1
+            result.append(np.searchsorted(local, np.arange(case.c), side="right") - 1)
+        return result
+
+
 def shrunk_failure(adapter, strategy=None):
     """The minimal case hypothesis finds for `adapter`, and the kit's message on it."""
     def fails(case):
@@ -134,7 +221,8 @@ def shrunk_failure(adapter, strategy=None):
         except AssertionError:
             return True
         return False
-    case = find(strategy or cases(dtypes=(np.float64, np.float32), max_devices=4), fails, settings=SHRINK)
+    strategy = cases(dtypes=(np.float64, np.float32), max_devices=4) if strategy is None else strategy
+    case = find(strategy, fails, settings=SHRINK)
     with pytest.raises(AssertionError) as e:
         check_ring_attention(adapter, case)
     return case, str(e.value)
@@ -167,6 +255,186 @@ def test_stale_lse_is_caught_and_shrunk():
     assert case.n_devices == 2 and case.S == 2 and case.Hq == 1, case
     assert re.search(r"^  lse: 1 of 1 elements out of tolerance; first at rank \d, global position \d \(local 0\), "
                      r"batch 0, head 0: got .*, error .* > tolerance", msg, re.M), msg
+
+
+# -- masks and bfloat16 -------------------------------------------------------------
+
+EVERY_MASK = dict(dtypes=ALL_DTYPES, masks=MASKS, max_devices=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(**EVERY_MASK))
+def test_the_toy_ring_passes_every_mask_and_bfloat16(case):
+    check_ring_attention(ToyRing(), case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cases(layouts=("zigzag",), dtypes=ALL_DTYPES, masks=VarlenToyRing.masks, max_devices=4,
+             document_multiple=VarlenToyRing().document_multiple))
+def test_a_varlen_ring_with_per_document_zigzag_positions_passes(case):
+    """Positions may be any permutation: here each document is dealt zigzag on its own."""
+    check_ring_attention(VarlenToyRing(), case)
+
+
+def masked(*masks, dtypes=(np.float64, np.float32)):
+    """Cases with these masks drawn (and causal / full), for the shrinking tests."""
+    return cases(dtypes=dtypes, masks=("causal", "full") + masks, max_devices=4)
+
+
+def test_a_window_one_key_too_wide_is_caught_and_shrunk():
+    case, msg = shrunk_failure(ToyRing("window"), masked("window"))
+    # the smallest: one device, two tokens, a window of one key (the query itself), causal
+    assert (case.n_devices, case.S, case.window, case.causal, case.Hq) == (1, 2, 1, True, 1), case
+    assert re.search(r"out: 1 of 2 elements out of tolerance; first at rank 0, global position 1 \(local 1\), "
+                     r"batch 0, head 0, dim 0", msg), msg
+
+
+def test_a_document_boundary_crossed_is_caught_and_shrunk():
+    # the bug: documents masked on the rank's own block only, not on blocks from other ranks
+    case, msg = shrunk_failure(ToyRing("documents"), masked("cu_seqlens", "segment_ids"))
+    assert case.n_devices == 2 and case.S == 2 and (case.cu_seqlens or case.segment_ids), case
+    assert re.search(r"^  out: \d+ of \d+ elements out of tolerance; first at rank \d, global position \d "
+                     r"\(local 0\), batch 0, head 0, dim 0", msg, re.M), msg
+
+
+def test_a_ranks_document_offsets_wrong_is_caught_and_shrunk():
+    adapter = VarlenToyRing("rank-offsets")
+    case, msg = shrunk_failure(adapter, cases(layouts=("zigzag",), dtypes=(np.float64,), masks=adapter.masks,
+                                              max_devices=4, document_multiple=adapter.document_multiple))
+    # two ranks, two documents of 2N = 4 tokens: rank 1 puts its token 4 in the first one,
+    # so rank 0's query 7 (local 3, in the second) does not see it
+    assert case.n_devices == 2 and case.cu_seqlens == (0, 4, 8), case
+    assert "out: 1 of 4 elements out of tolerance; first at rank 0, global position 7 (local 3)" in msg, msg
+
+
+def test_padding_seen_by_a_real_query_is_caught_and_shrunk():
+    class SeesPadding(ToyRing):
+        name = "toy ring that sees padding"
+
+        def mask(self, case, shards, docs, j, src):
+            wide = dataclasses.replace(case, S=case.padded)       # padding keys count as real
+            return visible(wide, shards.positions[j], shards.positions[src], docs[j], docs[src])
+
+    case, msg = shrunk_failure(SeesPadding(), masked("padding"))
+    # one real token and one of padding: the padding query's dout reaches the real key's dK, dV
+    assert case.masks == ("causal", "padding") and case.n_devices == 2 and case.S == 1, case
+    assert "first at rank 0, global position 0 (local 0)" in msg, msg
+
+
+def test_a_gradient_rounded_to_bfloat16_is_caught_and_shrunk():
+    # ring-flash-attn's contiguous ring returns dq.to(torch.bfloat16) whatever the
+    # input dtype: 2**-9 relative error, caught in float32 (and float64)
+    case, msg = shrunk_failure(ToyRing("bfloat16-dq"), cases(dtypes=(np.float32,), max_devices=4))
+    assert (case.n_devices, case.S, case.dtype) == (1, 2, np.float32), case     # one token has dq = 0 exactly
+    assert re.search(r"^  dq: \d+ of \d+ elements out of tolerance; first at rank 0, global position 1", msg, re.M), msg
+    # on bfloat16 inputs the same rounding is the output's own, within the line
+    check_ring_attention(ToyRing("bfloat16-dq"), dataclasses.replace(case, dtype=BFLOAT16))
+
+
+def test_cases_draw_every_mask_and_bfloat16_and_shrink_to_no_mask():
+    drawn = set()
+
+    @settings(max_examples=60, derandomize=True, database=None)
+    @given(cases(**EVERY_MASK))
+    def draw(case):
+        drawn.update(case.masks + (np.dtype(case.dtype).name,))
+
+    draw()
+    assert drawn >= set(MASKS) | {"bfloat16"}, drawn
+    simplest = find(cases(**EVERY_MASK), lambda c: c.n_devices == 2 and c.S > 2, settings=SHRINK)
+    assert simplest.masks == ("causal",) and simplest.dtype == np.float64, simplest
+    padded = find(cases(**EVERY_MASK), lambda c: "padding" in c.masks and c.n_devices == 3, settings=SHRINK)
+    assert (padded.S, padded.padded, padded.c) == (2, 3, 1), padded
+
+
+def test_adapters_say_which_masks_and_dtypes_they_take():
+    case = Case("striped", 2, 1, 5, 1, 1, 2, None, True, None, BFLOAT16, "gaussian", 0, window=2)
+    assert case.masks == ("causal", "window", "padding")
+    assert Adapter().supports(case) == "mask window, padding not supported (takes causal, full)"
+    assert ToyRing().supports(case) is None
+    with pytest.raises(Unsupported, match="dtype bfloat16 not supported"):
+        check_ring_attention(type("F32", (ToyRing,), dict(dtypes=(np.float32,)))(), case)
+
+
+def test_a_case_prints_as_the_line_that_rebuilds_it():
+    case = Case("zigzag", 2, 1, 7, 2, 1, 3, (2, 3), False, 0.3, BFLOAT16, "exact", 5, window=3,
+                segment_ids=[0, 1, 0, 0, 1, 1, 2])
+    assert parse_case(repr(case)) == case and "dtype=ml_dtypes.bfloat16" in repr(case)
+    assert parse_case(repr(dataclasses.replace(case, segment_ids=None, cu_seqlens=(0, 2, 7)))).cu_seqlens == (0, 2, 7)
+    with pytest.raises(ValueError, match="cu_seqlens must rise strictly from 0 to the sequence length 7"):
+        dataclasses.replace(case, segment_ids=None, cu_seqlens=(0, 2, 6))
+    with pytest.raises(ValueError, match="not a Case"):
+        parse_case("Case(layout=")
+
+
+# -- the verdict: each check that could be left out fails a wrong ring ----------------
+
+class Edited(VirtualRingAdapter):
+    """The virtual ring, with its results edited by `edit(case, results)`."""
+
+    def __init__(self, edit):
+        self.edit = edit
+
+    def run(self, case, shards):
+        results = super().run(case, shards)
+        return self.edit(case, results) or results
+
+
+CASE = Case("striped", 2, 1, 4, 2, 1, 2, None, True, None, np.float32, "gaussian", 1)
+
+
+def test_a_missing_rank_or_output_fails():
+    with pytest.raises(AssertionError, match="run returned 1 ranks' results, expected 2"):
+        check_ring_attention(Edited(lambda case, results: results[:1]), CASE)
+    for name in NAMES:
+        def drop(case, results, name=name):
+            del results[1][name]
+        with pytest.raises(AssertionError, match=f"{name}: rank 1 returned no '{name}'"):
+            check_ring_attention(Edited(drop), CASE)
+
+
+def test_the_returned_dtype_and_shape_are_checked():
+    def widen(case, results):
+        results[1]["dk"] = results[1]["dk"].astype(np.float64)
+    with pytest.raises(AssertionError, match="dk: rank 1 returned float64, expected the input dtype float32"):
+        check_ring_attention(Edited(widen), CASE)
+
+    def cut(case, results):
+        results[0]["lse"] = results[0]["lse"][:, :, :1]
+    with pytest.raises(AssertionError, match=r"lse: rank 0 returned shape \(1, 2, 1\), expected \(1, 2, 2\)"):
+        check_ring_attention(Edited(cut), CASE)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")      # inf - inf in the ring's threads, as it should
+def test_an_infinity_of_the_wrong_sign_fails():
+    """out is +inf where a visible value is +inf: -inf there is not the same result."""
+    plus, minus = np.full((1, 1, 1, 1), np.inf), np.full((1, 1, 1, 1), -np.inf)
+    assert "got -inf, expected inf" in (attention_mismatch(minus, plus, 1.0) or "agrees")
+    assert "got inf, expected -inf" in (attention_mismatch(plus, minus, 1.0) or "agrees")
+    case = dataclasses.replace(CASE, poison=(("v", 0, 0, 0, 0, "inf"),))        # every row sees key 0
+    assert np.isposinf(oracle(case)["out"][..., 0]).all()
+    check_ring_attention(VirtualRingAdapter(), case)
+
+    def flip(case, results):
+        for r in results:
+            r["out"] = np.where(np.isposinf(r["out"]), -np.inf, r["out"]).astype(r["out"].dtype)
+    with pytest.raises(AssertionError, match="out: .* got -inf, expected inf"):
+        check_ring_attention(Edited(flip), case)
+
+
+def test_float16_and_bfloat16_inputs_are_held_to_float32_sums():
+    """Unless an adapter declares otherwise, float16 and bfloat16 inputs are
+    summed in float32: an out 4 float16 ulps off fails, though it would pass
+    a float16 sum's line."""
+    assert Adapter().accumulate_dtype(np.float16) == np.float32 == Adapter().accumulate_dtype(BFLOAT16)
+    case = dataclasses.replace(CASE, dtype=np.float16, S=8, D=8)
+
+    def nudge(case, results):
+        for r in results:
+            r["out"] = (r["out"].astype(np.float32) * (1 + 4 * 2.0 ** -10)).astype(np.float16)
+    with pytest.raises(AssertionError, match="out: .* out of tolerance"):
+        check_ring_attention(Edited(nudge), case)
+    check_ring_attention(type("Sums16", (Edited,), dict(accumulate_dtype=lambda self, d: np.float16))(nudge), case)
 
 
 # -- the comparison ----------------------------------------------------------------

@@ -18,9 +18,10 @@ which it is not exact attention, with the first bad element named:
 
 One room per job, in reading order:
 
-    cases.py     `Case` (one problem), its inputs (`INPUT_KINDS`: scores in the hundreds,
-                 constant rows, values exact in float16, injected NaN / inf) and the
-                 hypothesis strategy `cases()`
+    cases.py     `Case` (one problem: shapes, dtype (bfloat16 too), the mask: causal or
+                 full, a window, packed documents, padding), its inputs (`INPUT_KINDS`:
+                 scores in the hundreds, constant rows, values exact in float16, injected
+                 NaN / inf) and the hypothesis strategy `cases()`
     oracle.py    `oracle(case)`: float64 out, lse, dq, dk, dv, and each element's error
                  budget (`ErrorModel`, `tolerances`)
     compare.py   `attention_mismatch` / `assert_attention_close` (the message naming the
@@ -36,18 +37,18 @@ strategies when they are called.
 """
 
 from .adapter import Adapter, Shards, Unsupported, VirtualRingAdapter, check_ring_attention, make_shards
-from .cases import (BACKWARD, DTYPES, FORWARD, INPUT_KINDS, MAX_DEVICES, MAX_HEAD_DIM, MAX_SEQ, NAMES, Case,
-                    cases, make_qkv, tile_sizes)
+from .cases import (ALL_DTYPES, BACKWARD, DTYPES, FORWARD, INPUT_KINDS, MASKS, MAX_DEVICES, MAX_HEAD_DIM, MAX_SEQ,
+                    NAMES, PLAIN, Case, cases, make_qkv, mask_options, parse_case, tile_sizes)
 from .compare import (BFLOAT16, LARGE_LOGITS_FACTOR, LARGE_LOGITS_GRAD_FACTOR, TOL, Tolerance,
-                      assert_attention_close, assert_close, assert_finite, attention_mismatch)
+                      assert_attention_close, assert_close, assert_finite, attention_mismatch, used_fraction)
 from .group import ProcessGroup, serve_requests
-from .measure import measure
-from .oracle import GROWTH, ErrorModel, magnitudes, oracle, tolerances, unit_roundoff
+from .measure import measure, random_case
+from .oracle import GROWTH, ErrorModel, accumulation, magnitudes, oracle, tolerances, unit_roundoff
 
 __all__ = ["Adapter", "Shards", "Unsupported", "VirtualRingAdapter", "check_ring_attention", "make_shards",
-           "BACKWARD", "DTYPES", "FORWARD", "INPUT_KINDS", "MAX_DEVICES", "MAX_HEAD_DIM", "MAX_SEQ", "NAMES",
-           "Case", "cases", "make_qkv", "tile_sizes",
+           "ALL_DTYPES", "BACKWARD", "DTYPES", "FORWARD", "INPUT_KINDS", "MASKS", "MAX_DEVICES", "MAX_HEAD_DIM",
+           "MAX_SEQ", "NAMES", "PLAIN", "Case", "cases", "make_qkv", "mask_options", "parse_case", "tile_sizes",
            "BFLOAT16", "LARGE_LOGITS_FACTOR", "LARGE_LOGITS_GRAD_FACTOR", "TOL", "Tolerance",
-           "assert_attention_close", "assert_close", "assert_finite", "attention_mismatch",
-           "ProcessGroup", "serve_requests", "measure",
-           "GROWTH", "ErrorModel", "magnitudes", "oracle", "tolerances", "unit_roundoff"]
+           "assert_attention_close", "assert_close", "assert_finite", "attention_mismatch", "used_fraction",
+           "ProcessGroup", "serve_requests", "measure", "random_case",
+           "GROWTH", "ErrorModel", "accumulation", "magnitudes", "oracle", "tolerances", "unit_roundoff"]

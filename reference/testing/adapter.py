@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layouts import LAYOUTS, positions, unshard
+from ..layouts import LAYOUTS, positions, shard, unshard
 from ..virtual import ring_attention, ring_attention_backward
-from .cases import DTYPES, FORWARD, NAMES
-from .compare import attention_mismatch
-from .oracle import oracle, tolerances
+from .cases import ALL_DTYPES, FORWARD, MASKS, NAMES, PLAIN
+from .compare import BFLOAT16, attention_mismatch, used_fraction
+from .oracle import accumulation, oracle, tolerances
 
 
 @dataclass(frozen=True)
@@ -46,37 +46,56 @@ class Adapter:
 
     name           how messages name it;
     layouts        the layouts it runs (`positions` maps each to ranks' tokens);
-    dtypes         the NumPy dtypes it takes;
+    dtypes         the dtypes it takes (NumPy's, and ml_dtypes.bfloat16);
+    masks          the masks it takes, names of `MASKS`: causal, full, window,
+                   cu_seqlens, segment_ids, padding (default causal and full);
     backward       whether `run` returns dq, dk, dv;
-    replicated     names that every rank returns whole (natural order, not a shard):
-                   every rank's copy must be the same, bit for bit;
+    outputs        the names `run` returns (default all five; an entry point that
+                   gives no lse: ("out", "dq", "dk", "dv"));
+    replicated     names that every rank returns whole (natural order, S tokens, not
+                   a shard): every rank's copy must be the same, bit for bit;
+    world_sizes    the N the command line runs by default;
     positions(case)         (N, c) int array: the global positions rank r holds, in its
-                            local order (default `reference.positions`);
-    accumulate_dtype(dtype) the dtype its sums run in (the error model's u_acc);
+                            local order: any permutation of 0..P-1 (default
+                            `reference.positions`; a varlen ring may deal each document
+                            apart, zigzag within each, for example);
+    accumulate_dtype(dtype) the dtype its sums run in (the error model's u_acc; default
+                            float32, float64 for float64 inputs);
+    document_multiple(n)    what every document's length must be a multiple of (default 1);
     supports(case)          None, or why it cannot run the case (skipped, not failed);
     run(case, shards)       one dict per rank with "out" (B, c, Hq, D) in the input dtype,
                             "lse" (B, Hq, c) natural log of the scaled scores' sum, and,
                             where `backward`, "dq", "dk", "dv" (gradients of
                             sum(out * dout), dk/dv on the rank that holds those keys),
                             query head h reading key/value head h // (Hq // Hkv).
+                            Results at padding positions (>= S) are not checked.
     """
     name = "adapter"
     layouts = LAYOUTS
-    dtypes = DTYPES
+    dtypes = ALL_DTYPES
+    masks = PLAIN
     backward = True
+    outputs = NAMES
     replicated = ()
+    world_sizes = (1, 2, 3, 4)
 
     def positions(self, case):
         return positions(case.S, case.n_devices, case.layout)
 
     def accumulate_dtype(self, dtype):
-        return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        return accumulation(dtype)
+
+    def document_multiple(self, n_devices):
+        return 1
 
     def supports(self, case):
         if case.layout not in self.layouts:
             return f"layout {case.layout!r} not in {self.layouts}"
         if np.dtype(case.dtype) not in [np.dtype(d) for d in self.dtypes]:
             return f"dtype {np.dtype(case.dtype).name} not supported"
+        missing = [m for m in case.masks if m not in self.masks]
+        if missing:
+            return f"mask {', '.join(missing)} not supported (takes {', '.join(self.masks)})"
         return None
 
     def run(self, case, shards):
@@ -96,16 +115,16 @@ def _skip(reason):
 
 
 def make_shards(case, pos):
-    """The case's inputs cut into ranks' shards along the positions `pos` (N, c)."""
-    q, k, v, dout = case.inputs()
+    """The case's inputs (padded to P) cut into ranks' shards along the positions `pos` (N, c)."""
+    q, k, v, dout = case.inputs(padded=True)
     return Shards(*([np.ascontiguousarray(np.take(x, p, axis=1)) for p in pos] for x in (q, k, v, dout)),
                   positions=pos)
 
 
 def _check_positions(pos, case):
     pos = np.asarray(pos)
-    if pos.shape != (case.n_devices, case.c) or not np.array_equal(np.sort(pos.ravel()), np.arange(case.S)):
-        raise AssertionError(f"positions must be a permutation of 0..{case.S - 1} as "
+    if pos.shape != (case.n_devices, case.c) or not np.array_equal(np.sort(pos.ravel()), np.arange(case.padded)):
+        raise AssertionError(f"positions must be a permutation of 0..{case.padded - 1} as "
                              f"({case.n_devices}, {case.c}), got shape {pos.shape}")
     return pos
 
@@ -124,64 +143,85 @@ def check_ring_attention(adapter, case, *, model=None, names=None, usage=None):
     results = adapter.run(case, make_shards(case, pos))
     if len(results) != case.n_devices:
         raise AssertionError(f"{adapter.name}: run returned {len(results)} ranks' results, expected {case.n_devices}")
-    names = names or (NAMES if adapter.backward else FORWARD)
+    names = [name for name in names or (NAMES if adapter.backward else FORWARD) if name in adapter.outputs]
     want = oracle(case)
     tol = tolerances(case, accumulate=adapter.accumulate_dtype(case.dtype), model=model)
     for name in names:
-        problem = (_check_replicated(name, results, want, tol) if name in adapter.replicated
-                   else _check_sharded(name, results, want, tol, pos, case))
-        if usage is not None and not problem:
-            usage[name] = max(usage.get(name, 0.0), _usage(name, results, want, tol, pos, adapter))
+        check = _check_replicated if name in adapter.replicated else _check_sharded
+        problem, used = check(name, results, want[name], tol[name], pos, case)
         if problem:
             raise AssertionError(f"{adapter.name} differs from the float64 oracle on\n  {case!r}\n  {problem}")
+        if usage is not None:
+            usage[name] = max(usage.get(name, 0.0), used)
     return results
 
 
-def _check_sharded(name, results, want, tol, pos, case):
-    axis = 2 if name == "lse" else 1
+def _returned(name, results, case, shape):
+    """Each rank's `name` as a NumPy array of `shape` and the right dtype, or the problem in words."""
+    arrays = []
     for r, got in enumerate(results):
         if name not in got:
-            return f"{name}: rank {r} returned no {name!r}"
-        x = got[name]
+            return None, f"{name}: rank {r} returned no {name!r}"
+        x = np.asarray(got[name])
         if name != "lse" and np.dtype(x.dtype) != np.dtype(case.dtype):
-            return f"{name}: rank {r} returned {np.dtype(x.dtype).name}, expected the input dtype {np.dtype(case.dtype).name}"
-        msg = attention_mismatch(x, np.take(want[name], pos[r], axis=axis), np.take(tol[name], pos[r], axis=axis),
-                                 name=name, positions=pos[r], rank=r)
-        if msg:
-            return msg
-    return None
+            return None, (f"{name}: rank {r} returned {np.dtype(x.dtype).name}, expected the input dtype "
+                          f"{np.dtype(case.dtype).name}")
+        if x.dtype.kind != "f" and x.dtype != BFLOAT16:          # (ml_dtypes' kind is "V")
+            return None, f"{name}: rank {r} returned {x.dtype} values, expected floats"
+        if x.shape != shape:
+            return None, f"{name}: rank {r} returned shape {x.shape}, expected {shape}"
+        arrays.append(x)
+    return arrays, None
 
 
-def _usage(name, results, want, tol, pos, adapter):
-    """The largest error / tolerance over the finite expected elements of `name`."""
+def _shape(name, case, tokens):
+    heads = case.Hkv if name in ("dk", "dv") else case.Hq
+    return (case.B, heads, tokens) if name == "lse" else (case.B, tokens, heads, case.D)
+
+
+def _check_sharded(name, results, want, tol, pos, case):
+    """(the first rank's mismatch or None, the largest error / tolerance) of a
+    sharded output, over each rank's real tokens (padding is the ring's own)."""
+    arrays, problem = _returned(name, results, case, _shape(name, case, case.c))
+    if problem:
+        return problem, None
     axis = 2 if name == "lse" else 1
-    pairs = ([(results[0][name], want[name], tol[name])] if name in adapter.replicated else
-             [(got[name], np.take(want[name], p, axis=axis), np.take(tol[name], p, axis=axis))
-              for got, p in zip(results, pos)])
-    worst = 0.0
-    for got, expected, t in pairs:
-        finite = np.isfinite(expected)
-        err = np.abs(np.asarray(got, np.float64) - expected)[finite]
-        worst = max(worst, float((err / t[finite]).max(initial=0.0)))
-    return worst
+    used = 0.0
+    for r, (x, p) in enumerate(zip(arrays, pos)):
+        real = np.flatnonzero(p < case.S)                  # local indices of real tokens
+        got, expected, t = np.take(x, real, axis=axis), np.take(want, p[real], axis=axis), np.take(tol, p[real], axis=axis)
+        problem = attention_mismatch(got, expected, t, name=name, positions=p[real], rank=r, local=real)
+        if problem:
+            return problem, None
+        used = max(used, used_fraction(got, expected, t))
+    return None, used
 
 
-def _check_replicated(name, results, want, tol):
-    first = np.asarray(results[0][name])
-    for r, got in enumerate(results[1:], start=1):
-        if not np.array_equal(np.asarray(got[name]), first, equal_nan=True):
-            return f"{name}: rank {r}'s copy differs from rank 0's (replicated outputs must be identical)"
-    return attention_mismatch(first, want[name], tol[name], name=name, rank=0)
+def _check_replicated(name, results, want, tol, pos, case):
+    """The same for an output every rank returns whole, in natural order: the
+    copies must be identical, bit for bit."""
+    arrays, problem = _returned(name, results, case, _shape(name, case, case.S))
+    if problem:
+        return problem, None
+    for r, x in enumerate(arrays[1:], start=1):
+        if not np.array_equal(x, arrays[0], equal_nan=True):
+            return f"{name}: rank {r}'s copy differs from rank 0's (replicated outputs must be identical)", None
+    problem = attention_mismatch(arrays[0], want, tol, name=name, rank=0)
+    return problem, None if problem else used_fraction(arrays[0], want, tol)
 
 
 class VirtualRingAdapter(Adapter):
-    """`reference.ring_attention` (N virtual devices) as an adapter: the kit's example."""
+    """`reference.ring_attention` (N virtual devices) as an adapter: the kit's example.
+    It takes every mask: the shards are put back in natural order (padding
+    dropped), and the results dealt out again (padding tokens' results zero);
+    its positions are the layout's (the default)."""
     name = "reference.ring_attention"
+    masks = MASKS
 
     def run(self, case, shards):
-        q, k, v, dout = (unshard(x, case.layout) for x in (shards.q, shards.k, shards.v, shards.dout))
+        q, k, v, dout = (unshard(x, case.layout, seq_len=case.S) for x in (shards.q, shards.k, shards.v, shards.dout))
         out, lse = ring_attention(q, k, v, **case.options())
         grads = ring_attention_backward(q, k, v, out, lse, dout, **case.options())
         full = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
-        return [{name: np.take(x, shards.positions[r], axis=2 if name == "lse" else 1) for name, x in full.items()}
-                for r in range(case.n_devices)]
+        dealt = {name: shard(x, case.n_devices, case.layout, axis=2 if name == "lse" else 1) for name, x in full.items()}
+        return [{name: x[r] for name, x in dealt.items()} for r in range(case.n_devices)]

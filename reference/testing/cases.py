@@ -1,16 +1,29 @@
 """Cases: one attention problem for a ring, its inputs, and the hypothesis strategy that draws it.
 
 A `Case` is the whole problem in a few plain fields (shapes, options, the
-inputs' kind and seed), so that it prints as a line that rebuilds it and can
-be a dictionary key; `inputs()` makes the arrays. `cases()` draws them for
-hypothesis (imported on first use: the rest of the kit needs NumPy only).
+mask, the inputs' kind and seed), so that it prints as a line that rebuilds it
+(`parse_case`) and can be a dictionary key; `inputs()` makes the arrays.
+`cases()` draws them for hypothesis (imported on first use: the rest of the
+kit needs NumPy only).
 
     from reference.testing import cases
-    case = cases(max_devices=4).example()
+    case = cases(max_devices=4, masks=MASKS).example()
     q, k, v, dout = case.inputs()          # (B, S, Hq, D), (B, S, Hkv, D) x 2, (B, S, Hq, D)
 
-Legend: ``N`` devices, ``S`` tokens, ``c = S // N``, ``Hq`` / ``Hkv`` query /
-key-value heads, ``D`` head dim.
+The masks a case can carry (`MASKS`, the names adapters declare in `Adapter.masks`):
+
+    causal, full     key k visible to query q iff k <= q (causal), or always (full)
+    window           a sliding window of W keys, the query's own included (`reference.masks`)
+    cu_seqlens       packed documents as flash-attn's varlen functions take them: boundaries
+                     [0, l0, l0 + l1, ..., S]; a query sees keys of its own document only
+    segment_ids      packed documents as one id per token (a document need not be one run)
+    padding          S not a multiple of the layout's unit (N, 2N for zigzag): the shards are
+                     padded at the end with random tokens that no real query may see, and
+                     whose own results are not checked
+
+Legend: ``N`` devices, ``S`` tokens (real), ``P`` tokens padded to the layout's
+unit, ``c = P // N`` tokens per rank, ``Hq`` / ``Hkv`` query / key-value heads,
+``D`` head dim.
 """
 
 import math
@@ -18,8 +31,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..layouts import LAYOUTS
-from .compare import LARGE_LOGITS_FACTOR, LARGE_LOGITS_GRAD_FACTOR
+from ..layouts import LAYOUTS, padded_length
+from ..masks import make_mask
+from .compare import BFLOAT16, LARGE_LOGITS_FACTOR, LARGE_LOGITS_GRAD_FACTOR
 
 _HYPOTHESIS_MISSING = ("reference.testing's strategies need hypothesis, which is not installed: "
                        "pip install 'striped-attention[test]' (or pip install hypothesis)")
@@ -36,6 +50,10 @@ def _hypothesis():
 
 
 DTYPES = (np.float64, np.float32, np.float16)
+# every dtype the kit draws: NumPy's floats and bfloat16 (ml_dtypes, the type JAX uses)
+ALL_DTYPES = DTYPES + ((BFLOAT16.type,) if BFLOAT16 is not None else ())
+MASKS = ("causal", "full", "window", "cu_seqlens", "segment_ids", "padding")
+PLAIN = ("causal", "full")          # no mask option: what every ring takes
 MAX_DEVICES = 8
 MAX_SEQ = 64
 MAX_HEAD_DIM = 16
@@ -75,10 +93,16 @@ def make_qkv(rng, shape_q, shape_kv, dtype, kind="gaussian", scale=None):
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
+
 @dataclass(frozen=True)
 class Case:
-    """One attention problem for a ring: shapes, options, inputs' kind and seed.
+    """One attention problem for a ring: shapes, options, the mask, inputs' kind and seed.
 
+    `S` counts the real tokens; where it is not a multiple of the layout's unit
+    the ranks hold `P = padded_length(S, N, layout)` positions, those >= S
+    padding (`padded`, `c`). The mask: `causal`, a sliding `window` (keys a
+    query sees, itself included), documents as `cu_seqlens` (boundaries from 0
+    to S) or `segment_ids` (one id per real token), as in `reference.masks`.
     `poison` injects non-finite values: a tuple of (tensor, b, s, h, d, value)
     with tensor one of "q", "k", "v", "dout", s a global position and value
     "nan", "inf" or "-inf". `inputs()` makes the arrays, in natural token order.
@@ -97,13 +121,54 @@ class Case:
     kind: str
     seed: int
     poison: tuple = field(default=())
+    window: object = None
+    cu_seqlens: object = None
+    segment_ids: object = None
+
+    def __post_init__(self):
+        # plain, hashable values: a dtype as its scalar type, documents as tuples of ints
+        object.__setattr__(self, "dtype", np.dtype(self.dtype).type)
+        for name in ("cu_seqlens", "segment_ids"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(x) for x in value))
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.Hq % self.Hkv:
+            raise ValueError(f"Hq ({self.Hq}) must be a multiple of Hkv ({self.Hkv})")
+        self.mask()                     # a bad window or documents: make_mask's ValueError, now
+
+    @property
+    def padded(self):
+        """P: the real tokens padded to the layout's unit (N, or 2N for zigzag)."""
+        return padded_length(self.S, self.n_devices, self.layout)
 
     @property
     def c(self):
-        return self.S // self.n_devices
+        """Tokens per rank, padding included."""
+        return self.padded // self.n_devices
 
-    def inputs(self):
-        """(q, k, v, dout) of the case's dtype, natural token order."""
+    @property
+    def masks(self):
+        """The names of `MASKS` this case uses: ("causal",), ("full", "window", "padding"), ..."""
+        used = ["causal" if self.causal else "full"]
+        used += [name for name in ("window", "cu_seqlens", "segment_ids") if getattr(self, name) is not None]
+        return tuple(used) + (("padding",) if self.padded > self.S else ())
+
+    def mask_options(self):
+        """window, cu_seqlens, segment_ids as `reference.attention` and `ring_attention` take them."""
+        docs = {name: None if getattr(self, name) is None else np.array(getattr(self, name), np.int64)
+                for name in ("cu_seqlens", "segment_ids")}
+        return dict(window=self.window, **docs)
+
+    def mask(self):
+        """The `reference.masks.Mask`: the options, and positions >= S padding."""
+        return make_mask(causal=self.causal, seq_len=self.S, **self.mask_options())
+
+    def inputs(self, padded=False):
+        """(q, k, v, dout) of the case's dtype, natural token order: S tokens, or
+        with `padded` P, the padding tokens random (drawn apart, so that
+        padding changes no real token)."""
         rng = np.random.default_rng(self.seed)
         q, k, v = make_qkv(rng, (self.B, self.S, self.Hq, self.D), (self.B, self.S, self.Hkv, self.D),
                            self.dtype, self.kind, self.scale)
@@ -111,7 +176,17 @@ class Case:
         arrays = dict(q=q, k=k, v=v, dout=dout)
         for name, b, s, h, d, value in self.poison:
             arrays[name][b, s, h, d] = float(value)
-        return q, k, v, dout
+        if padded and self.padded > self.S:
+            extra = np.random.default_rng((self.seed, 1))
+            for name, x in arrays.items():
+                pad = extra.standard_normal((self.B, self.padded - self.S) + x.shape[2:]).astype(self.dtype)
+                arrays[name] = np.concatenate([x, pad], axis=1)
+        return arrays["q"], arrays["k"], arrays["v"], arrays["dout"]
+
+    @property
+    def scale_value(self):
+        """The scale in use: `scale`, or D ** -0.5."""
+        return self.D ** -0.5 if self.scale is None else self.scale
 
     @property
     def tolerance_factor(self):
@@ -124,14 +199,32 @@ class Case:
     def options(self):
         """Keyword arguments of `reference.ring_attention` for this case."""
         return dict(n_devices=self.n_devices, layout=self.layout, causal=self.causal,
-                    scale=self.scale, tile_size=self.tile_size)
+                    scale=self.scale, tile_size=self.tile_size, **self.mask_options())
 
     def __repr__(self):
-        poison = f", poison={self.poison}" if self.poison else ""
+        extra = "".join(f", {name}={getattr(self, name)!r}" for name in ("poison", "window", "cu_seqlens",
+                                                                        "segment_ids") if getattr(self, name))
         return (f"Case(layout={self.layout!r}, n_devices={self.n_devices}, B={self.B}, S={self.S}, "
                 f"Hq={self.Hq}, Hkv={self.Hkv}, D={self.D}, tile_size={self.tile_size!r}, "
-                f"causal={self.causal}, scale={self.scale!r}, dtype=np.{np.dtype(self.dtype).name}, "
-                f"kind={self.kind!r}, seed={self.seed}{poison})")
+                f"causal={self.causal}, scale={self.scale!r}, dtype={_dtype_repr(self.dtype)}, "
+                f"kind={self.kind!r}, seed={self.seed}{extra})")
+
+
+def _dtype_repr(dtype):
+    name = np.dtype(dtype).name
+    return f"ml_dtypes.{name}" if name == "bfloat16" else f"np.{name}"
+
+
+def parse_case(text):
+    """The Case a `repr(case)` line describes (what a failure message and --repro print)."""
+    import ml_dtypes
+    try:
+        case = eval(text, {"__builtins__": {}, "Case": Case, "np": np, "ml_dtypes": ml_dtypes})  # noqa: S307
+    except Exception as e:      # noqa: BLE001 - any mistake in the line is the user's, said in words
+        raise ValueError(f"not a Case: {text!r} ({type(e).__name__}: {e})") from None
+    if not isinstance(case, Case):
+        raise ValueError(f"not a Case: {text!r}")
+    return case
 
 
 # -- strategies -------------------------------------------------------------
@@ -145,36 +238,59 @@ def tile_sizes(c):
     return st.one_of(side, st.tuples(side, side), st.just(None))
 
 
+def check_masks(masks):
+    """`masks` as a tuple of names of MASKS, with at least one of causal / full."""
+    masks = tuple(masks)
+    unknown = [m for m in masks if m not in MASKS]
+    if unknown:
+        raise ValueError(f"unknown mask(s) {unknown}; the masks are {', '.join(MASKS)}")
+    if not set(masks) & set(PLAIN):
+        raise ValueError(f"masks must take causal or full attention (or both), got {masks}")
+    return masks
+
+
 def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEVICES, causal=None, *,
-          devices=None, max_seq=MAX_SEQ, max_head_dim=MAX_HEAD_DIM, max_kv_heads=3, max_group=3,
+          masks=PLAIN, devices=None, max_seq=MAX_SEQ, max_head_dim=MAX_HEAD_DIM, max_kv_heads=3, max_group=3,
           max_batch=2, scales=(None, None, 0.3, 1.0, -0.7), poison=False, poison_values=("nan", "inf", "-inf"),
-          seq_multiple=1):
+          seq_multiple=1, document_multiple=1):
     """A hypothesis strategy of `Case`: every layout, N in 1..max_devices (or
     drawn from `devices`), c down to one token per device (two for zigzag),
     GQA (Hkv < Hq) and MQA (Hkv = 1), any D, tile and scale, every input kind.
-    `poison=True` injects one of `poison_values` into q, k, v or dout at a drawn place.
-    `seq_multiple` makes S a multiple of it too (for implementations that cut
-    the sequence more finely than the layout). Shrinks towards contiguous, one
-    device, B = 1, one head, D = 1, float64, causal, gaussian."""
+
+    `masks` (names of `MASKS`): which masks to draw besides causal / full
+    attention: a window, documents (cu_seqlens or segment_ids), padding;
+    `causal` (True / False) fixes the flag. `poison=True` injects one of
+    `poison_values` into q, k, v or dout at a drawn place. `seq_multiple` makes
+    S a multiple of it too (for implementations that cut the sequence more
+    finely than the layout), `document_multiple` (an int, or a function of N)
+    every document's length (varlen rings that split each document over the
+    ranks). Shrinks towards contiguous, one device, B = 1, one head, D = 1,
+    float64, causal, no mask, gaussian."""
     _, st = _hypothesis()
     devices = tuple(devices) if devices is not None else tuple(range(1, max_devices + 1))
+    masks = check_masks(masks)
+    flags = [flag for flag, name in ((True, "causal"), (False, "full")) if name in masks]
 
     @st.composite
     def draw_case(draw):
         layout = draw(st.sampled_from(layouts))
         n = draw(st.sampled_from(devices))
-        unit = (2 * n if layout == "zigzag" else n)           # the layout's unit of division
-        unit = unit * seq_multiple // math.gcd(unit, seq_multiple)
+        doc_unit = document_multiple(n) if callable(document_multiple) else document_multiple
+        unit = math.lcm(2 * n if layout == "zigzag" else n, seq_multiple,     # the layout's unit of division,
+                        doc_unit if "cu_seqlens" in masks else 1)             # and the documents'
         S = unit * draw(st.integers(1, max(1, max_seq // unit)))
+        if "padding" in masks:           # shrinks to 0: no padding
+            S -= draw(st.integers(0, unit - 1)) if unit > 1 and doc_unit == 1 else 0
+            S = max(S, 1)
         Hkv = draw(st.integers(1, max_kv_heads))
         Hq = Hkv * draw(st.integers(1, max_group))
         B, D = draw(st.integers(1, max_batch)), draw(st.integers(1, max_head_dim))
         case = Case(layout=layout, n_devices=n, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D,
-                    tile_size=draw(tile_sizes(S // n)),
-                    causal=draw(st.booleans()) if causal is None else causal,
+                    tile_size=draw(tile_sizes(padded_length(S, n, layout) // n)),
+                    causal=draw(st.sampled_from(flags)) if causal is None else causal,
                     scale=draw(st.sampled_from(scales)),
                     dtype=draw(st.sampled_from(dtypes)), kind=draw(st.sampled_from(kinds)),
-                    seed=draw(st.integers(0, 2**32 - 1)))
+                    seed=draw(st.integers(0, 2**32 - 1)), **draw(mask_options(S, masks, doc_unit)))
         if poison:
             name = draw(st.sampled_from(("q", "k", "v", "dout")))
             heads = Hq if name in ("q", "dout") else Hkv
@@ -184,3 +300,29 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
         return case
 
     return draw_case()
+
+
+def mask_options(S, masks, document_multiple=1):
+    """A strategy of {window, cu_seqlens, segment_ids} for S real tokens, each
+    drawn only where `masks` names it and shrinking to None (no mask):
+    a window of 1..S keys; documents as cu_seqlens (cut points, lengths a
+    multiple of `document_multiple`) or segment ids (three ids at most, in any
+    order: a document need not be one run)."""
+    _, st = _hypothesis()
+
+    @st.composite
+    def draw_options(draw):
+        options = dict(window=None, cu_seqlens=None, segment_ids=None)
+        if "window" in masks:
+            options["window"] = draw(st.none() | st.integers(1, S))
+        kinds = [None] + [k for k in ("cu_seqlens", "segment_ids") if k in masks]
+        kind = draw(st.sampled_from(kinds))
+        if kind == "cu_seqlens" and S % document_multiple == 0:      # (not with padding)
+            blocks = S // document_multiple
+            cuts = draw(st.lists(st.integers(1, blocks - 1), unique=True, max_size=4)) if blocks > 1 else []
+            options["cu_seqlens"] = (0,) + tuple(document_multiple * c for c in sorted(cuts)) + (S,)
+        elif kind == "segment_ids":
+            options["segment_ids"] = tuple(draw(st.lists(st.integers(0, 2), min_size=S, max_size=S)))
+        return options
+
+    return draw_options()

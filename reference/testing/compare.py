@@ -78,6 +78,14 @@ def attention_mismatch(actual, expected, tol, *, name="out", positions=None, ran
     return msg
 
 
+def used_fraction(actual, expected, tol):
+    """The largest error / tolerance over the finite expected elements: how much
+    of its line a result that agrees uses (1 is the line)."""
+    finite = np.isfinite(expected)
+    err = np.abs(np.asarray(actual, np.float64) - expected)[finite]
+    return float((err / np.broadcast_to(tol, expected.shape)[finite]).max(initial=0.0))
+
+
 def assert_attention_close(actual, expected, tol, *, name="out", positions=None, rank=None):
     """Assert one output (out, dq, dk, dv as (B, c, H, D); lse as (B, H, c)) of
     one rank against its expected value within `tol` (per element or one
