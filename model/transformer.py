@@ -151,6 +151,13 @@ def backward(cache, config, attn):
     return grads
 
 
+def next_tokens(params, config, x, pos, attn):
+    """The model's guess for the token after each of these tokens, (B, c): the argmax
+    of its logits (the forward pass with every label ignored)."""
+    _, (*_, (logits, *_)) = forward(params, config, x, np.full_like(x, layers.IGNORE), pos, attn, n_labels=1)
+    return logits.argmax(axis=-1)
+
+
 def loss_and_grads(params, config, x, y, pos, attn, n_labels):
     """Forward and backward on this set of tokens: (loss share, {name: gradient share})."""
     loss, cache = forward(params, config, x, y, pos, attn, n_labels)

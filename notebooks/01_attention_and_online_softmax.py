@@ -14,19 +14,24 @@
 # %% [markdown]
 # # 1. Attention, the causal mask, and the online softmax
 #
-# This is the first of six notebooks on Striped Attention (Brandon et al. 2023). They
-# build up, one idea each, to exact causal attention spread over a ring of devices:
+# The second of eight notebooks on Striped Attention (Brandon et al. 2023). Notebook 0
+# showed why attention is spread over a ring of devices: one device cannot hold a long
+# sequence, so each holds a block of it and attends to the other blocks as they pass.
+# This notebook shows why that gives the exact answer:
 #
+# 0. why a ring: memory as the sequence grows;
 # 1. **attention and the online softmax** (this notebook): why a device can attend to
 #    one block of keys at a time and still get the exact answer;
 # 2. layouts: which device holds which token;
 # 3. the ring, round by round;
 # 4. tiles, and the speed-up they turn balance into;
 # 5. the backward pass;
-# 6. real processes with MPI.
+# 6. real processes with MPI;
+# 7. the whole model: a transformer trained over the ring.
 #
 # Every claim is followed by an `assert` or a picture. Nothing is re-implemented here:
-# the notebooks call the project's package `reference` (pure NumPy).
+# the notebooks call the project's own code (`reference`, pure NumPy; later `mpi_impl`
+# and `model`).
 #
 # Shapes follow flash-attn: `q` is `(B, S, Hq, D)` (batch, tokens, heads, head dim),
 # `k` and `v` are `(B, S, Hkv, D)`, and `lse` (the log-sum-exp of each query's scores)
@@ -62,11 +67,11 @@ S = 16
 pos = np.arange(S)
 mask = visible(pos, pos)                     # (S, S) True where key k is visible to query q
 
-plt.figure(figsize=(3.2, 3.2))
+plt.figure(figsize=(3.4, 3.4))
 plt.imshow(mask, cmap="Greys_r")
 plt.xlabel("key position")
 plt.ylabel("query position")
-plt.title("causal mask (white = visible)")
+plt.title("causal mask: white visible,\nblack masked (key after query)", fontsize=10)
 plt.show()
 
 assert (mask == np.tril(np.ones((S, S), dtype=bool))).all()
@@ -90,12 +95,13 @@ P = np.where(mask, np.exp(scores - lse[0, 0][:, None]), 0.0)
 assert np.allclose(P.sum(axis=1), 1.0)                   # lse normalises every row
 assert np.allclose(P @ v[0, :, 0], out[0, :, 0])         # and out = P V
 
-plt.figure(figsize=(3.2, 3.2))
-plt.imshow(P, cmap="viridis")
+weights = plt.get_cmap("YlOrRd").with_extremes(bad="black")       # masked cells: black, as above
+plt.figure(figsize=(3.8, 3.4))
+plt.imshow(np.ma.masked_where(~mask, P), cmap=weights, vmin=0)
 plt.xlabel("key position")
 plt.ylabel("query position")
-plt.title("attention weights P")
-plt.colorbar(fraction=0.046)
+plt.title("attention weights P\n(black: masked, never computed)", fontsize=10)
+plt.colorbar(fraction=0.046, label="weight (each row sums to 1)")
 plt.show()
 
 # %% [markdown]
@@ -252,11 +258,12 @@ for keys in (second, first):
     partial.append(rows_from_heads(finish_forward(acc)[1])[0, 0])
 
 plt.figure(figsize=(6, 3))
-plt.plot(pos, lse[0, 0], "k-", lw=3, alpha=0.3, label="dense lse")
-plt.plot(pos, np.where(np.isneginf(partial[0]), np.nan, partial[0]), "o", label="after keys 8..15")
-plt.plot(pos, partial[1], "x", label="after keys 0..7 as well")
+plt.plot(pos, lse[0, 0], "k-", lw=3, alpha=0.3, label="dense attention, all keys at once")
+plt.plot(pos, np.where(np.isneginf(partial[0]), np.nan, partial[0]), "o", label="after the block of keys 8..15")
+plt.plot(pos, partial[1], "x", label="after the block of keys 0..7 as well")
 plt.xlabel("query position")
-plt.ylabel("lse")
+plt.ylabel("lse (log of the softmax sum)")
+plt.title("Each query's lse, block by block (queries 0..7 see no key of 8..15)", fontsize=9)
 plt.legend()
 plt.show()
 

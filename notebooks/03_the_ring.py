@@ -224,7 +224,8 @@ for layout, tr in traces.items():
 # %%
 fig, axes = plt.subplots(2, len(LAYOUTS), figsize=(10, 6.5), sharey=True, layout="constrained")
 for col, (layout, tr) in enumerate(traces.items()):
-    for row, (field, vmax) in enumerate([("pairs", c * c), ("tiles_computed", (c // T) ** 2)]):
+    for row, (field, vmax, words) in enumerate([("pairs", c * c, f"visible pairs (of {c * c})"),
+                                                ("tiles_computed", (c // T) ** 2, f"tiles computed (of {(c // T) ** 2})")]):
         work = getattr(tr, field)                               # (t, j)
         ax = axes[row, col]
         im = ax.imshow(work, cmap="magma", vmin=0, vmax=vmax)
@@ -232,7 +233,7 @@ for col, (layout, tr) in enumerate(traces.items()):
             for j in range(N):
                 ax.text(j, t, work[t, j], ha="center", va="center",
                         color="white" if work[t, j] < vmax / 2 else "black")
-        ax.set_title(f"{layout}: {field}", fontsize=9)
+        ax.set_title(f"{layout}: {words}", fontsize=9)
         ax.set_xlabel("device j")
         ax.set_xticks(range(N)), ax.set_yticks(range(N))     # rounds and devices are integers
     axes[0, col].set_ylabel("round t")

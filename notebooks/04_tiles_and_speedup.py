@@ -128,9 +128,13 @@ for n, color in zip(NS, ["#4c72b0", "#dd8452", "#55a868"]):
     ax.plot(ms, by_tiles[n], "o-", color=color, label=f"N={n} striped, tiles")
     ax.plot(ms_even, zigzag[n], "x:", color=color, label=f"N={n} zigzag, tiles")
     ax.axhline(cost.striped_limit(n), color=color, ls="--", lw=0.8)
+ax.plot([], [], "k--", lw=0.8, label="ceiling (2N - 1) / N")
 ax.set_xscale("log", base=2)
+ax.set_xticks(ms, ms)
+ax.minorticks_off()
 ax.set_xlabel("tiles per block side  m = c / tile")
-ax.set_ylabel("predicted speedup over contiguous")
+ax.set_ylabel("predicted speed-up over contiguous")
+ax.set_title("Whole tiles skipped: the speed-up grows with the tiles per block", fontsize=10)
 ax.legend(fontsize=7, ncol=3)
 plt.show()
 
@@ -169,8 +173,9 @@ for n in NS:                                                       # zigzag: at 
 # The curves above use blocks of 8 to 256 tokens. Real blocks are thousands of tokens
 # (the paper's smallest is 4096 per device). Below, tiles of 128 and blocks of 512 to
 # 16384 tokens: the cost model, counted from positions, against the closed forms, exactly.
-# The cost model is `reference.cost.predict`, which classifies every tile of every
-# (round, device) block with `reference.tiles.classify`:
+# The cost model classifies every tile of every (round, device) block with
+# `reference.tiles.classify` and counts them: `reference.cost.predict` deals the positions of
+# a layout and hands them to `reference.cost.predict_positions`, which does the counting:
 
 # %%
 import inspect
@@ -178,7 +183,7 @@ import inspect
 from reference import tiles
 
 print(inspect.getsource(tiles.classify))
-print(inspect.getsource(cost.predict))
+print(inspect.getsource(cost.predict_positions))
 
 # %%
 T_REAL = 128
@@ -200,11 +205,13 @@ for ax, n in zip(axes, (4, 8)):
     for (layout, mode), style in {("striped", "tiles"): "o-", ("zigzag", "tiles"): "x:",
                                   ("striped", "pairs"): "s-", ("zigzag", "pairs"): "+--"}.items():
         ax.plot(cs, curves[n, layout, mode], style, label=f"{layout}, {'tiles of 128' if mode == 'tiles' else 'exact skipping'}")
-    ax.axhline(cost.striped_limit(n), color="k", ls="--", lw=0.8, label="(2N-1)/N")
+    ax.axhline(cost.striped_limit(n), color="k", ls="--", lw=0.8, label="ceiling (2N - 1) / N")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, cs)
+    ax.minorticks_off()
     ax.set_xlabel("tokens per device c")
-    ax.set_title(f"N = {n}", fontsize=9)
-axes[0].set_ylabel("predicted speedup over contiguous")
+    ax.set_title(f"N = {n} devices", fontsize=9)
+axes[0].set_ylabel("predicted speed-up over contiguous")
 axes[0].legend(fontsize=8)
 plt.show()
 
@@ -284,7 +291,8 @@ for layout, style in [("contiguous", "o-"), ("striped", "s-"), ("zigzag", "x:")]
     ax.plot(cs_comm, compute_ms[layout], style, ms=3, label=f"compute, busiest device: {layout}")
 ax.plot(cs_comm, transfer_ms, "k--", label="transfer of one K, V block (every layout)")
 ax.set_xlabel("tokens per device c")
-ax.set_ylabel("ms per round (t >= 1)")
+ax.set_ylabel("ms per round (rounds t >= 1)")
+ax.set_title("A round hides its transfer above the dashed line (assumed: 150 TFLOP/s, 25 GB/s, bf16)", fontsize=9)
 ax.legend(fontsize=8)
 plt.show()
 print(f"r = {r:.0f} tokens; transfer hidden from c = {hidden_from}")
@@ -314,9 +322,21 @@ for name, tile, saved in [("TPU", (2048, 2048), 0.25), ("A100", (2048, 4096), 0.
 #
 # The paper bounds the end-to-end training speed-up by counting FLOPs on the critical path,
 # attention and the rest of the model (projections, MLP, LM head), assuming perfect
-# overlap and element-exact skipping. `reference.tms` derives the formula (its docstring
-# lists where each constant comes from) and recomputes every TMS the paper prints
-# (Tables 3, 4, 5 and Appendix A), typed in `reference/data/paper_tms.csv`.
+# overlap and element-exact skipping. Per device and layer, with `d` the model width, `f`
+# the MLP width, `V` the vocabulary, `L` the layers and `h` the cost of an attention FLOP
+# against a linear-layer FLOP (2 on the paper's A100s, where attention ran in TF32 and the
+# rest in bfloat16; 1 on TPUs):
+#
+# $$F_\text{lin} = c\,(8d^2 + 4df + 2dV/L), \qquad
+# \text{TMS} = \frac{F_\text{lin} + 4dh\,P_\text{ring}}{F_\text{lin} + 4dh\,P_\text{striped}},$$
+#
+# $$P_\text{ring} = \frac{c(c+1)}{2} + (N-1)\,c^2, \qquad P_\text{striped} = N\,\frac{c(c+1)}{2},$$
+#
+# the `P` being the critical path in visible (query, key) pairs: round 0's causal block,
+# then a full block in every round for Ring Attention, a triangle with its diagonal in
+# every round for striped. `reference.tms` implements it (its docstring says where each
+# constant comes from) and recomputes every TMS the paper prints (Tables 3, 4, 5 and
+# Appendix A), typed in `reference/data/paper_tms.csv`.
 #
 # Its attention term is the critical path in visible pairs, the same count the cost model
 # makes from positions:
@@ -326,23 +346,25 @@ for n, cc in [(2, 16), (4, 32), (8, 24)]:
     ring_pairs, striped_pairs = critical_path_pairs(n, cc)
     assert ring_pairs == cost.predict(n * cc, n, "contiguous").critical_path("pairs")
     assert striped_pairs == cost.predict(n * cc, n, "striped").critical_path("pairs")
+    assert (ring_pairs, striped_pairs) == (cc * (cc + 1) // 2 + (n - 1) * cc * cc, n * cc * (cc + 1) // 2)
 
 # %%
 rows = paper_rows()
 diff = np.array([r["tms_recomputed"] - r["tms"] for r in rows])
 print(f"{len(rows)} rows; largest |recomputed - paper| = {np.abs(diff).max():.4f}\n")
-print(f"{'table':>5} {'hw':>5} {'model':>5} {'mesh':>5} {'n_seq':>7} {'paper':>6} {'ours':>6} {'measured':>9}")
+print("TMS as the paper prints it and as recomputed; the speed-up the paper measured on its hardware")
+print(f"{'table':>5} {'hw':>5} {'model':>5} {'mesh':>5} {'n_seq':>7} {'TMS paper':>9} {'ours':>6} {'paper measured':>14}")
 for r in rows:
     if r["table"] == "3":
         print(f"{r['table']:>5} {r['hardware']:>5} {r['model']:>5} {r['model_parallel']}x{r['seq_parallel']:<3} "
-              f"{r['n_seq']:>7} {r['tms']:>6.2f} {r['tms_recomputed']:>6.3f} {r['speedup']:>9.2f}")
+              f"{r['n_seq']:>7} {r['tms']:>9.2f} {r['tms_recomputed']:>6.3f} {r['speedup']:>14.2f}")
 
 assert np.abs(diff).max() < 0.01
 
 # %% [markdown]
 # Left: every recomputed TMS against the paper's. Right: for Table 3 (A100, mesh 2 x 4),
-# the TMS and the paper's measured speed-up against sequence length: the bound rises with
-# the block size, and the measurements follow below it.
+# the TMS and the speed-up the paper measured against sequence length: the bound rises with
+# the block size, and the paper's measurements follow below it.
 
 # %%
 fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 4))
@@ -358,15 +380,16 @@ for model in ("1B", "3B", "7B"):
     sel = [r for r in rows if r["table"] == "3" and r["model"] == model]
     n_seq = [r["n_seq"] for r in sel]
     line, = ax1.plot(n_seq, [r["tms_recomputed"] for r in sel], "-", label=f"{model} TMS")
-    ax1.plot(n_seq, [r["speedup"] for r in sel], "o--", color=line.get_color(), label=f"{model} measured")
+    ax1.plot(n_seq, [r["speedup"] for r in sel], "o--", color=line.get_color(), label=f"{model} measured by the paper")
 ax1.set_xscale("log", base=2)
-ax1.set_xlabel("sequence length")
-ax1.set_ylabel("speedup over Ring Attention")
+ax1.set_xlabel("sequence length (tokens)")
+ax1.set_ylabel("speed-up over Ring Attention")
+ax1.set_title("paper Table 3: A100, mesh 2 x 4 (TMS: solid)", fontsize=9)
 ax1.legend(fontsize=7)
 plt.show()
 
 table3 = [r for r in rows if r["table"] == "3"]
-assert all(r["speedup"] < r["tms"] for r in table3)      # the bound holds for every measurement
+assert all(r["speedup"] < r["tms"] for r in table3)      # the bound holds for every one of the paper's measurements
 
 # %% [markdown]
 # ## Sliding windows: when contiguous wins
@@ -376,8 +399,9 @@ assert all(r["speedup"] < r["tms"] for r in table3)      # the bound holds for e
 # from positions, as always. Under **contiguous**, a block far behind the queries lies wholly
 # outside every window, so in most rounds a device computes nothing (the block still
 # travels). Under **striped**, every block holds keys next to every query, so no round is
-# empty, and each tile spans `N` times as many positions as it has rows: with `W` small
-# against `tile * N`, most tiles are partly visible and all of them are computed.
+# empty; and each tile spans `N` times as many positions as it has rows (`tile * N = 512`
+# here), more than the window: the tiles near the block's diagonal are all partly visible,
+# computed with a mask, and the others skipped, in every round.
 #
 # `S = 4096`, `N = 4`, tiles of `128 x 128`, `W = 256`: the tiles of device 1 in each round.
 
@@ -390,18 +414,25 @@ for row, layout in enumerate(("contiguous", "striped")):
     for t in range(N_W):
         kinds = classify(pos_w[1], pos_w[(1 - t) % N_W], TILE_W, window_mask)
         axes[row, t].imshow(kinds, cmap=KIND_CMAP, vmin=0, vmax=2)
-        axes[row, t].set_title(f"{layout}, round {t}: {int((kinds != SKIP).sum())} tiles", fontsize=8)
+        axes[row, t].set_title(f"{layout}, round {t}:\n{int((kinds != SKIP).sum())} of {kinds.size} tiles computed",
+                               fontsize=8)
         axes[row, t].set_xticks([])
         axes[row, t].set_yticks([])
-plt.suptitle(f"window W = {W}: black skip, green full, orange masked")
+        axes[row, t].set_xlabel("key tiles", fontsize=8)
+    axes[row, 0].set_ylabel("query tiles of device 1", fontsize=8)
+plt.suptitle(f"window W = {W}: black skipped, green full (no mask), orange partly visible (masked)", fontsize=10)
 plt.show()
 
 win = {layout: cost.predict(S_W, N_W, layout, TILE_W, window=W) for layout in ("contiguous", "striped")}
 print("tiles computed per round (rows) and device (columns)")
 for layout, p in win.items():
     print(layout, p.tiles_computed.tolist())
+kinds_striped = classify(positions(S_W, N_W, "striped")[1], positions(S_W, N_W, "striped")[0], TILE_W, window_mask)
+print("striped, device 1, round 1:", {KIND_NAMES[kd]: int((kinds_striped == kd).sum()) for kd in KIND_NAMES})
 assert (win["contiguous"].tiles_computed[2:] == 0).all()        # rounds 2 and 3: nothing visible
-assert (win["striped"].tiles_computed > 0).all()                # striped: every round, every device
+assert (win["contiguous"].tiles_computed[:2].max(axis=1) == [21, 3]).all()
+assert (win["striped"].tiles_computed == 15).all()              # striped: 15 of 64, every round, every device
+assert (kinds_striped == FULL).sum() == 0 and (kinds_striped == MASKED).sum() == 15   # all partly visible
 
 # %% [markdown]
 # Which layout wins depends on `W` against the block `c = S / N` and the tile: the cost
@@ -416,14 +447,14 @@ ws = [64, 128, 256, 512, 1024, 2048, 4096]
 by_tiles = [cost.speedup(S_W, N_W, "striped", TILE_W, window=w) for w in ws]
 by_pairs = [cost.speedup(S_W, N_W, "striped", TILE_W, "pairs", window=w) for w in ws]
 plt.figure(figsize=(6, 3.5))
-plt.plot(ws, by_tiles, "o-", label="tiles")
-plt.plot(ws, by_pairs, "s--", label="pairs")
+plt.plot(ws, by_tiles, "o-", label=f"a kernel skipping whole tiles of {TILE_W}")
+plt.plot(ws, by_pairs, "s--", label="a kernel skipping single pairs (exact)")
 plt.axhline(1, color="k", lw=0.5)
 plt.xscale("log", base=2)
 plt.xlabel("window W (tokens)")
-plt.ylabel("striped speed-up over contiguous")
-plt.title(f"S = {S_W}, N = {N_W}, tiles {TILE_W}")
-plt.legend()
+plt.ylabel("predicted striped speed-up\nover contiguous")
+plt.title(f"Sliding window: S = {S_W}, N = {N_W}; below 1, contiguous is faster", fontsize=9)
+plt.legend(fontsize=8)
 plt.show()
 assert by_tiles[0] < 1 < by_tiles[-1]                            # contiguous wins short windows
 assert by_tiles[-1] == cost.speedup(S_W, N_W, "striped", TILE_W)  # W = S: plain causal attention

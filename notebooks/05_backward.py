@@ -37,7 +37,9 @@
 # gradients against the dense formula and against central finite differences.
 
 # %%
+import ast
 import inspect
+import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -104,6 +106,47 @@ print(inspect.getsource(step.backward_tile))
 print(inspect.getsource(ring.ring_backward))
 
 # %% [markdown]
+# ## What a tile of the backward costs
+#
+# The forward's tile makes two matrix products, `S = Q K^T` and `P V`. The backward's makes
+# five: `S = Q K^T` again (it recomputes `P` instead of keeping it), `dV += P^T dO`,
+# `dP = dO V^T`, `dQ += dS K` and `dK += dS^T Q`. Each costs `2 D` FLOPs per (query, key)
+# pair and head, so a visible pair costs `4 D` FLOPs forward and `10 D` backward, 2.5
+# times as much. Counted in the code itself (`@`, and `masked_product`, a product that
+# leaves out masked rows):
+
+# %%
+def products(fn):
+    """Matrix products written in the source of `fn`: `a @ b` and `masked_product(...)`."""
+    tree = ast.parse(inspect.getsource(fn))
+    return sum(isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)
+               or isinstance(node, ast.Call) and getattr(node.func, "id", "") == "masked_product"
+               for node in ast.walk(tree))
+
+
+print("products per tile: forward", products(step.forward_tile), " backward", products(step.backward_tile))
+assert (products(step.forward_tile), products(step.backward_tile)) == (2, 5)
+
+# %% [markdown]
+# Timed on this machine, forward and backward of the same ring (wall time, best of three;
+# the machine may be shared, so this ratio moves from run to run and is only printed):
+
+# %%
+S_T = 1024
+x = [rng.standard_normal((1, S_T, 2, 64)).astype(np.float32) for _ in range(4)]       # q, k, v, dO
+seconds = {"forward": [], "backward": []}
+for _ in range(3):
+    start = time.perf_counter()
+    o_t, l_t = ring_attention(*x[:3], n_devices=2, layout="striped", tile_size=256, step="v1")
+    seconds["forward"].append(time.perf_counter() - start)
+    start = time.perf_counter()
+    ring_attention_backward(*x[:3], o_t, l_t, x[3], n_devices=2, layout="striped", tile_size=256, step="v1")
+    seconds["backward"].append(time.perf_counter() - start)
+print(f"S = {S_T}, 2 devices, step v1: forward {min(seconds['forward']) * 1e3:.0f} ms, "
+      f"backward {min(seconds['backward']) * 1e3:.0f} ms: "
+      f"x{min(seconds['backward']) / min(seconds['forward']):.1f} (FLOPs: x2.5)")
+
+# %% [markdown]
 # ## What travels
 #
 # Run forward and backward on the ring with traces. The trace's `bytes_sent[t, j]` is what
@@ -115,7 +158,8 @@ print(inspect.getsource(ring.ring_backward))
 #   far for the block just processed; the last round's send is the hop home.
 #
 # The counts below are exactly those: nothing is left over for `Q` or `dQ`, which never
-# leave home.
+# leave home. So each round of the backward sends nearly twice the forward's bytes: a
+# gradient block as large as the `K, V` block rides beside it.
 
 # %%
 out, lse, fwd = ring_attention(q, k, v, n_devices=N, layout="striped", tile_size=T, trace=True)
@@ -132,6 +176,9 @@ print("backward bytes per (round, device):\n", bwd.bytes_sent)
 assert (fwd.bytes_sent[:N - 1] == block_msg).all() and (fwd.bytes_sent[N - 1] == 0).all()
 assert (bwd.bytes_sent[:N - 1] == block_msg + grad_msg).all()
 assert (bwd.bytes_sent[N - 1] == grad_msg).all()                  # the hop home
+print(f"backward over forward, bytes per round: {bwd.bytes_sent[0, 0] / fwd.bytes_sent[0, 0]:.2f}"
+      " (positions and the owner's id ride with K, V only)")
+assert 1.8 < bwd.bytes_sent[0, 0] / fwd.bytes_sent[0, 0] < 2
 
 # %%
 rounds = np.arange(N)
@@ -145,6 +192,7 @@ ax.bar(rounds + 0.2, per_round_bwd - np.where(rounds < N - 1, block_msg, 0), wid
 ax.set_xticks(rounds)
 ax.set_xlabel("round")
 ax.set_ylabel("bytes sent per device")
+ax.set_title("What each device sends, per round (float64, c = 4 tokens)", fontsize=9)
 ax.set_ylim(0, 1.45 * per_round_bwd.max())
 ax.legend(fontsize=8)
 plt.show()
@@ -195,9 +243,11 @@ assert np.allclose(unshard(dk_w, "striped"), dk, rtol=0, atol=1e-14)   # the sam
 # Device `j` adds the share of its own queries only. So, independently of the ring, the
 # `dK` of block 0 after round `t` is the dense gradient with `dO` kept on the queries of
 # devices `0 .. t` and zeroed elsewhere (each query row's contribution is separate). The
-# picture: per key of block 0 (positions `0, 4, 8, 12`), the size of its `dK` as it travels.
-# Key 12 is seen by queries 12 to 15, one on each device, so it changes in every round;
-# key 0 is seen by every query.
+# picture: per key of block 0 (positions `0, 4, 8, 12`), what each device adds to its `dK`,
+# each bar starting where the previous device's ended, up to the finished `dK` that goes
+# home. Every device adds something to every key here: key 12 is seen by queries 12 to 15,
+# one on each device, and key 0 by every query. (An addition can be negative: gradients
+# from different queries can pull a key in opposite directions.)
 
 # %%
 held = [sent_dk[t, t] for t in range(N)]                      # block 0 is on device t in round t
@@ -208,16 +258,35 @@ for t in range(N):
     assert np.allclose(held[t], partial[0, pos[0], 0, :], rtol=0, atol=1e-14)
 assert np.allclose(held[N - 1], dk[0, pos[0], 0, :], rtol=0, atol=1e-14)   # complete when it comes home
 
-norms = np.array([np.linalg.norm(h, axis=-1) for h in held])  # (round, key of block 0)
-fig, ax = plt.subplots(figsize=(6.5, 3.2))
-im = ax.imshow(norms, cmap="viridis")
-for (t, i), x in np.ndenumerate(norms):
-    ax.text(i, t, f"{x:.2f}", ha="center", va="center", color="white" if x < norms.max() / 2 else "black")
+# What each device added: the difference between what it sent and what it received.
+# Each key's dK is a vector of D = 4 numbers; to draw it as one number per key, each
+# addition is measured along the direction of the finished dK, so that the additions
+# of the four devices add up to its length.
+added = np.diff(np.concatenate([np.zeros((1, c, D)), held]), axis=0)     # (round, key, D)
+final = held[N - 1]                                                      # (key, D): dK come home
+along = np.einsum("tid,id->ti", added, final / np.linalg.norm(final, axis=-1, keepdims=True))   # (round, key)
+assert np.allclose(along.sum(axis=0), np.linalg.norm(final, axis=-1), rtol=0, atol=1e-12)
+
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]             # one colour per device
+fig, ax = plt.subplots(figsize=(7, 3.6))
+width = 0.18
+for i in range(c):                                                 # one group of bars per key
+    level = 0.0
+    for t in range(N):                                             # each round starts where the last ended
+        x = i + (t - (N - 1) / 2) * width
+        ax.bar(x, along[t, i], width=width * 0.9, bottom=level, color=COLORS[t],
+               label=f"added by device {t} in round {t}" if i == 0 else None)
+        if t < N - 1:
+            ax.plot([x, x + width], [level + along[t, i]] * 2, color="0.4", lw=0.8)   # carried to the next device
+        level += along[t, i]
+    ax.plot([i - 2.2 * width, i + 2.2 * width], [level] * 2, "k-", lw=2,
+            label="complete: sent home to device 0" if i == 0 else None)
+ax.axhline(0, color="k", lw=0.5)
 ax.set_xticks(range(c), [f"key {p}" for p in pos[0]])
-ax.set_yticks(range(N), [f"after round {t}, on dev{t}" + (" -> home to dev0" if t == N - 1 else " -> dev" + str(t + 1))
-                         for t in range(N)])
-ax.set_title("|dK| of block 0 (keys 0, 4, 8, 12), accumulated as it travels", fontsize=9)
-fig.colorbar(im, ax=ax, shrink=0.8)
+ax.set_ylabel("dK along its final direction")
+ax.set_title("Block 0's dK, accumulated as it travels: each device adds its queries' share", fontsize=9)
+handles, labels = ax.get_legend_handles_labels()               # the devices first, then the total
+ax.legend(handles[1:] + handles[:1], labels[1:] + labels[:1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
 plt.show()
 
 # %% [markdown]
@@ -292,14 +361,15 @@ for name, fd, g in zip(("dq", "dk", "dv"), numeric, ring_grads):
 # Every analytic gradient against its finite difference: all on the diagonal.
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
-for ax, name, fd, g in zip(axes, ("dq", "dk", "dv"), numeric, ring_grads):
-    ax.plot(fd.ravel(), g.ravel(), ".", alpha=0.7)
+fig, axes = plt.subplots(1, 3, figsize=(10, 3.4), layout="constrained")
+for ax, name, fd, g in zip(axes, ("dQ", "dK", "dV"), numeric, ring_grads):
+    ax.plot(fd.ravel(), g.ravel(), ".", alpha=0.7, label="one entry")
     lim = np.abs(fd).max() * 1.1
-    ax.plot([-lim, lim], [-lim, lim], "k-", lw=0.5)
-    ax.set_title(name)
-    ax.set_xlabel("central difference")
-axes[0].set_ylabel("ring backward")
+    ax.plot([-lim, lim], [-lim, lim], "k-", lw=0.5, label="equal")
+    ax.set_title(f"{name}: {fd.size} entries", fontsize=10)
+    ax.set_xlabel("finite difference of the loss")
+axes[0].set_ylabel("ring backward (the formulas)")
+axes[0].legend(fontsize=8)
 plt.show()
 
 # %% [markdown]

@@ -57,7 +57,6 @@ PROJECT = Path(reference.__file__).resolve().parents[1]       # the ranks import
 ENV = dict(os.environ, MPIEXEC_TIMEOUT="120",                 # seconds, then mpiexec kills the job
            OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",     # one BLAS thread per rank
            PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])))
-print("mpiexec:", MPIEXEC, " outputs in:", OUT)
 assert MPIEXEC.exists(), "install the MPI extra: pip install -e '.[mpi]'"
 
 

@@ -15,27 +15,47 @@
 # # 7. The whole model
 #
 # The paper's claim is about *training*: its tables are end-to-end training-step speed-ups of
-# a causal transformer. Its recipe (section 3) for using striped attention in a model is short:
+# a causal transformer. Its recipe for using striped attention in a model (section 2.3,
+# "Striped Attention") is three sentences: permute the input tokens before the first
+# embedding layer, permute the position ids with them (for rotary embeddings), and, in
+# training, permute the target token ids the same way. This project spells it out in four
+# steps, the second and the fourth its own reading of what the paper leaves implicit:
 #
-# 1. **permute the tokens once**, at the input, into the layout's shards;
+# 1. **permute the tokens once**, at the input, into the layout's shards (the paper);
 # 2. **shift the labels first**, in natural order, then shard them the same way, so a token
-#    and the token it must predict stay on the same device;
-# 3. **positions travel with the tokens**: rotary embeddings use each token's *global* position;
-# 4. **every layer but attention is local** (embedding, norms, projections, MLP, LM head, loss
-#    work token by token), and attention goes through the ring.
+#    and the token it must predict stay on the same device (the paper says to permute the
+#    targets; shifting before sharding is how to do it without a mistake, shown below);
+# 3. **positions travel with the tokens**: rotary embeddings use each token's *global*
+#    position (the paper: the position ids are permuted too);
+# 4. **every layer but attention is local** (embedding, norms, projections, MLP, LM head,
+#    loss work token by token), and attention goes through the ring. This is why the
+#    recipe is enough: the paper's Figure 1 notes that the tokens stay in the same layout
+#    through the forward and backward passes, with no per-layer communication to arrange them.
 #
-# Nothing is ever permuted back. This notebook builds a small decoder-only transformer
-# (`model/`, NumPy, hand-written backward) that way, checks it against the same model on one
-# process with dense attention, shows what goes wrong with local positions, trains it, and
-# reads the measured speed-up table.
+# So on MPI ranks a rank holds its shard from the input to the loss, and nothing is permuted
+# back. (In one process, as in most of this notebook, `VirtualRing` does permute: it hands
+# `reference.ring_attention`, which takes natural order, the shards put back in order, and
+# cuts the result again; see below.)
+#
+# This notebook builds a small decoder-only transformer (`model/`, NumPy, hand-written
+# backward) that way, checks it against the same model on one process with dense attention,
+# shows what goes wrong with local positions, trains it on real MPI processes and in this
+# process, shows the trained model doing its task on inputs it never saw, and measures the
+# training step's speed-up on MPI ranks against the paper's bound.
 
 # %%
 import inspect
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 
 import reference
 from model import attention, layers, recipe, speedup, train, transformer
@@ -100,12 +120,22 @@ show(transformer.attention_block_forward)
 
 # %% [markdown]
 # `attn` is one of three backends with the same two calls. On MPI ranks it is
-# `mpi_impl.ring_attention` on this rank's shard. Here, in one process, the N virtual
-# devices' shards sit side by side (a token-local layer on the concatenation is that layer on
-# each shard), and only at attention are they handed to `reference.ring_attention`:
+# `mpi_impl.ring_attention` on this rank's shard, as it is:
+
+# %%
+show(attention.MPIRing.forward)
+
+# %% [markdown]
+# Here, in one process, the N virtual devices' shards sit side by side (a token-local layer
+# on the concatenation is that layer on each shard), and only at attention are they handed
+# to `reference.ring_attention`. That function takes and returns natural order (it shards
+# and unshards itself), so `VirtualRing` puts the tokens back in order for the call and cuts
+# the result again: a permutation back and forth per call, which exists only because the N
+# devices share one process.
 
 # %%
 show(attention.VirtualRing.forward)
+show(attention.VirtualRing._natural)
 
 # %% [markdown]
 # ## The model on the ring equals the model on one process
@@ -176,14 +206,14 @@ for name, p in after.items():
 # ignored (nothing can predict them). To predict a token the model must attend `period`
 # positions back, so the loss stays near `log V` until attention has learned the offset, then
 # falls. (`make train` runs the same on MPI ranks with a longer sequence and writes
-# `train_loss.png`.) Here a smaller model on 2 virtual devices: striped for 120 steps, and
-# zigzag and contiguous for the first 30, which coincide with striped's:
+# `train_loss.png`.) Here a smaller model, one layer, on 2 virtual devices: striped for 150
+# steps, and zigzag and contiguous for the first 30, which coincide with striped's:
 
 # %%
-small = transformer.Config(vocab=8, d_model=32, n_head=2, n_layer=2, d_ff=64)
-task = dict(batch=8, seq_len=32, period=8, lr=1e-2)
-curves = {"striped": train.train(train.virtual(small, 2, "striped", ignore_first=7),
-                                 transformer.init_params(small, seed=0), steps=120, **task)[0]}
+small = transformer.Config(vocab=8, d_model=32, n_head=2, n_layer=1, d_ff=64)
+task = dict(batch=16, seq_len=32, period=8, lr=3e-2)
+trained = transformer.init_params(small, seed=0)                 # float64; trained in place
+curves = {"striped": train.train(train.virtual(small, 2, "striped", ignore_first=7), trained, steps=150, **task)[0]}
 for layout in ("zigzag", "contiguous"):          # the first 30 steps, from the same start
     curves[layout] = train.train(train.virtual(small, 2, layout, ignore_first=7),
                                  transformer.init_params(small, seed=0), steps=30, **task)[0]
@@ -191,38 +221,156 @@ for layout in ("zigzag", "contiguous"):          # the first 30 steps, from the 
     print(f"{layout:<10} first 30 steps, largest difference from striped: {difference:.1e}")
     assert difference < 1e-8
 print(f"striped: loss {curves['striped'][0]:.3f} -> {curves['striped'][-1]:.3f}   (log V = {np.log(8):.3f})")
-assert curves["striped"][-10:].mean() < 0.6 * np.log(8)
+assert curves["striped"][-10:].mean() < 0.1 * np.log(8)
 
 fig, ax = plt.subplots(figsize=(6, 3.4))
 for (layout, c), style in zip(curves.items(), ("-", "--", ":")):
-    ax.plot(np.arange(1, len(c) + 1), c, style, lw=2, label=f"{layout}, N=2")
-ax.axhline(np.log(8), color="k", lw=0.8, ls="-.", label="log V (guessing)")
+    ax.plot(np.arange(1, len(c) + 1), c, style, lw=2, label=f"{layout}, N=2 virtual devices")
+ax.axhline(np.log(8), color="k", lw=0.8, ls="-.", label="log V (guessing among 8 tokens)")
 ax.set(xlabel="Adam step", ylabel="cross-entropy (nats)", title="Copy task: the layouts' curves coincide")
-ax.legend()
+ax.legend(fontsize=8, loc="center right")
 plt.show()
+
+# %% [markdown]
+# ## The trained model on inputs it never saw
+#
+# New sequences, drawn from another seed. `transformer.next_tokens` runs the model forward
+# (through the striped ring of 2 virtual devices, from the shards and their positions) and
+# takes the most likely next token at every position. Positions 0 to 6 cannot be predicted
+# (the first copy of the block is new); from position 7 on, each next token is a copy of the
+# token `period = 8` positions before it.
+
+# %%
+fresh = train.copy_task(np.random.default_rng(2024), 16, task["seq_len"], small.vocab, task["period"])   # (16, S + 1)
+here = recipe.side_by_side(recipe.shift_then_shard(fresh, 2, "striped"))     # the 2 shards, side by side
+guess = transformer.next_tokens(trained, small, here.x, here.pos, attention.VirtualRing(2, "striped"))
+natural = np.argsort(here.pos)                                   # back to natural order, to print
+guess, truth = guess[:, natural], fresh[:, 1:]                   # (16, S): the guess and the true next token
+scored = np.arange(task["seq_len"]) >= task["period"] - 1        # positions a copy can predict
+
+accuracy = (guess == truth)[:, scored].mean()
+print(f"{'input tokens':>16}: {' '.join(map(str, fresh[0, :-1]))}")
+print(f"{'true next token':>16}: {' '.join(map(str, truth[0]))}")
+print(f"{'the guess':>16}: {' '.join(map(str, guess[0]))}")
+print(f"16 fresh sequences: {accuracy:.1%} of the {scored.sum() * 16} predictable next tokens right")
+assert accuracy > 0.95
+
+mistakes = ((guess != truth) & scored).sum(axis=1)                 # (16,)
+shown = np.argsort(-mistakes, kind="stable")[:8]                    # those with mistakes first
+verdict = np.where(~scored, 0, np.where(guess == truth, 1, 2))[shown]      # (8, S): 0 unscored, 1 right, 2 wrong
+fig, ax = plt.subplots(figsize=(10, 3.2))
+ax.imshow(verdict, cmap=ListedColormap(["0.85", "#9fd3a0", "#e8837c"]), vmin=0, vmax=2, aspect="auto")
+for (row, p), g in np.ndenumerate(guess[shown]):
+    ax.text(p, row, str(g), ha="center", va="center", fontsize=8)
+ax.set_xticks(range(0, task["seq_len"], 4))
+ax.set_yticks(range(len(shown)), [f"sequence {b}" for b in shown])
+ax.set_xlabel("position p (the cell shows the model's guess for the token at p + 1)")
+ax.set_title("The trained model's next-token guesses: 8 of the 16 fresh sequences, those with mistakes first",
+             fontsize=10)
+ax.legend(handles=[Patch(color="0.85", label="nothing to copy yet (not scored)"), Patch(color="#9fd3a0", label="right"),
+                   Patch(color="#e8837c", label="wrong")], loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## The same training on real MPI processes
+#
+# `python -m model` trains the same way on MPI ranks: each rank holds its shard of every
+# batch, `mpi_impl.ring_attention` is its attention, and an allreduce sums the gradients
+# (`train.mpi`). Launched from this cell on 2 ranks, every layout for 20 steps, in float64
+# with the options of the run above, its loss curves must be the virtual ring's, to rounding:
+
+# %%
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+PROJECT = Path(reference.__file__).resolve().parents[1]             # the ranks import this checkout
+ENV = dict(os.environ, MPIEXEC_TIMEOUT="120", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
+           PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])))
+_workdir = tempfile.TemporaryDirectory(prefix="model_")             # removed when the kernel stops
+OUT = Path(_workdir.name)
+options = ["--layout", "all", "--steps", "20", "--seq-len", "32", "--period", "8", "--batch", "16", "--vocab", "8",
+           "--d-model", "32", "--heads", "2", "--layers", "1", "--d-ff", "64", "--lr", "0.03", "--dtype", "float64",
+           "--plot", "", "--out", "losses.npz"]
+print("$ mpiexec -n 2 python -m mpi4py -m model", " ".join(o or "''" for o in options))
+result = subprocess.run([str(MPIEXEC), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "model", *options],
+                        capture_output=True, text=True, env=ENV, cwd=OUT, timeout=300)
+print(result.stdout)
+assert result.returncode == 0, result.stderr
+
+on_mpi = np.load(OUT / "losses.npz")
+for layout in LAYOUTS:
+    difference = np.abs(on_mpi[layout] - curves[layout][:20]).max()
+    print(f"{layout:<10} 2 MPI ranks against 2 virtual devices, largest loss difference over 20 steps: {difference:.1e}")
+    assert difference < 1e-10
 
 # %% [markdown]
 # ## The end-to-end speed-up, measured
 #
-# `bench/model_step.py` times one training step of a larger model (d = 128, heads of 64) on 2
-# MPI ranks for each layout, and sets the speed-up over contiguous beside the paper's TMS
-# instantiated for this model (its linear FLOPs; `h`, the cost of an attention FLOP against a
-# linear FLOP, measured in the same run) and beside a tile-aware TMS, where the ring's critical
-# path is counted in the area of the tiles computed instead of visible pairs:
+# Now a larger model (d = 128, two heads of 64, two layers) whose attention is a fair share
+# of the step, timed on 2 MPI ranks. `bench/model_step.py` (in the checkout, beside the
+# package) runs one launch: for each sequence length and layout, 6 Adam steps, the first not
+# timed, the layouts taking turns step by step. It sets the speed-up over contiguous beside
+# the paper's Theoretical Maximum Speedup (TMS, notebook 4) instantiated for this model, and
+# beside a tile-aware TMS, where the ring's critical path is counted in the area of the
+# tiles computed instead of visible pairs:
 
 # %%
 show(speedup.tms)
 
+# %%
+sys.path.insert(0, str(PROJECT))                                    # bench/ is not part of the installed package
+from bench import model_step
+
+SEQS = (1024, 2048)
+records = model_step.launch(SEQS, progress=lambda line: print("$", line))
+rows = model_step.rows(model_step.summarize(records), SEQS)
+display(Markdown(model_step.measured_markdown(rows)))
+
 # %% [markdown]
-# The table, as `python -m bench.run --only model` wrote it into `BENCHMARKS.md`:
+# The columns, one row per sequence length `S` and layout:
+#
+# | column | what it is |
+# | --- | --- |
+# | S, c | tokens in the sequence, and per rank (`c = S / 2`) |
+# | step ms | CPU time of the busiest rank for one training step (forward, backward through the ring, allreduce of the gradients, Adam), best of 5. CPU time because the machine may be shared: it is the step's time with a core per rank (ranks spin while they wait, so waiting for the busiest rank counts) |
+# | wall ms | the wall-clock time of that step, for reference (on a shared machine, larger) |
+# | in ring | share of the step spent inside the ring's attention calls, forward and backward |
+# | h | the measured cost of one attention FLOP (in the tiles computed) over one linear-layer FLOP, from the striped run: the `h` of the TMS formula |
+# | speed-up | contiguous's step ms over this layout's |
+# | TMS | the paper's bound for this model, its critical path counted in visible pairs |
+# | TMS tiles | the same bound, counted in the area of the tiles this kernel computes |
+# | speed-up / TMS, speed-up / TMS tiles | how much of each bound the measurement reached |
+#
+# Measured against predicted:
 
 # %%
-text = (Path(reference.__file__).resolve().parents[1] / "BENCHMARKS.md").read_text()
-section = text[text.index("## The whole model"):]
-section = section[:section.index("\n## ", 3)] if "\n## " in section[3:] else section
-table = section[section.index("| S |"):]
-display(Markdown(table[:table.index("\n\n")]))
-assert "| 4096 |" in table
+LOW, HIGH = 0.6, 1.3                                                # the band asserted below
+fig, ax = plt.subplots(figsize=(5.6, 4.4))
+line = np.array([1.0, 1.4])
+ax.plot(line, line, "k-", lw=0.8, label="measured = predicted")
+ax.fill_between(line, LOW * line, HIGH * line, color="0.9", label=f"{LOW} to {HIGH} x predicted (asserted)")
+for r in rows:
+    if r["layout"] != "contiguous":
+        marker = "o" if r["layout"] == "striped" else "s"
+        ax.plot(r["tms_tiles"], r["measured"], marker, ms=8, color="C0" if r["S"] == SEQS[0] else "C1")
+        ax.annotate(f"{r['layout']}, S={r['S']}", (r["tms_tiles"], r["measured"]), xytext=(6, -3),
+                    textcoords="offset points", fontsize=8)
+ax.set(xlim=line, ylim=(0.7, 1.4), xlabel="predicted: TMS counted in tiles",
+       ylabel="measured speed-up over contiguous", title="One training step on 2 MPI ranks")
+ax.legend(fontsize=8, loc="upper left")
+plt.show()
+
+reached = {(r["S"], r["layout"]): r["measured"] / r["tms_tiles"] for r in rows if r["layout"] != "contiguous"}
+print("measured / TMS tiles:", {f"{layout} S={S}": round(x, 2) for (S, layout), x in reached.items()})
+assert all(LOW < x < HIGH for x in reached.values())
+assert all(r["tms_tiles"] <= r["tms"] for r in rows)                 # tiles: never more than pairs allow
+
+# %% [markdown]
+# The ratios printed above are what this run reached. Steps of a tenth of a second timed on
+# a machine that may be shared scatter from run to run, so the assert holds them only
+# between 0.6 and 1.3 of the tile-aware prediction: it checks that the run is of the
+# predicted size, not how close it comes. `BENCHMARKS.md` records a careful run, at more
+# sequence lengths, with the machine it ran on and its load. The pair-counted TMS
+# is never below the tile-aware one: a kernel that skips whole tiles computes the masked
+# half of every tile on the diagonal, which the paper's count leaves out.
 
 # %% [markdown]
 # ## The paper's rows, tile-aware
@@ -233,15 +381,26 @@ assert "| 4096 |" in table
 # pair-counted TMS says 1.46. The paper measured 0.95:
 
 # %%
-rows = [r for r in speedup.paper_rows_tile_aware(tables=("3",)) if r["model"] == "1B"]
-print(f"{'n_seq':>7} {'c':>6} {'TMS':>5} {'TMS tiles':>9} {'measured':>8}")
-for r in rows:
-    print(f"{r['n_seq']:>7} {r['n_seq'] // r['seq_parallel']:>6} {r['tms']:>5.2f} {r['tms_tiles']:>9.2f} {r['speedup']:>8.2f}")
-assert rows[0]["tms_tiles"] == 1.0 and rows[0]["tms"] == 1.46
-assert all(r["speedup"] / r["tms_tiles"] > r["speedup"] / r["tms"] for r in rows)
+paper = [r for r in speedup.paper_rows_tile_aware(tables=("3",)) if r["model"] == "1B"]
+print(f"{'n_seq':>7} {'c':>6} {'TMS':>5} {'TMS tiles':>9} {'paper measured':>14}")
+for r in paper:
+    print(f"{r['n_seq']:>7} {r['n_seq'] // r['seq_parallel']:>6} {r['tms']:>5.2f} {r['tms_tiles']:>9.2f} {r['speedup']:>14.2f}")
+assert paper[0]["tms_tiles"] == 1.0 and paper[0]["tms"] == 1.46
+assert all(r["speedup"] / r["tms_tiles"] > r["speedup"] / r["tms"] for r in paper)
+# the gap between TMS and the paper's measurement: the tiles' part against the rest
+small_blocks = [r for r in paper if r["n_seq"] // r["seq_parallel"] <= 16384]
+assert all(r["tms"] - r["tms_tiles"] > r["tms_tiles"] - r["speedup"] for r in small_blocks)
+assert all(r["tms"] - r["tms_tiles"] < r["tms_tiles"] - r["speedup"] for r in paper if r not in small_blocks)
 
 # %% [markdown]
+# Up to 16384 tokens per device, most of the gap between the pair-counted TMS and the paper's
+# measurement is the tiles' (the bound's fall from `TMS` to `TMS tiles` is larger than what
+# is left below it); at larger blocks the tiles explain less of it than whatever else the
+# paper's runs spent.
+#
 # **What we have seen.** The recipe needs one permutation at the input and positions that
 # travel; with it the model on N devices is the model on one, to rounding, for every layout,
-# and trains identically. Tile granularity explains most of the gap between the paper's TMS
-# and its measured speed-ups at small blocks.
+# on virtual devices and on MPI processes, and it trains identically; trained, it copies
+# sequences it has never seen. Its training step on 2 MPI ranks speeds up as the tile-aware
+# bound predicts, within the margin printed, and tile granularity explains most of the gap
+# between the paper's TMS and its measured speed-ups at small blocks.

@@ -193,6 +193,19 @@ def test_loss_curves_agree_across_devices_and_layouts():
         assert_close(curve, curves["dense"], np.float64, what=name)
 
 
+@pytest.mark.parametrize("layout", reference.LAYOUTS)
+def test_next_tokens_are_the_argmax_of_the_logits(layout):
+    """The model's guesses: the logits' argmax at every token, the same on the ring as dense."""
+    p, toks, n = params(), tokens(), 4
+    whole = recipe.shift_then_shard(toks, 1, "contiguous")[0]
+    _, (*_, (logits, *_)) = transformer.forward(p, CONFIG, whole.x, whole.y, whole.pos, Dense(), S)
+    dense = transformer.next_tokens(p, CONFIG, whole.x, whole.pos, Dense())
+    assert dense.shape == (B, S) and (dense == logits.argmax(axis=-1)).all()
+    here = recipe.side_by_side(recipe.shift_then_shard(toks, n, layout))
+    ring = transformer.next_tokens(p, CONFIG, here.x, here.pos, VirtualRing(n, layout, tile_size=TILE))
+    assert (ring == dense[:, here.pos]).all()
+
+
 def test_float32_stays_float32():
     p32 = transformer.init_params(CONFIG, SEED, np.float32)
     loss, grads = train.virtual(CONFIG, 2, "striped").loss_and_grads(p32, tokens())

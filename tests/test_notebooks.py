@@ -1,5 +1,8 @@
 """The step-through notebooks: each runs from a clean kernel without error, imports
-the project, and never re-defines a function or class that the project exports.
+the project, and never re-defines a function or class that the project exports; each
+executed copy committed beside it (`notebooks/NN_name.ipynb`, what a reader sees
+without running anything) holds exactly its source's cells, executed, small, and
+naming no local path.
 
 The notebooks are jupytext percent files (`notebooks/NN_name.py`);
 `scripts/run_notebooks.py` turns each into a notebook in memory and executes it in
@@ -10,12 +13,14 @@ Notebooks teach with the real code: each of 1 to 6 prints the source of what it 
 (`inspect.getsource`), and any excerpt typed into a notebook's text as a ```python block
 is checked, line by line, against the project's files.
 
-Run: python -m pytest tests/test_notebooks.py -q      (about a minute; `make notebooks`
-     runs the same notebooks and saves them executed as .ipynb)
+Run: python -m pytest tests/test_notebooks.py -q      (a few minutes on 2 cores; `make
+     notebooks` runs the same notebooks and rewrites the executed copies)
 """
 
 import ast
+import base64
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -125,8 +130,8 @@ def project_lines():
 
 # -- tests --------------------------------------------------------------------------
 
-def test_seven_numbered_notebooks():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
+def test_eight_numbered_notebooks():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["00", "01", "02", "03", "04", "05", "06", "07"]
 
 
 def test_the_checks_catch_a_redefinition():
@@ -148,7 +153,7 @@ def test_notebook_defines_no_exported_function(path):
     assert not clash, f"{path.name} re-defines {sorted(clash)}: import them from the project instead"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS[:6], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if "01" <= p.name[:2] <= "06"], ids=lambda p: p.stem)
 def test_notebook_shows_the_code_it_teaches(path):
     assert shown_sources(path.read_text()), f"{path.name} never prints a project function's source"
 
@@ -185,3 +190,71 @@ def test_notebook_runs_from_a_clean_kernel(path):
     n_code = sum(cell.cell_type == "code" for cell in nb.cells)
     assert n_code >= 5
     assert all(cell.get("execution_count") for cell in nb.cells if cell.cell_type == "code")
+
+
+# -- the executed copies ------------------------------------------------------------
+
+MAX_PICTURE_BYTES = 120_000       # one picture, as stored (base64 decoded)
+MAX_COPY_BYTES = 1_000_000        # one executed notebook
+
+
+def cells(nb):
+    """What a notebook says, cell by cell: (type, source)."""
+    return [(cell["cell_type"], "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"])
+            for cell in nb["cells"]]
+
+
+def stale_cells(source_nb, copy_nb):
+    """Indices of the cells where the executed copy differs from its source (a cell
+    added or removed shows as every index from there on)."""
+    a, b = cells(source_nb), cells(copy_nb)
+    return [i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i]]
+
+
+def pictures(copy_nb):
+    return [base64.b64decode(output["data"]["image/png"]) for cell in copy_nb["cells"]
+            for output in cell.get("outputs", []) if "image/png" in output.get("data", {})]
+
+
+def read_copy(path):
+    copy = runner.copy_path(path)
+    assert copy.exists(), f"{copy.name} is missing: run `make notebooks` and commit it"
+    return json.loads(copy.read_text())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_executed_copy_is_its_source(path):
+    pytest.importorskip("jupytext")
+    copy = read_copy(path)
+    stale = stale_cells(runner.source_cells(path), copy)
+    assert not stale, (f"{runner.copy_path(path).name} no longer matches {path.name} (cells {stale}): "
+                       "run `make notebooks` and commit the copies")
+    code = [cell for cell in copy["cells"] if cell["cell_type"] == "code"]
+    assert all(cell.get("execution_count") for cell in code), "a code cell of the copy was never run"
+    assert not [o for cell in code for o in cell.get("outputs", []) if o["output_type"] == "error"]
+    assert pictures(copy), f"{runner.copy_path(path).name} shows no picture"
+
+
+def test_the_copy_check_catches_an_edit():
+    source = {"cells": [{"cell_type": "markdown", "source": "# Title"}, {"cell_type": "code", "source": "x = 1"}]}
+    same = {"cells": [{"cell_type": "markdown", "source": ["# Title"]}, {"cell_type": "code", "source": ["x = 1"],
+                                                                         "outputs": []}]}
+    edited = {"cells": [{"cell_type": "markdown", "source": "# Title"}, {"cell_type": "code", "source": "x = 2"}]}
+    assert stale_cells(source, same) == []
+    assert stale_cells(source, edited) == [1]
+    assert stale_cells(source, {"cells": source["cells"][:1]}) == [1]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_executed_copy_is_small(path):
+    copy = runner.copy_path(path)
+    assert copy.stat().st_size < MAX_COPY_BYTES, f"{copy.name}: {copy.stat().st_size} bytes"
+    sizes = [len(png) for png in pictures(read_copy(path))]
+    assert all(size < MAX_PICTURE_BYTES for size in sizes), f"{copy.name}: pictures of {sizes} bytes"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_executed_copy_names_no_local_path(path):
+    text = runner.copy_path(path).read_text()
+    for local in (str(ROOT), "/tmp/", "/home/", "/root/", "site-packages"):
+        assert local not in text, f"{runner.copy_path(path).name} prints a path of this machine: {local}"
