@@ -5,19 +5,25 @@ of a triangular block (striped's shape in every round, and every layout's own
 block in round 0) may cost more than a tile of a fully visible block: its
 diagonal tiles need the mask, and its ragged rows stack into shorter products.
 This measures CPU seconds per computed tile for each shape, forward and
-backward, one BLAS thread, the block attended after the device's own block
-(as in rounds t >= 1). The steps and shapes take turns, repeat after repeat,
-and each keeps its least time, so that a noisy machine biases none of them.
+backward, one BLAS thread (held with threadpoolctl), the block attended after
+the device's own block (as in rounds t >= 1). The steps and shapes take turns,
+repeat after repeat, and each keeps its least time, so that a noisy machine
+biases none of them. As `bench.kernel`, it runs with the machine's own BLAS
+kernels (without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE; ``--as-set`` keeps
+them) and names the kernels that ran.
 
-    OPENBLAS_NUM_THREADS=1 python -m bench.block_shapes --seq-len 8192 --n-devices 4 --steps v3 v4
+    python -m bench.block_shapes --seq-len 8192 --n-devices 4 --steps v3 v4
+    python -m bench.block_shapes --seq-len 8192 --n-devices 8 --tile-size 128
 """
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
 from reference import positions, steps
+from reference.cores import blas_description, blas_limit
 from reference.ring import own_block
 from reference.step import BackwardRows, ForwardAcc, Grads, Queries
 
@@ -73,10 +79,22 @@ def main(argv=None):
                     help=f"step versions, taking turns (default: auto; any of {', '.join(steps.NAMES)})")
     ap.add_argument("--step", dest="steps", nargs=1, choices=steps.NAMES, help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=5, help="least of (default %(default)s)")
+    ap.add_argument("--as-set", action="store_true",
+                    help="keep OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE where set (default: run again without them)")
+    ap.add_argument("--unset", default="", help=argparse.SUPPRESS)     # set by the rerun
     args = ap.parse_args(argv)
+    from .kernel import cpu_model, kernels_note, rerun_with_machine_kernels
+    if not args.as_set and not args.unset:
+        status = rerun_with_machine_kernels("bench.block_shapes", sys.argv[1:] if argv is None else argv)
+        if status is not None:
+            sys.exit(status)
+    with blas_limit(1):
+        report(args, f"{cpu_model()}, BLAS {blas_description()}{kernels_note(args.unset)}")
+
+
+def report(args, machine):
     print(f"S={args.seq_len} N={args.n_devices} c={args.seq_len // args.n_devices} H={args.heads} "
-          f"D={args.head_dim} tile={args.tile_size}, one BLAS thread expected (OPENBLAS_NUM_THREADS=1), "
-          f"least of {args.repeats}")
+          f"D={args.head_dim} tile={args.tile_size}, least of {args.repeats}; {machine}")
     for backward in (False, True):
         best = measure(args.steps, args.seq_len, args.n_devices, args.heads, args.head_dim, args.tile_size,
                        args.repeats, backward)

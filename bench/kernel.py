@@ -23,18 +23,23 @@ Letters: S tokens, H heads, D head dim, T tile size (tq x tk).
     python -m bench.kernel                 # quick: about a minute on 2 idle cores
     python -m bench.kernel --full          # more sizes and repeats
     python -m bench.kernel --step v2 --threads 1   # one version; checked against float64 first
+    python -m bench.kernel --torch-python /tmp/torchvenv/bin/python   # with torch's attention beside it
+
+OpenBLAS reads OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE as it loads, and some
+machines set them to another CPU's kernels: where either is set, the command
+runs itself again without both (``--as-set`` keeps them), and the report names
+the kernels that ran (threadpoolctl).
     python -m bench.run --only kernel      # into BENCHMARKS.md
 """
 
 import argparse
 import datetime
-import io
 import os
 import platform
+import subprocess
 import sys
 import time
 import tracemalloc
-from contextlib import redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +49,13 @@ from reference import attention, attention_backward, steps
 from reference.heads import q_from_heads, rows_from_heads
 from reference.ring import own_block
 from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
-from reference.step_v3 import one_blas_thread
+from reference.cores import blas_description, blas_limit
 from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs
 
 from . import RESULTS, markdown_table, torch_compare
 
 FORWARD_TARGET, BACKWARD_TARGET = 0.70, 0.70     # DESIGN.md
+RING_TARGET, RING_SIZES = 0.60, (1024, 2048)      # DESIGN.md: blocks of the sizes a ring computes
 HEADS, TARGET_S, TARGET_D = 8, 8192, 64
 MATMUL_N = 4096
 BLAS_IDLE_S = 0.5      # OpenBLAS's idle threads spin for a while after a product: let them settle
@@ -61,7 +67,7 @@ class Sweep:
     matmul_n: int = MATMUL_N                       # the product the rates are divided by
     repeats: int = 3                               # best of, at the target point
     repeats_other: int = 2                         # best of, elsewhere
-    seq_lens: tuple = (2048, 4096, 8192)           # against S, D = 64, default tile
+    seq_lens: tuple = (1024, 2048, 4096, 8192)     # against S, D = 64, default tile
     head_dims: tuple = (32, 64, 128)               # against D, at S = sweep_s
     tiles: tuple = (128, 256, 512, (512, 256), (256, 512))   # against T, at S = sweep_s
     sweep_s: int = 4096
@@ -204,7 +210,7 @@ def tile_costs(T=256, D=TARGET_D, repeats=20):
            ("avoided: S - m (a pass)", lambda: np.subtract(s0, col, out=s)),
            ("avoided: exp instead of exp2", lambda: np.exp(s0, out=s)),
            ("avoided: rowsum(P) (a pass)", lambda: s0.sum(axis=1))]
-    with one_blas_thread():
+    with blas_limit(1):
         return [(name, _best(fn, repeats) / (T * T)) for name, fn in ops]
 
 
@@ -220,14 +226,36 @@ def cpu_model():
 
 
 def blas_name():
-    try:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
-    except Exception:      # older numpy prints its config instead of returning it
-        buf = io.StringIO()
-        with redirect_stdout(buf):
-            np.show_config()
-        return "; ".join(ln.strip() for ln in buf.getvalue().splitlines() if "blas" in ln.lower())[:200]
+    """The BLAS that ran, with its kernels and threads (threadpoolctl)."""
+    return blas_description()
+
+
+# OpenBLAS reads these as it loads: some machines set them to older kernels (Haswell's on
+# an AVX-512 CPU), which handicaps sgemm and every share of its rate measured against it
+KERNEL_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def rerun_with_machine_kernels(module, argv, env=None):
+    """Where OPENBLAS_CORETYPE or OPENBLAS_L2_SIZE is set, run ``python -m
+    module argv`` again without both (for that command only, so that sgemm
+    and the steps use the machine's own kernels) and return its exit status;
+    None where neither is set."""
+    env = os.environ if env is None else env
+    found = [f"{name}={env[name]}" for name in KERNEL_ENV if name in env]
+    if not found:
+        return None
+    print(f"  {module}: measuring with the machine's own BLAS kernels: running again without "
+          f"{' and '.join(found)} (--as-set keeps them)", file=sys.stderr, flush=True)
+    child = {k: v for k, v in env.items() if k not in KERNEL_ENV}
+    return subprocess.call([sys.executable, "-m", module, *argv, "--unset", ",".join(found)], env=child)
+
+
+def kernels_note(unset):
+    """What the report says about the kernels' environment (`unset`: the --unset of the rerun)."""
+    if unset:
+        return f" (the machine's own kernels: {unset.replace(',', ' and ')} unset for this command)"
+    set_ = [f"{name}={os.environ[name]}" for name in KERNEL_ENV if name in os.environ]
+    return f" (**{' and '.join(set_)} set: not the machine's own kernels**)" if set_ else ""
 
 
 def _tile_label(t):
@@ -286,10 +314,14 @@ def plot(points, memory, results_dir):
     return [eff, mem]
 
 
-def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="auto", threads=None):
+def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="auto", threads=None,
+        torch_python=None, unset=""):
     """Measure `step` (a name of reference.steps, with `threads` workers where
     it takes them; default: one per core) and every other registered NumPy
-    step at one point. Returns (markdown, [png paths])."""
+    step at one point; torch's attention in `torch_python` (a Python with
+    torch; default: this one, if it has torch). `unset`: what the command
+    left out of the environment (`rerun_with_machine_kernels`). Returns
+    (markdown, [png paths])."""
     sweep = sweep or (QUICK if quick else FULL)
     say = progress or (lambda msg: None)
     threads = os.cpu_count() if threads is None else threads
@@ -318,15 +350,15 @@ def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="aut
             points.append(kernel_point(sweep.plain_s, TARGET_D, None, 1, rate, other))
     rate_after = matmul_rate(sweep.repeats, sweep.matmul_n)   # the machine may have changed meanwhile
     versus = None
-    if torch_compare.available():
+    if torch_compare.available(torch_python):
         say("torch's scaled_dot_product_attention, in its own process")
-        versus = torch_compare.measure(sweep.target_s, HEADS, TARGET_D, threads, sweep.repeats)
+        versus = torch_compare.measure(sweep.target_s, HEADS, TARGET_D, threads, sweep.repeats, torch_python)
     say("one tile's operations, one thread")
     costs = tile_costs()
     say("memory")
     memory = [(S, *peak_memory(S, main_step)) for S in sweep.memory_seq_lens]
     pngs = plot(points, memory, results_dir)
-    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step, versus), pngs
+    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step, versus, unset), pngs
 
 
 def numpy_steps():
@@ -351,7 +383,7 @@ def blas_limit_note(env=None, cores=None):
     return ""
 
 
-def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=None):
+def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=None, unset=""):
     target = points[0]
     blas_note = blas_limit_note()
     workers = getattr(step, "workers", 1)
@@ -359,7 +391,7 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=No
     lines = [
         f"Made by `python -m bench.kernel{' --full' if mode == 'full' else ''}` ({mode} sizes) on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}: "
-        f"{os.cpu_count()} cores, {platform.machine()} ({cpu_model()}), BLAS {blas_name()}; "
+        f"{os.cpu_count()} cores, {platform.machine()} ({cpu_model()}), BLAS {blas_name()}{kernels_note(unset)}; "
         f"step {step.label} (`--step {step.name} --threads {workers}`). numpy {np.__version__}. Best of {sweep.repeats} (target) or "
         f"{sweep.repeats_other} (others) repeats; the machine is shared, so timings are noisy "
         "and the ratios are what to read.",
@@ -378,6 +410,7 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=No
         f"{target['fwd']:.0%} of matmul (target {FORWARD_TARGET:.0%}: "
         f"{'met' if target['fwd'] >= FORWARD_TARGET else 'NOT met'}), backward {target['bwd']:.0%} "
         f"(target {BACKWARD_TARGET:.0%}: {'met' if target['bwd'] >= BACKWARD_TARGET else 'NOT met'}).",
+        *_ring_sized(points),
         "",
         markdown_table(HEADERS, _rows(points), align="rrrl" + "r" * 7),
         "",
@@ -405,10 +438,23 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=No
     return "\n".join(lines) + "\n"
 
 
+def _ring_sized(points):
+    """The ring-sized blocks' line: c = 1024 and 2048 (as S, one block) against RING_TARGET."""
+    rows = [p for p in points if p["S"] in RING_SIZES and p["D"] == TARGET_D and p["tile"] is None
+            and p["step"] == points[0]["step"]]
+    if not rows:
+        return []
+    met = all(p["fwd"] >= RING_TARGET and p["bwd"] >= RING_TARGET for p in rows)
+    return ["", f"**Ring-sized blocks (c = {' and '.join(str(p['S']) for p in rows)}):** " + ", ".join(
+        f"c = {p['S']}: forward {p['fwd']:.0%}, backward {p['bwd']:.0%}" for p in rows)
+        + f" of matmul (target {RING_TARGET:.0%} each: {'met' if met else 'NOT met'})."]
+
+
 def _versus_torch(target, versus):
     if versus is None:
         return ("torch is not installed, so the comparison with its CPU attention was not run "
-                "(`pip install -e '.[compare]'`).")
+                "(`--torch-python` names a Python that has it: `python -m venv /tmp/torchvenv && "
+                "/tmp/torchvenv/bin/pip install torch==2.13.0`).")
     return (f"Against torch {versus['version']}'s `scaled_dot_product_attention` (causal, float32, the same "
             f"shapes and threads, in its own process, best of the same repeats): forward "
             f"{target['fwd_s']:.3f} s vs {versus['fwd_s']:.3f} s (**{target['fwd_s'] / versus['fwd_s']:.2f}x** "
@@ -425,11 +471,21 @@ def main(argv=None):
                     help="the step measured at every point (default: %(default)s, the fastest for NumPy)")
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads of steps that take them (default: one per core)")
+    ap.add_argument("--torch-python", default=None,
+                    help="a Python with torch (torch==2.13.0, CPU) for the comparison (default: this one, if it has torch)")
+    ap.add_argument("--as-set", action="store_true",
+                    help=f"keep {' and '.join(KERNEL_ENV)} where set (default: run again without them)")
+    ap.add_argument("--unset", default="", help=argparse.SUPPRESS)     # set by the rerun
     args = ap.parse_args(argv)
+    if not args.as_set and not args.unset:
+        status = rerun_with_machine_kernels("bench.kernel", sys.argv[1:] if argv is None else argv)
+        if status is not None:
+            sys.exit(status)
     note = blas_limit_note()
     if note:
         print(f"  kernel: {note}", file=sys.stderr, flush=True)
     text, pngs = run(quick=not args.full, results_dir=args.results, step=args.step, threads=args.threads,
+                     torch_python=args.torch_python, unset=args.unset,
                      progress=lambda msg: print(f"  kernel: {msg}", file=sys.stderr, flush=True))
     print(text)
     for png in pngs:

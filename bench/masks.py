@@ -178,7 +178,7 @@ def tile_costs(plan, progress, repeat=3):
     from reference.masks import CAUSAL
     from reference.ring import as_dtype, own_block
     from reference.step import ForwardAcc, Queries
-    from reference.step_v3 import one_blas_thread
+    from reference.cores import blas_limit
     S, tile = plan.measured_seq, plan.measured_tile
     c = S // 2
     rng = np.random.default_rng(0)
@@ -194,7 +194,7 @@ def tile_costs(plan, progress, repeat=3):
             queries = Queries.prepare(q, 4, pos[j], 0.125)
             block = as_dtype(own_block(k, k, pos[src], src), np.float32)
             best = float("inf")
-            with one_blas_thread():
+            with blas_limit(1):
                 for _ in range(repeat):
                     acc = ForwardAcc.zeros(queries.q)
                     start = time.thread_time()

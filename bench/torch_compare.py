@@ -3,11 +3,12 @@
 `bench.kernel` compares its step with `torch.nn.functional.scaled_dot_product_attention`
 (causal, float32, one device holding all S tokens, H heads, D head dim), forward
 and backward, each timed here, in a separate process, so that the two libraries'
-thread pools never share one. Needs the `compare` extra (torch); without it
-`available()` is False and the kernel section says so.
+thread pools never share one. Needs torch (torch==2.13.0, its CPU build), in this
+Python or, better, in a venv of its own (`bench.kernel --torch-python`);
+without it `available()` is False and the kernel section says so.
 
-    pip install -e '.[compare]'
-    python -m bench.torch_compare --seq-len 8192 --heads 8 --head-dim 64 --threads 2
+    python -m venv /tmp/torchvenv && /tmp/torchvenv/bin/pip install torch==2.13.0 numpy
+    /tmp/torchvenv/bin/python -m bench.torch_compare --seq-len 8192 --heads 8 --head-dim 64 --threads 2
 """
 
 import argparse
@@ -21,13 +22,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def available():
-    return importlib.util.find_spec("torch") is not None
+def available(python=None):
+    """Whether `python` (default: this one) has torch."""
+    if python is None:
+        return importlib.util.find_spec("torch") is not None
+    return subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
 
 
-def measure(S, H, D, threads, repeats=3):
-    """{"version", "fwd_s", "bwd_s"}: best of `repeats`, in a child process."""
-    cmd = [sys.executable, "-m", "bench.torch_compare", "--seq-len", str(S), "--heads", str(H),
+def measure(S, H, D, threads, repeats=3, python=None):
+    """{"version", "fwd_s", "bwd_s"}: best of `repeats`, in a child process of
+    `python` (default: this one)."""
+    cmd = [python or sys.executable, "-m", "bench.torch_compare", "--seq-len", str(S), "--heads", str(H),
            "--head-dim", str(D), "--threads", str(threads), "--repeats", str(repeats), "--json"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:

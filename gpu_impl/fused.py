@@ -144,7 +144,7 @@ class FusedStep(Step):
             return str(e)
         return None
 
-    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
+    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         """Plan and count as every step does (the kernel skips the same tiles by
         itself), then launch the kernel over the whole block. The kernel knows
         the causal flag only: other masks (`reference.masks`) take step 'v1'."""
@@ -157,8 +157,9 @@ class FusedStep(Step):
             launch_kernel(acc, queries, block, self.tile(tile_size, queries.q.shape[-1]), mask.causal)
         return counts
 
-    def forward_tiles(self, acc, queries, block, plan):
-        """Nothing per tile: `forward` runs every tile of the plan in one launch."""
+    def forward_tiles(self, acc, queries, block, plan, progress=None):
+        """Nothing per tile: `forward` runs every tile of the plan in one launch
+        (queued on the GPU: there is no wait between tiles to call `progress` in)."""
 
 
 def check_launch(acc, queries, block):

@@ -194,9 +194,10 @@ class TensorCoreStep(Step):
         config = kernel_config(tile_size, head_dim, 1)
         return config.queries(1), config.bn
 
-    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
+    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         """Plan the tiles from positions and the mask as every step does, at
-        the kernel's tile, then launch the kernel over the whole block."""
+        the kernel's tile, then launch the kernel over the whole block (queued
+        on the GPU: there is no wait between tiles to call `progress` in)."""
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         kv_format = self.kv_format or kv_format_of(block.k.dtype)
         check_launch(acc, queries, block, kv_format)

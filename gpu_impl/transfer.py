@@ -3,7 +3,7 @@
 One `RingComm` posts the Isend/Irecv pairs for every backend (paper, Algorithm
 1: "send K_k, V_k to the next device while computing"); what differs on a GPU
 is only where MPI reads and writes, so this module gives RingComm one of two
-memory objects (three verbs: ``outgoing``, ``receive_like``, ``arrived``; see
+memory objects (three verbs: ``buffer_set``, ``outgoing``, ``arrived``; see
 `mpi_impl.comm.HostMemory`), chosen once per run:
 
 - `DeviceBuffers` (``cuda-aware``): the MPI library reads and writes GPU
@@ -20,21 +20,28 @@ and the ring calls ``start_shift`` before queueing them and ``finish_shift``
 after, so MPI moves round t+1's block while the GPU computes round t. Nothing
 here waits for the compute stream on the host except where MPI itself must
 read or write memory that kernels use (cuda-aware), so the streams are ordered
-with events instead:
-- a block that arrived is uploaded on the copy stream; the compute stream
-  waits for that copy (an event) before the step reads it;
-- the device buffer an upload refills was read by a step queued before the
-  latest ``start_shift``; the copy waits for the event recorded there;
+with events instead. The buffers are RingComm's scheme (`mpi_impl.comm`: two
+`BufferSet`s per tag, used in turn), each set here holding pinned receive and
+send buffers and the device buffers arrivals are uploaded into:
+- a set's buffers are allocated in ``start_shift``, when RingComm first takes
+  the set, before the round's step is queued; CuPy's pool may hand out memory
+  that queued kernels still read (freed by the host, in stream order), so the
+  set's ``mark``, an event recorded on the compute stream right after, comes
+  after every such kernel;
+- a block that arrived is uploaded on the copy stream into the set's device
+  buffers, after the copy stream waits for the set's mark: the set's last
+  readers (the step of the round before) were queued before it; the compute
+  stream waits for the copies (an event) before the step reads them;
 - a device array written by kernels (this rank's own block, dK and dV) is
   downloaded only after the copy stream waits for the compute stream; a block
   this object uploaded itself is already in copy-stream order;
-- MPI reads a pinned send buffer when Isend is posted, and writes a pinned
+- MPI reads a pinned send buffer once Isend is posted, and writes a pinned
   receive buffer that an earlier upload may still be reading: ``outgoing``
   waits (on the host) for the copy stream. That stream holds copies and their
   waits, so in the forward the host may wait for the step before last (which
-  the last upload waited for), never for the step just queued.
-Receive buffers are allocated once per tag (two sets, as RingComm's) and
-reused round after round, never taken from the pool while kernels run.
+  the last upload waited for), never for the step just queued. A pinned send
+  buffer still read by an earlier send is RingComm's to wait for (before it
+  hands the set out again).
 
 ``transfer="auto"`` asks the MPI library (`mpi_cuda_support`: MPICH and Open
 MPI export ``MPIX_Query_cuda_support``) and sends device buffers only where
@@ -48,8 +55,9 @@ import ctypes
 
 import numpy as np
 
+from mpi_impl.comm import BufferSet
+
 TRANSFERS = ("auto", "cuda-aware", "staged", "cuda-aware-unchecked")
-N_SETS = 2          # device (staged uploads) and pinned send buffer sets per tag, used in turn
 
 
 # -- which path ---------------------------------------------------------------------
@@ -119,20 +127,22 @@ class DeviceBuffers:
     def __init__(self, device):
         self.device, self.clock = device, EventClock(device)
 
-    def outgoing(self, arrays, tag):
+    def buffer_set(self, like):
+        dev = self.device
+        received = tuple(dev.empty(a.shape, a.dtype) if dev.is_device(a) else np.empty(a.shape, a.dtype)
+                         for a in like)
+        return BufferSet(received, received, (None,) * len(like))
+
+    def outgoing(self, arrays, buffers):
         # Hazard: MPI knows nothing of CUDA streams. It reads `arrays` once Isend
         # is posted, and writes a receive buffer that the previous round's step
-        # may still be reading: the kernels queued so far must be done.
+        # may still be reading (or that CuPy's pool took back from one): the
+        # kernels queued so far must be done.
         self.device.compute.synchronize()
         return arrays
 
-    def receive_like(self, a):
-        if self.device.is_device(a):
-            return self.device.empty(a.shape, a.dtype)
-        return np.empty(a.shape, dtype=a.dtype)
-
-    def arrived(self, received, tag):
-        return received
+    def arrived(self, buffers):
+        return buffers.receive
 
 
 class StagedBuffers:
@@ -140,70 +150,50 @@ class StagedBuffers:
 
     def __init__(self, device):
         self.device, self.clock = device, EventClock(device)
-        self._send, self._uploads = {}, {}        # tag -> its buffer sets, used in turn
-        self._ours = set()                        # addresses of the device buffers uploads write
-        self._pinned_receives = set()             # addresses of the pinned receive buffers
-        self._compute_mark = None                 # event: the compute stream at the latest outgoing
+        self._uploaded = []         # the device buffers uploads write (kept: they are compared by identity)
 
-    def outgoing(self, arrays, tag):
+    def buffer_set(self, like):
+        """For each device array of `like`: a pinned receive buffer, a device
+        buffer it is uploaded into, a pinned send buffer; host arrays travel as
+        they are (received into a NumPy array)."""
+        dev = self.device
+        receive, handed, staged = [], [], []
+        for a in like:
+            if dev.is_device(a):
+                receive.append(dev.pinned_empty(a.shape, a.dtype))
+                handed.append(dev.empty(a.shape, a.dtype))
+                staged.append(dev.pinned_empty(a.shape, a.dtype))
+                self._uploaded.append(handed[-1])
+            else:
+                receive.append(np.empty(a.shape, dtype=a.dtype))
+                handed.append(receive[-1])
+                staged.append(None)
+        return BufferSet(tuple(receive), tuple(handed), tuple(staged))
+
+    def outgoing(self, arrays, buffers):
         """Pinned copies of the device arrays (host arrays as they are), ready for MPI."""
         dev = self.device
-        self._compute_mark = dev.event(dev.compute)
-        host = self._next_set(self._send, tag, arrays, dev.pinned_empty)
-        waited = False
-        for a, h in zip(arrays, host):
-            if h is a:
+        buffers.mark = dev.event(dev.compute)       # after the set's allocation and every kernel queued so far
+        waited, sent = False, []
+        for a, pinned in zip(arrays, buffers.staged):
+            if pinned is None:
+                sent.append(a)
                 continue
-            if _address(a) not in self._ours and not waited:
-                dev.wait(dev.copy, self._compute_mark)        # written by kernels: wait for them
+            if not waited and not any(a is d for d in self._uploaded):
+                dev.wait(dev.copy, buffers.mark)        # written by kernels: wait for them
                 waited = True
-            dev.download(a, h, dev.copy)
+            dev.download(a, pinned, dev.copy)
+            sent.append(pinned)
         dev.copy.synchronize()          # MPI reads the copies; pinned receives are free again
-        return host
+        return tuple(sent)
 
-    def receive_like(self, a):
-        if not self.device.is_device(a):
-            return np.empty(a.shape, dtype=a.dtype)
-        h = self.device.pinned_empty(a.shape, a.dtype)
-        self._pinned_receives.add(_address(h))
-        return h
-
-    def arrived(self, received, tag):
-        """Upload the pinned arrivals into this tag's next device set; the compute
+    def arrived(self, buffers):
+        """Upload the pinned arrivals into the set's device buffers; the compute
         stream waits for the copies. Host arrays are handed out as they are."""
         dev = self.device
-        staged = [_address(r) in self._pinned_receives for r in received]
-        targets = self._next_set(self._uploads, tag, received, self._device_buffer, staged)
-        if self._compute_mark is not None:
-            dev.wait(dev.copy, self._compute_mark)          # the set's last readers were queued before it
-        for r, d in zip(received, targets):
-            if d is not r:
-                dev.upload(r, d, dev.copy)
+        dev.wait(dev.copy, buffers.mark)        # the set's last readers were queued before it
+        for pinned, d in zip(buffers.receive, buffers.handed):
+            if d is not pinned:
+                dev.upload(pinned, d, dev.copy)
         dev.wait(dev.compute, dev.event(dev.copy))          # the step reads them after the copies
-        return targets
-
-    def _device_buffer(self, shape, dtype):
-        d = self.device.empty(shape, dtype)
-        self._ours.add(_address(d))
-        return d
-
-    def _next_set(self, sets_by_tag, tag, like, allocate, which=None):
-        """This tag's next buffer set shaped like `like`, the sets used in turn.
-        Arrays for which `which` is False (default: host arrays) stand for themselves."""
-        which = [self.device.is_device(a) for a in like] if which is None else which
-        signature = tuple((a.shape, str(a.dtype), w) for a, w in zip(like, which))
-        entry = sets_by_tag.get(tag)
-        if entry is None or entry["signature"] != signature:
-            entry = sets_by_tag[tag] = dict(signature=signature, sets=[], turn=-1)
-        entry["turn"] = (entry["turn"] + 1) % N_SETS
-        if entry["turn"] == len(entry["sets"]):
-            entry["sets"].append(tuple(allocate(a.shape, a.dtype) if w else None for a, w in zip(like, which)))
-        buffers = entry["sets"][entry["turn"]]
-        return tuple(a if b is None else b for a, b in zip(like, buffers))
-
-
-def _address(a):
-    """Start of an array's memory (host or device)."""
-    if hasattr(a, "__cuda_array_interface__"):
-        return ("cuda", a.__cuda_array_interface__["data"][0])
-    return ("host", a.__array_interface__["data"][0])
+        return buffers.handed

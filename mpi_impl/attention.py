@@ -48,7 +48,9 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     `step`: a name of `reference.steps` ("auto": the fastest validated step for
     the arrays) or a `reference.step.Step`.
     ``make_ring(comm)`` builds the communication object (another backend passes
-    its own; one with a ``free()`` is freed after the ring). `seq_len` and
+    its own), a context manager whose exit ends the ring's transfers and frees
+    what it holds however the ring ended, with a list of `transfers` (their
+    times, for the trace). `seq_len` and
     `mask_options`: see the module docstring.
     Collective: every rank of `comm` must call it."""
     found = {}
@@ -56,11 +58,10 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
                                               tile_size=tile_size, step=step, trace=trace, kind="forward",
                                               found=found, seq_len=seq_len, **mask_options))["scale"]
     q_pos = this_rank_positions(q, comm, layout)
-    ring_comm = make_ring(comm)
-    with named_rank(comm):
+    with make_ring(comm) as ring_comm, named_rank(comm):     # freed however the ring ends
         out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, mask=found["mask"],
                                           scale=scale, tile_size=tile_size, step=found["step"])
-    _free(ring_comm)
+    log.add_transfers(ring_comm.transfers, ring.KV)         # when each block arrived, for the trace
     return (out, lse) + _trace_result(log, comm, trace)
 
 
@@ -83,12 +84,11 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
 
     scale = agree(comm, describe)["scale"]
     q_pos = this_rank_positions(q, comm, layout)
-    ring_comm = make_ring(comm)
-    with named_rank(comm):
+    with make_ring(comm) as ring_comm, named_rank(comm):
         dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
                                              mask=found["mask"], scale=scale, tile_size=tile_size,
                                              step=found["step"])
-    _free(ring_comm)
+    log.add_transfers(ring_comm.transfers, ring.KV)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
 
 
@@ -96,11 +96,6 @@ def this_rank_positions(q, comm, layout):
     """Global positions of this rank's c tokens (NumPy int64, (c,)): S = c * N."""
     n = comm.Get_size()
     return positions(q.shape[1] * n, n, layout)[comm.Get_rank()]
-
-
-def _free(ring_comm):
-    if hasattr(ring_comm, "free"):
-        ring_comm.free()
 
 
 def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, step="auto", trace=False,

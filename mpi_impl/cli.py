@@ -20,8 +20,10 @@ only --check builds the whole sequence, on rank 0), runs `ring_attention` (and w
   predicted     the cost model's speedup (`reference.cost`, "tiles", same tile size)
 
 With more ranks than cores, wall time measures the scheduler; read the critical
-path. Give each rank one BLAS thread (OPENBLAS_NUM_THREADS=1) so that CPU time is
-the step's time.
+path. The ranks on one machine share its cores (`reference.cores`): each holds
+BLAS (threadpoolctl) to its share, one thread with more ranks than cores or with
+worker threads, whatever OPENBLAS_NUM_THREADS says; --threads and --blas-threads
+choose otherwise, and the table's first line says what ran.
 
 Another backend reuses the command line with a `Backend` of its own:
 
@@ -49,7 +51,7 @@ from typing import Callable
 
 import numpy as np
 
-from reference import LAYOUTS, attention, attention_backward, cost, positions, steps, unshard
+from reference import LAYOUTS, attention, attention_backward, cores, cost, positions, steps, unshard
 from reference import ring_attention as reference_ring
 from reference import ring_attention_backward as reference_ring_backward
 from reference.inputs import make_shard
@@ -121,8 +123,11 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
     ap.add_argument("--step", choices=steps.NAMES, default="auto",
                     help="block step version (reference.steps): auto is the fastest validated one for the arrays")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="worker threads per rank, for steps that take them (v3)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="worker threads per rank, for steps that take them (v3, v4) (default: the rank's share "
+                         "of this machine's cores, reference.cores)")
+    ap.add_argument("--blas-threads", type=int, default=None,
+                    help="BLAS threads per product (default: the rank's share of the cores; 1 with workers)")
     ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--window", type=int, default=None,
                     help="sliding window W: a query sees the previous W tokens, itself included")
@@ -196,7 +201,8 @@ def main(argv=None, backend=NUMPY, parser=None):
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
     try:
-        rows = run(args, backend, comm)
+        with hold_share(args, backend, comm):
+            rows = run(args, backend, comm)
         status = report(rows, args, comm, backend) if comm.Get_rank() == 0 else 0
     except Exception:           # noqa: BLE001 - printed with this rank's name, then the job ends
         abort_job(comm)
@@ -204,6 +210,21 @@ def main(argv=None, backend=NUMPY, parser=None):
     # every rank exits with rank 0's verdict: a failed check fails the job
     # whichever rank's exit status the launcher passes on
     return comm.bcast(status, root=0)
+
+
+def hold_share(args, backend, comm):
+    """This rank's share of its machine's cores (`reference.cores`), shared
+    with the ranks on the same machine: sets --threads and --blas-threads
+    where not given, and returns the BLAS hold to run inside."""
+    from mpi4py import MPI
+    here = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = here.Get_size()
+    here.Free()
+    step = make_steps(args, backend)[0]
+    share = cores.share(ranks_here, takes_workers=step.takes_workers, threads=args.threads,
+                        blas_threads=args.blas_threads)
+    args.threads, args.blas_threads = share.workers, share.blas
+    return share.held()
 
 
 def report(rows, args, comm, backend):
@@ -238,8 +259,8 @@ def abort_job(comm):
 
 def check_args(args, n_ranks):
     """A message for options that cannot run on n_ranks, or None."""
-    for name in ("seq_len", "batch", "heads", "head_dim", "repeat", "threads"):
-        if getattr(args, name) < 1:
+    for name in ("seq_len", "batch", "heads", "head_dim", "repeat", "threads", "blas_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         return f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
@@ -282,7 +303,7 @@ def make_steps(args, backend):
     # a named step as it is (the library's checks say what it cannot take)
     forward = (steps.check_step("auto", xp, dropout=bool(args.dropout), call=call) if args.step == "auto"
                else steps.get(args.step, xp=xp))
-    if args.threads > 1 and forward.takes_workers:
+    if args.threads and args.threads > 1 and forward.takes_workers:
         forward = steps.get(forward.name, workers=args.threads)
     backward = forward if forward.has_backward else steps.check_step("auto", xp, backward=True, call=call)
     return forward, backward
@@ -445,7 +466,8 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
     ran = steps_ran(rows)
     lines = [f"{backend_name}: N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
-             f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}",
+             f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}, "
+             f"{args.blas_threads} BLAS thread{'s' if args.blas_threads != 1 else ''} per product",
              f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'wall speedup':>12} "
              f"{'crit. speedup':>13} {'predicted':>9} {'wait/compute':>12}",
              "-" * 93]

@@ -1,34 +1,54 @@
-"""The ring's communication object on MPI: one rank's two verbs, start_shift and finish_shift.
+"""The ring's communication object on MPI: one rank's three verbs, start_shift, progress and finish_shift.
 
 `reference.ring` runs one device's rounds against a communication object with
 ``rank``, ``size``, ``start_shift(arrays, tag) -> handle`` (send a tuple of
-arrays to rank+1, receive a same-shaped tuple from rank-1) and
-``finish_shift(handle) -> arrays``. `RingComm` implements them with mpi4py's
-buffer methods: the upper-case ``Isend`` / ``Irecv`` on the raw bytes of
-C-contiguous arrays, so nothing is pickled on the hot path (paper, Algorithm 1:
-"send K_k, V_k to the next device while computing").
+arrays to rank+1, receive a same-shaped tuple from rank-1), ``progress()``
+(called by the step between tiles) and ``finish_shift(handle) -> arrays``.
+`RingComm` implements them with mpi4py's buffer methods: the upper-case
+``Isend`` / ``Irecv`` on the raw bytes of C-contiguous arrays, so nothing is
+pickled on the hot path (paper, Algorithm 1: "send K_k, V_k to the next device
+while computing").
 
-Hazards it handles:
+While computing. MPI moves a large (rendezvous) message only inside MPI calls,
+unless the library runs an asynchronous progress thread. So the step calls
+`progress()` between its tiles, which tests every request in flight: a block
+moves while both neighbours compute, and `finish_shift` waits only for what is
+still missing. `finish_shift` waits for the receives it hands back, never for
+the sends: a send completes during later progress, and is waited for only
+before its buffer is reused (below) or when the ring ends (`close`).
+
+One receive-buffer scheme, for host and device memory. Each tag has two
+buffer sets, allocated the first time they are needed and then used in turn
+(double buffering): shift k of a tag receives into set k mod 2. A set is a
+`BufferSet`: where MPI writes what arrives, what `finish_shift` hands the
+caller (the same arrays, or device copies of them), and where the memory
+object stages what MPI sends. Hazards, and what handles each:
 - a send buffer must stay untouched, and alive, until its send completes: the
-  handle keeps a reference and `finish_shift` waits for sends as well as receives;
-- a receive buffer must not be one a send may still be reading, nor the block
-  the caller still holds: each tag rotates through two receive buffer sets
-  (double buffering), and a set is taken only if none of its arrays is in an
-  unfinished send and it is not the set `finish_shift` handed out last;
+  shift keeps a reference, and before a set is reused every send still
+  reading any of its buffers is waited for;
+- the arrays `finish_shift` returned are the block the caller holds, so they
+  are not received into again until the second `start_shift` after it with
+  the same tag; which holds because a tag has one shift in flight at a time
+  (`start_shift` twice raises `ShiftOrderError`) and two sets;
+- the caller sending arrays that lie in the set about to receive (a block
+  kept past its second `start_shift`) raises `ShiftOrderError`, as does
+  finishing a shift twice, or one this object never started;
 - messages of different kinds (K/V blocks and dK/dV accumulators) are in flight
   at once: each array of a shift has its own MPI tag, ``tag * TAG_STRIDE + index``,
   on a communicator of its own (`RingComm.on` duplicates the caller's), so it
   never matches another kind's or the application's messages;
-- a transfer that fails (a neighbour that exited, a message larger than its
-  buffer) raises `RingError` naming this rank, the neighbour, the round and
+- a transfer that fails (a message larger than its buffer, a neighbour that
+  exited) raises `RingError` naming this rank, the neighbour, the round and
   the transfer, instead of MPI's bare error code. Ranks are those of the
   communicator the ring runs on: on a sub-communicator the message says so
   ("rank 1 of the 3-rank communicator (world rank 2)"). `named_rank` puts the
-  rank in front of any other error raised inside the ring.
-
-MPI moves the data only inside MPI calls unless the library has an asynchronous
-progress thread; a transfer that did not progress during the step finishes in
-`finish_shift`, and the ring's RoundLog counts that as wait time.
+  rank in front of any other error raised inside the ring;
+- a neighbour that left the ring (an exception, `sys.exit` included, ended its
+  ring call) tells both its neighbours before it goes (ring tag 0 carries the
+  reason), so that a rank waiting for it says "rank 1 left the ring" instead of
+  failing with MPI's bare error or waiting for ever. The rank that leaves
+  cancels its receives and completes its sends first, so that MPI never reads
+  its freed memory after Python exits.
 
 Where the bytes live is the `memory` object's business (three verbs, below):
 `HostMemory`, the default, hands MPI the arrays as they are (NumPy; or CuPy
@@ -39,20 +59,28 @@ a `clock` for the ring's RoundLog (CUDA events on a GPU), exposed as
 ``RingComm.clock``.
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
-        from mpi_impl.comm import RingComm; ring = RingComm(MPI.COMM_WORLD); \\
-        print(ring.rank, ring.finish_shift(ring.start_shift((np.full(3, ring.rank),), 1)))"
+        from mpi_impl.comm import RingComm; \\
+        with RingComm.on(MPI.COMM_WORLD) as ring: \\
+            print(ring.rank, ring.finish_shift(ring.start_shift((np.full(3, ring.rank),), 1)))"
 """
 
+import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 
 from reference import ring
 from reference.layouts import array_module
 
 TAG_STRIDE = 16     # MPI tag = ring tag * TAG_STRIDE + index of the array in the tuple
-N_BUFFER_SETS = 2   # receive buffer sets per tag: one arriving, one held by the caller
-# what each ring tag carries, for error messages
-TRANSFERS = {getattr(ring, "KV", 1): "K/V block", getattr(ring, "DKV", 2): "dK/dV block"}
+N_BUFFER_SETS = 2   # buffer sets per tag: one arriving, one held by the caller
+# what each ring tag carries, for error messages; ring tag 0 carries the notices below
+TRANSFERS = {ring.KV: "K/V block", ring.DKV: "dK/dV block"}
+FROM_PREV, FROM_NEXT = 0, 1     # MPI tags of a leaving neighbour's notice, by where it comes from
+NOTICE_BYTES = 512              # its reason, UTF-8, cut to fit
 
 
 class RingError(RuntimeError):
@@ -60,27 +88,63 @@ class RingError(RuntimeError):
     neighbour, the round and the transfer."""
 
 
-@dataclass
+class ShiftOrderError(RuntimeError):
+    """The communication object was used out of order: a shift finished twice
+    or never started, a second shift of a tag started before the first
+    finished, or a block sent after its buffers were handed back to MPI."""
+
+
+@dataclass(eq=False)
+class BufferSet:
+    """One of a tag's buffer sets (the memory object allocates it)."""
+    receive: tuple      # what MPI writes the arriving arrays into
+    handed: tuple       # what finish_shift hands the caller: `receive` itself, or device copies of it
+    staged: tuple       # where the memory object stages what MPI sends (None: MPI reads the caller's array)
+    mark: object = None     # the memory object's own: e.g. an event when the set was taken
+
+
+@dataclass(eq=False)
 class Shift:
-    """One shift in flight: its requests, what is being sent (kept alive until
-    the sends complete) and the buffers the data arrives in."""
+    """One shift: its requests not yet complete, what is being sent (kept
+    alive until the sends complete) and the buffer set the data arrives in."""
+    owner: object = field(repr=False)
     tag: int
-    requests: list      # [Irecv of array 0, Isend of array 0, Irecv of array 1, ...]
+    round: int          # shifts with this tag this RingComm started before this one
+    buffers: BufferSet
     sent: tuple
-    received: tuple
-    round: int = 0      # how many shifts with this tag this RingComm started before this one
+    receives: list = field(default_factory=list)   # [(array index, Irecv)] not yet complete
+    sends: list = field(default_factory=list)      # [(array index, Isend)] not yet complete
+    posted_at: float = 0.0          # time.perf_counter() when posted
+    arrived_at: float = None        # when every receive was seen complete
+    finished: bool = False
+
+    @property
+    def what(self):
+        return TRANSFERS.get(self.tag, f"tag {self.tag} message")
+
+
+class Transfer(NamedTuple):
+    """The times (time.perf_counter()) of one shift, for the trace."""
+    tag: int
+    round: int
+    posted: float       # start_shift posted the send and the receive
+    arrived: float      # every receive was seen complete (by progress or finish_shift)
+    handed: float       # finish_shift returned the arrays
 
 
 @dataclass
-class _Pool:
-    """Receive buffer sets of one tag, and the one the caller holds."""
-    signature: tuple
+class _Lane:
+    """One tag: its buffer sets (used in turn), shifts started, the one in flight."""
+    signature: tuple = None
     sets: list = field(default_factory=list)
-    held: int = -1
+    turn: int = 0
+    started: int = 0
+    in_flight: Shift = None
 
 
 class RingComm:
     """This rank's end of the ring over an mpi4py communicator."""
+    progress_interval_s = 0.0005        # progress() tests the requests at most this often
 
     def __init__(self, mpi_comm, memory=None):
         self.comm = mpi_comm
@@ -88,117 +152,352 @@ class RingComm:
         self.clock = getattr(self.memory, "clock", None)
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self._pools = {}            # tag -> _Pool
-        self._in_flight = []        # Shifts started and not finished
-        self._started = {}          # tag -> shifts started: the round, in the ring's loops
+        self._lanes = {}            # tag -> _Lane
+        self._active = []           # shifts with requests not yet complete
         self.buffer_sets_allocated = 0
+        self.transfers = []         # a Transfer per shift finished: its times, for the trace
+        self._tested_at = float("-inf")     # when progress() last tested the requests
+        self._notices = _Notices(mpi_comm, self.prev, self.next) if self.size > 1 else None
+        self._owns_comm = False     # a duplicate made by `on`, freed by `close`
 
     @classmethod
     def on(cls, mpi_comm, memory=None):
         """A RingComm on a duplicate of `mpi_comm` (collective), so that ring
-        messages never meet the caller's. Release it with `free()`."""
-        return cls(mpi_comm.Dup(), memory)
+        messages never meet the caller's. Use it as a context manager
+        (``with RingComm.on(comm) as ring_comm:``), or call `close()`."""
+        ring_comm = cls(mpi_comm.Dup(), memory)
+        ring_comm._owns_comm = True
+        return ring_comm
 
-    def free(self):
-        self.comm.Free()
+    # -- the three verbs -----------------------------------------------------------
 
     def start_shift(self, arrays, tag):
         """Post the receive of the previous rank's arrays and the send of
-        `arrays` to the next rank. `arrays` must not be written until
-        `finish_shift` returns."""
+        `arrays` to the next rank. `arrays` must not be written while the
+        ring runs (their send may complete as late as `close`)."""
         arrays = tuple(arrays)
-        outgoing = self.memory.outgoing(arrays, tag)       # what MPI reads: ready, on the host or device
-        received = self._take_receive_buffers(arrays, tag)
-        shift = Shift(tag, [], outgoing, received, round=self._started.get(tag, 0))
-        self._started[tag] = shift.round + 1
-        for i, (out, into) in enumerate(zip(outgoing, received)):
+        for a in arrays:
+            byte_view(a)                    # C-contiguous, or a clear error before anything is posted
+        lane = self._lanes.setdefault(tag, _Lane())
+        if lane.in_flight is not None:
+            raise ShiftOrderError(f"{rank_name(self.comm)}: start_shift called twice: the "
+                                  f"{lane.in_flight.what} of round {lane.in_flight.round} is still in flight; "
+                                  f"finish_shift it before starting the next shift with tag {tag}")
+        buffers = self._take_set(lane, arrays, tag)
+        outgoing = self.memory.outgoing(arrays, buffers)     # what MPI reads: ready, on the host or device
+        shift = Shift(self, tag, lane.started, buffers, outgoing, posted_at=time.perf_counter())
+        for i, (out, into) in enumerate(zip(outgoing, buffers.receive)):
             mpi_tag, out_bytes, into_bytes = tag * TAG_STRIDE + i, byte_view(out), byte_view(into)
             # receive first, so a matching send never waits in an unexpected-message queue;
             # uint8 views carry their MPI type (bytes) themselves, so this module needs
             # no mpi4py import and runs on the tests' stand-in communicators too
-            with self._naming_failure(shift, 2 * i):
-                shift.requests.append(self.comm.Irecv(into_bytes, source=self.prev, tag=mpi_tag))
-            with self._naming_failure(shift, 2 * i + 1):
-                shift.requests.append(self.comm.Isend(out_bytes, dest=self.next, tag=mpi_tag))
-        self._in_flight.append(shift)
+            with self._naming_failure(shift, i, receiving=True):
+                shift.receives.append((i, self.comm.Irecv(into_bytes, source=self.prev, tag=mpi_tag)))
+            with self._naming_failure(shift, i, receiving=False):
+                shift.sends.append((i, self.comm.Isend(out_bytes, dest=self.next, tag=mpi_tag)))
+        lane.started += 1
+        lane.in_flight = shift
+        self._active.append(shift)
         return shift
 
+    def progress(self):
+        """Let MPI move the transfers in flight: test each request not yet
+        complete (MPI progresses only inside its calls). The step calls it
+        between tiles, however small: it tests at most every
+        `progress_interval_s` (a test of a shift's 8 requests cost 20-60 us
+        on a loaded 2-core machine; a call in between costs under a microsecond)."""
+        if not self._active:
+            return
+        now = time.perf_counter()
+        if now - self._tested_at < self.progress_interval_s:
+            return
+        self._tested_at = now
+        for shift in list(self._active):
+            self._test(shift)
+
+    def all_arrived(self):
+        """True when every receive in flight has completed, as last tested
+        (by `progress`): the next `finish_shift` will not wait."""
+        return not any(shift.receives for shift in self._active)
+
     def finish_shift(self, shift):
-        """Wait for the shift's sends and receives; return the arrays that arrived.
-        They stay valid until the second `start_shift` after this one with the same tag."""
-        # One request at a time (the same as a Waitall: every one must complete),
-        # so that a failure is pinned on its transfer.
-        for index, request in enumerate(shift.requests):
-            with self._naming_failure(shift, index):
-                request.Wait()
-        self._in_flight.remove(shift)
-        pool = self._pools[shift.tag]
-        pool.held = next(i for i, s in enumerate(pool.sets) if s is shift.received)
-        return self.memory.arrived(shift.received, shift.tag)
+        """Wait for the shift's receives; return the arrays that arrived. They
+        stay valid until the second `start_shift` after this one with the same
+        tag. The shift's sends may still be in flight."""
+        lane = self._check_finish(shift)
+        self._test(shift)                   # arrived already? (its time is the trace's)
+        # One request at a time, so that a failure is pinned on its transfer.
+        while shift.receives:
+            i, request = shift.receives[0]
+            with self._naming_failure(shift, i, receiving=True):
+                self._wait(request, self.prev)
+            shift.receives.pop(0)
+        self._settled(shift)
+        shift.finished, lane.in_flight = True, None
+        self.transfers.append(Transfer(shift.tag, shift.round, shift.posted_at, shift.arrived_at,
+                                       time.perf_counter()))
+        return self.memory.arrived(shift.buffers)
+
+    # -- the end of the ring -------------------------------------------------------
+
+    def close(self):
+        """Wait for the sends still in flight (each neighbour receives every
+        block it was sent), take back this rank's notices, free the
+        communicator `on` duplicated. Every shift started must have been
+        finished, and a neighbour that left the ring meanwhile (after its last
+        transfer with this rank) makes the call fail here too: the ring call is
+        collective, and the next collective would wait for that rank for ever."""
+        try:
+            unfinished = [lane.in_flight for lane in self._lanes.values() if lane.in_flight is not None]
+            if unfinished:
+                raise ShiftOrderError(f"{rank_name(self.comm)}: closed with shifts never finished: "
+                                      + ", ".join(f"the {s.what} of round {s.round}" for s in unfinished))
+            for shift in list(self._active):
+                self._wait_sends(shift, lambda array: True)
+            for peer in dict.fromkeys((self.prev, self.next)) if self._notices is not None else ():
+                said = self._notices.reason(peer)
+                if said is not None:
+                    raise RingError(f"{rank_name(self.comm)}: {rank_name(self.comm, peer)} left the ring ({said}) "
+                                    "before its end here")
+        except BaseException as error:
+            self.leave(error)
+            raise
+        if self._notices is not None:
+            self._notices.withdraw()
+        self._free()
+
+    free = close        # the name earlier callers use
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None:
+            self.close()
+        else:
+            self.leave(error)
+        return False
+
+    def leave(self, error):
+        """This rank's ring call ended with `error`: tell both neighbours (they
+        stop waiting for this rank and say why), cancel the receives in flight,
+        complete the sends (their receivers wait for them) unless the receiver
+        left too, and free the communicator."""
+        if self._notices is not None:
+            _quietly(lambda: self._notices.tell(f"{type(error).__name__}: {error}"))
+        for shift in list(self._active):
+            for _, request in shift.receives:
+                _quietly(request.Cancel)
+                _quietly(request.Wait)
+            shift.receives.clear()
+            for _, request in shift.sends:
+                _quietly(lambda: self._wait(request, self.next))
+            shift.sends.clear()
+        self._active.clear()
+        if self._notices is not None:
+            _quietly(self._notices.withdraw)
+        self._free()
+
+    def _free(self):
+        self._lanes.clear()         # the buffer sets go now, whoever still holds this object
+        if self._owns_comm:
+            self._owns_comm = False
+            self.comm.Free()
+
+    # -- buffer sets -----------------------------------------------------------------
+
+    def _take_set(self, lane, arrays, tag):
+        """This tag's next buffer set shaped like `arrays` (allocated at first
+        use), once no send reads it any more (see the module's hazards)."""
+        signature = tuple((a.shape, str(a.dtype), array_module(a).__name__) for a in arrays)
+        if signature != lane.signature:
+            lane.signature, lane.sets, lane.turn = signature, [], 0
+        if len(lane.sets) < N_BUFFER_SETS:
+            lane.sets.append(self.memory.buffer_set(arrays))
+            self.buffer_sets_allocated += 1
+        buffers = lane.sets[lane.turn]
+        lane.turn = (lane.turn + 1) % N_BUFFER_SETS
+        handed = [_span(h) for h in buffers.handed]
+        for i, a in enumerate(arrays):
+            if any(_overlap(_span(a), h) for h in handed):
+                raise ShiftOrderError(
+                    f"{rank_name(self.comm)}: start_shift: array {i} to send lies in the buffers the next "
+                    f"{TRANSFERS.get(tag, f'tag {tag} message')} arrives in: a block finish_shift returned "
+                    "is valid only until the second start_shift after it with the same tag")
+        touched = [_span(b) for b in buffers.receive + buffers.staged if b is not None]
+        for shift in list(self._active):
+            self._wait_sends(shift, lambda array: any(_overlap(_span(array), s) for s in touched))
+        return buffers
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _test(self, shift):
+        """Test the shift's requests not yet complete; forget those that are."""
+        for receiving, pending in ((True, shift.receives), (False, shift.sends)):
+            for entry in list(pending):
+                with self._naming_failure(shift, entry[0], receiving=receiving):
+                    done = entry[1].Test()
+                if done:
+                    pending.remove(entry)
+        self._settled(shift)
+
+    def _wait_sends(self, shift, reads):
+        """Wait for the shift's sends whose array satisfies `reads(array)`."""
+        for entry in list(shift.sends):
+            i, request = entry
+            if reads(shift.sent[i]):
+                with self._naming_failure(shift, i, receiving=False):
+                    self._wait(request, self.next)
+                shift.sends.remove(entry)
+        self._settled(shift)
+
+    def _settled(self, shift):
+        if not shift.receives and shift.arrived_at is None:
+            shift.arrived_at = time.perf_counter()
+        if not shift.receives and not shift.sends and shift in self._active:
+            self._active.remove(shift)
+
+    def _wait(self, request, peer):
+        """Wait for `request`, a transfer with neighbour `peer`, or for that
+        neighbour's notice that it left (then raise _NeighbourLeft)."""
+        if self._notices is None:
+            request.Wait()
+        else:
+            self._notices.wait(request, peer)
+
+    def _check_finish(self, shift):
+        if not isinstance(shift, Shift) or shift.owner is not self:
+            raise ShiftOrderError(f"{rank_name(self.comm)}: finish_shift called before start_shift: "
+                                  f"{shift!r} is not a shift this RingComm started")
+        if shift.finished:
+            raise ShiftOrderError(f"{rank_name(self.comm)}: finish_shift called twice: the {shift.what} "
+                                  f"of round {shift.round} was finished already")
+        return self._lanes[shift.tag]
 
     @contextmanager
-    def _naming_failure(self, shift, index):
-        """Turn an MPI error of request `index` of `shift` into a RingError that
-        says who failed to move what, in which round."""
+    def _naming_failure(self, shift, array, *, receiving):
+        """Turn an error of the transfer of `array` of `shift` into a RingError
+        that says who failed to move what, in which round, and why."""
         try:
             yield
         except Exception as e:      # noqa: BLE001 - mpi4py.MPI.Exception, re-raised with names
-            receiving, array = index % 2 == 0, index // 2
-            peer = rank_name(self.comm, self.prev if receiving else self.next)
-            what = TRANSFERS.get(shift.tag, f"tag {shift.tag} message")
+            peer = self.prev if receiving else self.next
+            if isinstance(e, _NeighbourLeft):
+                why = f"{rank_name(self.comm, peer)} left the ring ({e})"
+            else:
+                kind = "MPI error" if type(e).__module__.startswith("mpi4py") else type(e).__name__
+                why = f"{kind}: {e}"
+                said = self._notices.reason(peer) if self._notices is not None else None
+                if said is not None:
+                    why = f"{rank_name(self.comm, peer)} left the ring ({said}); {why}"
             raise RingError(
                 f"{rank_name(self.comm)}: round {shift.round}: "
-                f"{'receiving' if receiving else 'sending'} the {what} (array {array} of {len(shift.sent)}) "
-                f"{'from' if receiving else 'to'} {peer} failed: "
-                f"{'MPI error' if type(e).__module__.startswith('mpi4py') else type(e).__name__}: {e}") from e
+                f"{'receiving' if receiving else 'sending'} the {shift.what} (array {array} of {len(shift.sent)}) "
+                f"{'from' if receiving else 'to'} {rank_name(self.comm, peer)} failed: {why}") from e
 
-    def _take_receive_buffers(self, arrays, tag):
-        """A free receive buffer set shaped like `arrays` (see the module's hazards)."""
-        signature = tuple((a.shape, a.dtype) for a in arrays)
-        pool = self._pools.get(tag)
-        if pool is None or pool.signature != signature:
-            pool = self._pools[tag] = _Pool(signature)
-        busy = {_address(a) for s in self._in_flight for a in s.sent + s.received}
-        busy |= {_address(a) for a in arrays}
-        for i, buffers in enumerate(pool.sets):
-            if i != pool.held and not busy & {_address(b) for b in buffers}:
-                return buffers
-        if len(pool.sets) >= N_BUFFER_SETS:
-            # the ring never gets here; another caller holding buffers longer does
-            raise RuntimeError(f"tag {tag}: all {N_BUFFER_SETS} receive buffer sets are busy; "
-                               "finish a shift before starting the next one")
-        buffers = tuple(self.memory.receive_like(a) for a in arrays)
-        pool.sets.append(buffers)
-        self.buffer_sets_allocated += 1
-        return buffers
+
+class _NeighbourLeft(Exception):
+    """The neighbour a transfer waits for sent word that it left the ring."""
+
+
+class _Notices:
+    """Word between neighbours that one of them left the ring: each rank keeps
+    a receive posted for a notice from either neighbour, and waits for a
+    transfer or that notice, whichever comes first."""
+
+    def __init__(self, comm, prev, next):
+        self.comm, self.prev, self.next = comm, prev, next      # no reference back: no cycle to collect
+        self._buffers = {FROM_PREV: np.zeros(NOTICE_BYTES, np.uint8), FROM_NEXT: np.zeros(NOTICE_BYTES, np.uint8)}
+        self._peers = {FROM_PREV: prev, FROM_NEXT: next}
+        self._requests = {tag: comm.Irecv(self._buffers[tag], source=self._peers[tag], tag=tag)
+                          for tag in (FROM_PREV, FROM_NEXT)}
+        self._said = {}             # tag -> the reason a neighbour gave
+
+    def _tag(self, peer):
+        return FROM_PREV if peer == self.prev else FROM_NEXT
+
+    def wait(self, request, peer):
+        """Wait for `request` or the notice from `peer`; raise _NeighbourLeft for the notice."""
+        tag = self._tag(peer)
+        if tag not in self._said and request.Waitany([request, self._requests[tag]]) == 0:
+            return
+        raise _NeighbourLeft(self.reason(peer))
+
+    def reason(self, peer):
+        """What `peer` said when it left, or None if it has not (tested now)."""
+        tag = self._tag(peer)
+        if tag not in self._said and self._requests[tag].Test():
+            self._said[tag] = bytes(self._buffers[tag]).rstrip(b"\0").decode(errors="replace")
+        return self._said.get(tag)
+
+    def tell(self, reason):
+        """Tell both neighbours that this rank leaves, and why."""
+        payload = np.zeros(NOTICE_BYTES, np.uint8)
+        data = reason.encode()[:NOTICE_BYTES]
+        payload[:len(data)] = np.frombuffer(data, np.uint8)
+        comm = self.comm
+        # the neighbour after this one hears it from its prev, the one before from its next
+        for dest, tag in ((self.next, FROM_PREV), (self.prev, FROM_NEXT)):
+            request = comm.Isend(payload, dest=dest, tag=tag)
+            # A small message: MPI copies it when sent, so it is complete at once; one that
+            # is not is kept, with its buffer, for as long as the process lives.
+            if not request.Test():
+                _TOLD.append((request, payload))
+
+    def withdraw(self):
+        """Cancel the notice receives (a notice already here is simply read)."""
+        for tag, request in self._requests.items():
+            if tag not in self._said:       # completed requests are not cancelled (MPI_REQUEST_NULL)
+                request.Cancel()
+                request.Wait()
+
+
+_TOLD = []      # notices MPI had not sent at once: (request, buffer)
+
+
+def _quietly(action):
+    """Run `action`, ignoring its errors: for clean-up after a failure, which
+    must not hide the failure."""
+    try:
+        action()
+    except Exception:       # noqa: BLE001 - the first error is the one reported
+        pass
 
 
 class HostMemory:
     """MPI reads and writes the arrays themselves: receive buffers are new
     arrays of each array's own module. The three verbs a memory object has:
 
-        outgoing(arrays, tag) -> what MPI sends (the same arrays here, made ready)
-        receive_like(a)       -> a buffer MPI may write a twin of `a` into
-        arrived(received, tag) -> what `finish_shift` hands the caller
+        buffer_set(like) -> BufferSet  for arrays shaped like `like` (called
+                                       in start_shift, before the step runs)
+        outgoing(arrays, buffers) -> what MPI sends (the same arrays here, made ready)
+        arrived(buffers) -> what `finish_shift` hands the caller
     """
     clock = None
 
-    def outgoing(self, arrays, tag):
+    def buffer_set(self, like):
+        received = tuple(array_module(a).empty(a.shape, dtype=a.dtype) for a in like)
+        return BufferSet(received, received, (None,) * len(like))
+
+    def outgoing(self, arrays, buffers):
         _ready_for_mpi(arrays)
         return arrays
 
-    def receive_like(self, a):
-        return array_module(a).empty(a.shape, dtype=a.dtype)
-
-    def arrived(self, received, tag):
-        return received
+    def arrived(self, buffers):
+        return buffers.receive
 
 
-def _address(a):
-    """Start of an array's memory (host or device)."""
+def _span(a):
+    """(memory space, first byte, end) of a C-contiguous array, host or device."""
     if hasattr(a, "__cuda_array_interface__"):
-        return ("cuda", a.__cuda_array_interface__["data"][0])
-    return ("host", a.__array_interface__["data"][0])
+        start, space = a.__cuda_array_interface__["data"][0], "cuda"
+    else:
+        start, space = a.__array_interface__["data"][0], "host"
+    return space, start, start + a.nbytes
+
+
+def _overlap(a, b):
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 def byte_view(a):
@@ -219,6 +518,37 @@ def _ready_for_mpi(arrays):
         if xp.__name__ == "cupy":
             xp.cuda.get_current_stream().synchronize()
             return
+
+
+# -- an asynchronous progress thread -------------------------------------------------
+
+ASYNC_PROGRESS = "MPIR_CVAR_ASYNC_PROGRESS"      # MPICH's control variable, read when MPI starts
+
+
+def ask_for_async_progress(environ=None):
+    """Ask the MPI library for its asynchronous progress thread, which moves
+    messages while no MPI call runs, at the cost of a thread polling: MPICH
+    starts one when MPI starts with MPIR_CVAR_ASYNC_PROGRESS=1 in the
+    environment (raising the thread level to MPI_THREAD_MULTIPLE; its own
+    help text, in libmpi, asks to leave a hardware thread free for it), so
+    call this before ``from mpi4py import MPI``. Open MPI 5 has none for
+    shared memory (only its TCP transport's btl_tcp_progress_thread, in
+    ``ompi_info --all``): see `progress_engine`."""
+    (os.environ if environ is None else environ)[ASYNC_PROGRESS] = "1"
+
+
+def progress_engine(MPI, environ=None):
+    """What moves the ring's transfers while ranks compute, in words: the
+    step's progress() calls, and the library's progress thread where it runs."""
+    environ = os.environ if environ is None else environ
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    asked = environ.get(ASYNC_PROGRESS) == "1"
+    if not asked:
+        return "progress() between tiles"
+    if library.startswith("MPICH"):
+        return "progress() between tiles and MPICH's progress thread"
+    return (f"progress() between tiles only: {library.split(',')[0]} has no asynchronous progress thread "
+            "here (asked with --async-progress)")
 
 
 def rank_name(mpi_comm, rank=None):

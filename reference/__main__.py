@@ -2,6 +2,7 @@
 
     python -m reference                       # S=64, N=4, tiles of 4
     python -m reference --seq-len 256 --n-devices 8 --tile-size 8
+    python -m reference --seq-len 8192 --n-devices 8 --tile-size 128 --step auto --threads 1 --blas-threads 1
 
 Each table shows, per round and device, the visible (query, key) pairs and the
 tiles computed out of all tiles of the block held: contiguous leaves some
@@ -13,7 +14,7 @@ import argparse
 
 import numpy as np
 
-from . import cost
+from . import cost, steps
 from .dense import attention
 from .layouts import LAYOUTS
 from .virtual import ring_attention
@@ -27,6 +28,12 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=2, help="query heads (default %(default)s)")
     ap.add_argument("--head-dim", type=int, default=16, help="head dim D (default %(default)s)")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
+    ap.add_argument("--step", choices=steps.NAMES, default=steps.DEFAULT, help="block step (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="worker threads per device, for steps that take them (default: the devices' share of "
+                         "the cores, reference.cores)")
+    ap.add_argument("--blas-threads", type=int, default=None,
+                    help="BLAS threads per product (default: the devices' share of the cores)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -40,10 +47,11 @@ def main(argv=None):
     summary = []
     for layout in layouts:
         out, _, trace = ring_attention(q, k, v, n_devices=args.n_devices, layout=layout,
-                                       tile_size=args.tile_size, trace=True)
+                                       tile_size=args.tile_size, trace=True, step=args.step,
+                                       threads=args.threads, blas_threads=args.blas_threads)
         err = float(np.abs(out - ref_out).max())
         print(trace.table(f"\n{layout}: S={args.seq_len}, N={args.n_devices}, tile={args.tile_size}, "
-                          f"max error vs dense {err:.1e}"))
+                          f"max error vs dense {err:.1e}; step {trace.step}; {trace.threads}"))
         summary.append((layout, err, trace.critical_path("pairs"),
                         cost.speedup(args.seq_len, args.n_devices, layout, args.tile_size, "tiles")))
     print(f"\n{'layout':<11} {'max error':>10} {'critical pairs':>15} {'predicted speedup (tiles)':>26}")

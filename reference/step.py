@@ -20,17 +20,22 @@ Backward, per tile, with ``delta = rowsum(dO * out)`` computed once:
     dQ += dS K,     dK += dS^T Q
 
 The contract (what a new kernel implements; `reference.steps` registers it):
-a `Step` subclass with ``forward_tiles(acc, queries, block, plan)`` and
-``backward_tiles(grads, queries, rows, block, plan)`` (called with a plan of
-at least one tile). `Step.forward` and `Step.backward` do the rest once for
-every version: plan the tiles from positions and the mask (``mask=``, a
+a `Step` subclass with ``forward_tiles(acc, queries, block, plan, progress)``
+and ``backward_tiles(grads, queries, rows, block, plan, progress)`` (called
+with a plan of at least one tile). ``progress`` is a function of no argument
+that the tiles call on the calling thread, never on another, between tiles
+(or, for a version with worker threads, while it waits for them): the ring
+passes its communication object's, so that a transfer in flight moves while
+the device computes. Called without one, a step is given `no_progress`.
+`Step.forward` and `Step.backward` do the rest once for every version: plan the tiles from positions and the mask (``mask=``, a
 `reference.masks.Mask`; ``causal=True`` still works), note which rows can see
 a key, count the work for the trace. The tiles read the mask from
 ``queries.mask`` (a MASKED tile's mask is ``visible(q_pos, k_pos,
 queries.mask)``); a version that applies dropout (``has_dropout``) weighs P V
 by `masks.keep_weights`, as version 1 does.
-Faster versions sit beside this one (`step_v2`, `step_v3`,
-`gpu_impl.fused`), each checked against it (tests/test_step.py).
+Faster versions sit beside this one (`step_v2`, `step_v3`, `step_v4`, each
+built from the pieces of `step_parts`; `gpu_impl.fused`), each checked
+against it (tests/test_step.py).
 
 Rows without a visible key and NaN (DESIGN.md):
 - a row with no visible key at all ends with out = 0 and lse = -inf;
@@ -155,6 +160,10 @@ class StepCounts:
     pairs: int = 0
 
 
+def no_progress():
+    """The `progress` of a step called without one: nothing to move."""
+
+
 # -- the contract ---------------------------------------------------------
 
 class Step:
@@ -178,22 +187,23 @@ class Step:
         """The (tq, tk) this version computes with."""
         return tile_shape(tile_size)
 
-    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
+    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         """Accumulate attention of `queries` to `block` into `acc`. Returns StepCounts.
-        `mask`: a `reference.masks.Mask` (or `causal`, a bool, as before masks)."""
+        `mask`: a `reference.masks.Mask` (or `causal`, a bool, as before masks).
+        `progress`: called on this thread between tiles (module docstring)."""
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)
         acc.seen |= any_visible(queries.pos, block.pos, mask)
         if plan:                                         # a block no query sees costs nothing more
-            self.forward_tiles(acc, queries, block, plan)
+            self.forward_tiles(acc, queries, block, plan, progress=progress or no_progress)
         return _count(plan, skipped, queries.pos, block.pos, mask)
 
-    def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None):
+    def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None, progress=None):
         """Add this block's share to `grads` (dQ, and the block's dK, dV). Returns StepCounts."""
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)
         if plan:
-            self.backward_tiles(grads, queries, rows, block, plan)
+            self.backward_tiles(grads, queries, rows, block, plan, progress=progress or no_progress)
         return _count(plan, skipped, queries.pos, block.pos, mask)
 
     def _with_mask(self, queries, block, mask, causal):
@@ -203,10 +213,10 @@ class Step:
             raise ValueError(f"step {self.name!r} has no dropout; use step='v1'")
         return replace(queries, mask=mask), block._replace(pos=to_host(block.pos)), mask
 
-    def forward_tiles(self, acc, queries, block, plan):
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         raise NotImplementedError
 
-    def backward_tiles(self, grads, queries, rows, block, plan):
+    def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
         raise NotImplementedError
 
     @property
@@ -246,24 +256,28 @@ class ReadableStep(Step):
     name = "v1"
     has_dropout = True
 
-    def forward_tiles(self, acc, queries, block, plan):
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         xp = array_module(queries.q)
         guard = not all_finite(xp, block.v)             # a NaN or inf in V: guard the masked pairs
         for qs, ks, kind in plan:
             mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
-            forward_tile(tile_rows(acc.o, qs), tile_rows(acc.m, qs), tile_rows(acc.l, qs),
-                         tile_rows(queries.q, qs), block.k[:, :, ks], block.v[:, :, ks], mask, guard,
-                         dropout_rows(queries, block, qs, ks))
+            tile = ForwardTile(o=tile_rows(acc.o, qs), m=tile_rows(acc.m, qs), l=tile_rows(acc.l, qs),
+                               q=tile_rows(queries.q, qs), k=block.k[:, :, ks], v=block.v[:, :, ks],
+                               z=dropout_rows(queries, block, qs, ks))
+            forward_tile(tile, mask, guard)
+            progress()
 
-    def backward_tiles(self, grads, queries, rows, block, plan):
+    def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
         xp = array_module(queries.q)
         guard = not all_finite(xp, queries.q, rows.do, rows.delta, block.k, block.v)
         for qs, ks, kind in plan:
             mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
-            backward_tile(tile_rows(grads.dq, qs), grads.dk[:, :, ks], grads.dv[:, :, ks],
-                          tile_rows(queries.q, qs), tile_rows(rows.do, qs), tile_rows(rows.lse, qs),
-                          tile_rows(rows.delta, qs), block.k[:, :, ks], block.v[:, :, ks], mask, guard,
-                          dropout_rows(queries, block, qs, ks))
+            tile = BackwardTile(dq=tile_rows(grads.dq, qs), dk=grads.dk[:, :, ks], dv=grads.dv[:, :, ks],
+                                q=tile_rows(queries.q, qs), do=tile_rows(rows.do, qs),
+                                lse=tile_rows(rows.lse, qs), delta=tile_rows(rows.delta, qs),
+                                k=block.k[:, :, ks], v=block.v[:, :, ks], z=dropout_rows(queries, block, qs, ks))
+            backward_tile(tile, mask, guard)
+            progress()
 
 
 def dropout_rows(queries, block, qs, ks):
@@ -279,49 +293,75 @@ def dropout_rows(queries, block, qs, ks):
     return z.reshape(B, Hkv, G, tq, tk).transpose(0, 1, 3, 2, 4).reshape(B, Hkv, tq * G, tk)
 
 
-def forward_tile(o, m, l, q, k, v, mask, guard=False, z=None):
-    """One tile of the online softmax. o (B,Hkv,R,D), m, l (B,Hkv,R) are views
-    of the accumulator, updated in place; q (B,Hkv,R,D), k, v (B,Hkv,tk,D);
-    mask (tq, tk) or None (every pair visible). `guard`: V may hold NaN or inf.
-    `z` (B,Hkv,R,tk): dropout weights, or None: they weigh P V, not the sum l."""
-    xp = array_module(q)
-    s = q @ k.swapaxes(-1, -2)                           # S = Q K^T   (B, Hkv, R, tk)
+@dataclass
+class ForwardTile:
+    """One tile as `forward_tile` reads it: views of the accumulator (updated in
+    place), the queries, the keys and values; R = tq * G rows, query-major."""
+    o: object            # (B, Hkv, R, D)
+    m: object            # (B, Hkv, R)
+    l: object            # (B, Hkv, R)
+    q: object            # (B, Hkv, R, D)
+    k: object            # (B, Hkv, tk, D)
+    v: object            # (B, Hkv, tk, D)
+    z: object = None     # (B, Hkv, R, tk) dropout weights, or None: they weigh P V, not the sum l
+
+
+def forward_tile(t, mask, guard=False):
+    """One tile of the online softmax on the ForwardTile `t`. mask (tq, tk) or
+    None (every pair visible). `guard`: V may hold NaN or inf."""
+    xp = array_module(t.q)
+    s = t.q @ t.k.swapaxes(-1, -2)                       # S = Q K^T   (B, Hkv, R, tk)
     if mask is not None:
         apply_mask(s, mask)                              # -inf where masked
-    m_new = xp.maximum(m, s.max(axis=-1))                # (B, Hkv, R)
+    m_new = xp.maximum(t.m, s.max(axis=-1))              # (B, Hkv, R)
     # Hazard: a row that has seen no visible key yet has m_new = -inf, and
     # exp(-inf - -inf) is NaN. Subtracting 0 instead leaves exp(-inf) = 0.
     m_safe = xp.where(xp.isneginf(m_new), 0.0, m_new).astype(s.dtype, copy=False)
     p = xp.exp(s - m_safe[..., None])                    # P = exp(S - m_new)
-    alpha = xp.exp(m - m_safe)                           # rescales the old l and O
-    l[...] = l * alpha + p.sum(axis=-1)
-    vis = mask_rows(mask, q.shape[-2], xp) if guard else None   # (R, tk) or None
-    pz = p if z is None else p * z                       # P Z: dropout leaves l alone
-    o[...] = o * alpha[..., None] + masked_product(pz, v, vis)  # O = O alpha + P Z V
-    m[...] = m_new
+    alpha = xp.exp(t.m - m_safe)                         # rescales the old l and O
+    t.l[...] = t.l * alpha + p.sum(axis=-1)
+    vis = mask_rows(mask, t.q.shape[-2], xp) if guard else None   # (R, tk) or None
+    pz = p if t.z is None else p * t.z                   # P Z: dropout leaves l alone
+    t.o[...] = t.o * alpha[..., None] + masked_product(pz, t.v, vis)   # O = O alpha + P Z V
+    t.m[...] = m_new
 
 
-def backward_tile(dq, dk, dv, q, do, lse, delta, k, v, mask, guard=False, z=None):
-    """One tile of the backward; dq (B,Hkv,R,D), dk, dv (B,Hkv,tk,D) are views
-    added to in place. `guard`: the inputs may hold NaN or inf. `z`: dropout
-    weights (B,Hkv,R,tk) or None; delta = rowsum(dO * out) already holds them."""
-    xp = array_module(q)
-    s = q @ k.swapaxes(-1, -2) - lse[..., None]          # S - lse   (B, Hkv, R, tk)
+@dataclass
+class BackwardTile:
+    """One tile as `backward_tile` reads it: views of dQ and of the block's dK,
+    dV (added to in place), then what the formulas read; R = tq * G rows."""
+    dq: object           # (B, Hkv, R, D)
+    dk: object           # (B, Hkv, tk, D)
+    dv: object           # (B, Hkv, tk, D)
+    q: object            # (B, Hkv, R, D)
+    do: object           # (B, Hkv, R, D)
+    lse: object          # (B, Hkv, R)
+    delta: object        # (B, Hkv, R) rowsum(dO * out), dropout included
+    k: object            # (B, Hkv, tk, D)
+    v: object            # (B, Hkv, tk, D)
+    z: object = None     # (B, Hkv, R, tk) dropout weights, or None
+
+
+def backward_tile(t, mask, guard=False):
+    """One tile of the backward on the BackwardTile `t`. `guard`: the inputs
+    may hold NaN or inf."""
+    xp = array_module(t.q)
+    s = t.q @ t.k.swapaxes(-1, -2) - t.lse[..., None]    # S - lse   (B, Hkv, R, tk)
     if mask is not None:                                 # after lse: -inf - NaN would be NaN, not -inf
         apply_mask(s, mask)
     p = xp.exp(s)                                        # P = exp(S - lse), exactly 0 where masked
-    vis = mask_rows(mask, q.shape[-2], xp) if guard else None    # (R, tk) or None
+    vis = mask_rows(mask, t.q.shape[-2], xp) if guard else None    # (R, tk) or None
     vis_t = None if vis is None else vis.T
-    pz = p if z is None else p * z
-    dv += masked_product(pz.swapaxes(-1, -2), do, vis_t)  # dV += (P Z)^T dO   (B, Hkv, tk, D)
-    dp = do @ v.swapaxes(-1, -2)                         # dP = dO V^T    (B, Hkv, R, tk)
-    if z is not None:
-        dp *= z                                          # dP = (dO V^T) Z
-    ds = p * (dp - delta[..., None])                     # dS = P (dP - delta)
+    pz = p if t.z is None else p * t.z
+    t.dv += masked_product(pz.swapaxes(-1, -2), t.do, vis_t)   # dV += (P Z)^T dO   (B, Hkv, tk, D)
+    dp = t.do @ t.v.swapaxes(-1, -2)                     # dP = dO V^T    (B, Hkv, R, tk)
+    if t.z is not None:
+        dp *= t.z                                        # dP = (dO V^T) Z
+    ds = p * (dp - t.delta[..., None])                   # dS = P (dP - delta)
     if vis is not None:                                  # 0 x NaN: P = 0 does not clear a NaN dP - delta
         xp.copyto(ds, 0, where=~vis)
-    dq += masked_product(ds, k, vis)                     # dQ += dS K     (B, Hkv, R, D)
-    dk += masked_product(ds.swapaxes(-1, -2), q, vis_t)  # dK += dS^T Q   (B, Hkv, tk, D)
+    t.dq += masked_product(ds, t.k, vis)                 # dQ += dS K     (B, Hkv, R, D)
+    t.dk += masked_product(ds.swapaxes(-1, -2), t.q, vis_t)    # dK += dS^T Q   (B, Hkv, tk, D)
 
 
 # -- helpers shared by the versions ---------------------------------------

@@ -12,7 +12,8 @@ one product over the span of keys its visible sub-tiles cover: the sub-tiles
 that no query sees are not computed, and the mask is built and applied on the
 masked sub-tiles only (a band of width ``SUB`` along the diagonal). A masked
 256 x 256 tile then does 10/16 of the products and a quarter of the mask
-work. The lazy shift's test and the exact fall-back are version 3's.
+work. Everything else is version 3's, from `reference.step_parts`: the lazy
+shift's test and its exact fall-back, taller products, worker threads.
 
 Measured (``OPENBLAS_NUM_THREADS=1 python -m bench.block_shapes --steps v3 v4``,
 BENCHMARKS.md; AMD EPYC, one thread, S = 8192 and 16384, N = 4, tiles of
@@ -31,84 +32,91 @@ import functools
 
 import numpy as np
 
-from .step_v2 import ExactBase2Step
-from .step_v3 import SUM_LIMIT, LazyThreadedStep
 from .masks import visible
+from .step import Step, no_progress
+from .step_parts import (SUM_LIMIT, backward_cols, check_workers, exact_update, lazy_tile, threaded_backward,
+                         threaded_forward, workers_label)
 from .tiles import FULL, SKIP, classify
 
 SUB = 64          # the side of a sub-tile: masked tiles are computed SUB x SUB at a time
 
 
-class SubTiledStep(LazyThreadedStep):
+class SubTiledStep(Step):
     """Version 4: version 3, masked tiles in sub-tiles of `sub` x `sub`."""
     name = "v4"
+    array_modules = ("numpy",)
+    takes_workers = True
 
     def __init__(self, workers=1, sub=SUB):
-        super().__init__(workers)
+        self.workers = check_workers(workers)
         if isinstance(sub, bool) or not isinstance(sub, (int, np.integer)) or sub < 1:
             raise ValueError(f"sub must be a positive int, got {sub!r}")
         self.sub = int(sub)
 
     @property
     def label(self):
-        return super().label + ("" if self.sub == SUB else f", sub-tiles of {self.sub}")
+        return workers_label(self.name, self.workers) + ("" if self.sub == SUB else f", sub-tiles of {self.sub}")
 
-    # -- forward ----------------------------------------------------------
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
+        # version 3's forward, with `subtiled_tile` for its tiles
+        threaded_forward(acc, queries, block, plan, self.subtiled_tile, self.workers, progress)
 
-    def update(self, ol, m2, q2, s, head, ks, tile_pos, inc):
-        """A masked tile with a lazy shift: in sub-tiles; else as version 3."""
-        if tile_pos is None or not head.lazy or not np.isfinite(m2).all():
-            return super().update(ol, m2, q2, s, head, ks, tile_pos, inc)
-        q_pos, k_pos, rule = tile_pos
-        G = len(q2) // len(q_pos)
+    def subtiled_tile(self, st, s, head, ks, where):
+        """A masked tile with a lazy shift, in sub-tiles; any other as version 3 (`lazy_tile`)."""
+        if where is None or not head.lazy or not np.isfinite(st.m2).all():
+            return lazy_tile(st, s, head, ks, where)
+        G = len(st.q2) // len(where.q_pos)
         k1, v1 = head.k1[ks], head.v1[ks]
-        for qa, lo, hi, masks in sub_rows(q_pos, k_pos, rule, self.sub):
+        for qa, lo, hi, masks in sub_rows(where.q_pos, where.k_pos, where.rule, self.sub):
             rows = slice(qa.start * G, qa.stop * G)
             if hi == lo:                                 # no query of these rows sees a key
-                inc[rows] = 0
+                st.inc[rows] = 0
                 continue
             sa = s.reshape(-1)[:(rows.stop - rows.start) * (hi - lo)].reshape(-1, hi - lo)   # (Ra, w)
-            np.matmul(q2[rows], k1[lo:hi].T, out=sa)    # S - m, base 2
-            np.exp2(sa, out=sa)                         # P; hidden entries may overflow: cleared next
-            for kc, mask in masks:                      # the masked and skipped sub-tiles of the span
+            np.matmul(st.q2[rows], k1[lo:hi].T, out=sa)  # S - m, base 2
+            np.exp2(sa, out=sa)                          # P; hidden entries may overflow: cleared next
+            for kc, mask in masks:                       # the masked and skipped sub-tiles of the span
                 sub = sa[:, kc.start - lo:kc.stop - lo].reshape(qa.stop - qa.start, G, -1)
                 np.copyto(sub, 0, where=~mask[:, None, :])
-            np.matmul(sa, v1[lo:hi], out=inc[rows])     # [P V, rowsum(P)]
-        if inc[:, -1].max() <= SUM_LIMIT:               # False for inf and NaN too
-            ol += inc
-            return m2
-        return ExactBase2Step.update(self, ol, m2, q2, s, head, ks, tile_pos, inc)
+            np.matmul(sa, v1[lo:hi], out=st.inc[rows])   # [P V, rowsum(P)]
+        if st.inc[:, -1].max() <= SUM_LIMIT:             # False for inf and NaN too
+            st.ol += st.inc
+            return
+        exact_update(st, s, head, ks, where)
 
-    # -- backward ---------------------------------------------------------
+    def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
+        # version 3's backward, with `subtiled_cols` for its key tiles
+        threaded_backward(grads, queries, rows, block, plan, self.subtiled_cols, self.workers, progress)
 
-    def backward_cols(self, dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard, rule=True):
-        """Version 2's `backward_cols`, with the masked tiles in sub-tiles (not
+    def subtiled_cols(self, hq, col, dq, tiles, guard, tick=no_progress):
+        """`step_parts.backward_cols`, with the masked tiles in sub-tiles (not
         when the inputs hold NaN or inf: the guarded products are version 2's)."""
-        if guard or all(kind == FULL for _, kind in tiles):
-            return super().backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, tiles, guard, rule)
         full = [(qs, kind) for qs, kind in tiles if kind == FULL]
+        if guard or len(full) == len(tiles):
+            return backward_cols(hq, col, dq, tiles, guard, tick)
         if full:
-            super().backward_cols(dq, dk, dv, q, q2, do, do1, k, k1, v1, q_pos, k_pos, full, guard, rule)
-        G, D = q.shape[1], q.shape[2]
+            backward_cols(hq, col, dq, full, guard, tick)
+        G, D = hq.q.shape[1], hq.q.shape[2]
         for qs, kind in tiles:
             if kind == FULL:
                 continue
-            for qa, lo, hi, masks in sub_rows(q_pos[qs], k_pos, rule, self.sub):
+            for qa, lo, hi, masks in sub_rows(hq.pos[qs], col.pos, hq.mask, self.sub):
                 if hi == lo:
                     continue
                 rows = slice(qs.start + qa.start, qs.start + qa.stop)
                 Ra = (qa.stop - qa.start) * G
-                p = q2[rows].reshape(Ra, D + 1) @ k1[lo:hi].T          # S - lse, base 2   (Ra, w)
-                with np.errstate(over="ignore", invalid="ignore"):     # hidden entries: cleared next
-                    np.exp2(p, out=p)                                  # P = exp(S - lse)
+                p = hq.q2[rows].reshape(Ra, D + 1) @ col.k1[lo:hi].T     # S - lse, base 2   (Ra, w)
+                with np.errstate(over="ignore", invalid="ignore"):       # hidden entries: cleared next
+                    np.exp2(p, out=p)                                    # P = exp(S - lse)
                 for kc, mask in masks:
                     np.copyto(p[:, kc.start - lo:kc.stop - lo].reshape(qa.stop - qa.start, G, -1), 0,
                               where=~mask[:, None, :])
-                dv[lo:hi] += p.T @ do[rows].reshape(Ra, D)             # dV += P^T dO
-                ds = do1[rows].reshape(Ra, D + 1) @ v1[lo:hi].T        # dP - delta   (Ra, w)
-                ds *= p                                                # dS = P (dP - delta)
-                dq[rows] += (ds @ k[lo:hi]).reshape(-1, G, D)          # dQ += dS K
-                dk[lo:hi] += ds.T @ q[rows].reshape(Ra, D)             # dK += dS^T Q
+                col.dv[lo:hi] += p.T @ hq.do[rows].reshape(Ra, D)       # dV += P^T dO
+                ds = hq.do1[rows].reshape(Ra, D + 1) @ col.v1[lo:hi].T  # dP - delta   (Ra, w)
+                ds *= p                                                  # dS = P (dP - delta)
+                dq[rows] += (ds @ col.k[lo:hi]).reshape(-1, G, D)       # dQ += dS K
+                col.dk[lo:hi] += ds.T @ hq.q[rows].reshape(Ra, D)       # dK += dS^T Q
+            tick()
 
 
 def sub_rows(q_pos, k_pos, rule=True, sub=SUB):

@@ -8,8 +8,19 @@ Fields (all shape (N rounds, N devices)):
   bytes_sent      bytes this device put on the ring in round t
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
                   seconds spent waiting for a transfer (zero where not timed)
-and `step`, the step version that ran (e.g. "v3, 2 workers"). The first four
+  start_s         when the step of round t started (host clock, seconds since the
+                  device's ring began; the K/V transfer was posted just before)
+  arrived_s       when the block that transfer brings was seen complete, during
+                  the step (the communication object's progress) or in finish_shift
+                  (MPI ranks; NaN where not recorded, and in the last round)
+and `step`, the step version that ran (e.g. "v3, 2 workers"), and `threads`, how
+the virtual devices shared the cores (`reference.cores`; empty elsewhere). The first four
 are the `Work` that the cost model predicts without running (`reference.cost`).
+The timeline follows: round t's step runs from start_s to start_s + compute_s,
+then the device waits wait_s for the next block; the block device j uses in
+round t + 1 was sent by device j - 1 at its start_s[t] and arrived at
+arrived_s[t, j]. MPI ranks start the ring together (right after the call's
+collective agreement check), so their clocks line up to within that check.
 
 Each device keeps a `RoundLog` (one row of the trace) while it runs its rounds
 (`reference.ring`); `Trace.from_logs` stacks the devices' logs. `Trace.table()`
@@ -58,22 +69,35 @@ class Trace(Work):
     compute_cpu_s: np.ndarray
     wait_s: np.ndarray
     step: str = ""
+    threads: str = ""
+    start_s: np.ndarray = None      # the timeline (module docstring); NaN where not recorded
+    arrived_s: np.ndarray = None
+
+    def __post_init__(self):
+        for name in TIMELINE:
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(self.pairs.shape, np.nan))
 
     @classmethod
-    def from_logs(cls, logs):
+    def from_logs(cls, logs, threads=""):
         """One RoundLog per device (in rank order) -> Trace with [t, j] arrays."""
         return cls(**{name: np.stack([getattr(log, name) for log in logs], axis=1) for name in FIELDS},
-                   step=logs[0].step)
+                   step=logs[0].step, threads=threads)
 
     @classmethod
     def from_dict(cls, d):
-        return cls(**{name: np.asarray(d[name]) for name in FIELDS}, step=d.get("step", ""))
+        """From `to_dict`'s dict (a trace written before the timeline fields: NaN there)."""
+        return cls(**{name: np.asarray(d[name], dtype=float if name in TIMELINE else None)
+                      for name in FIELDS if name in d}, step=d.get("step", ""), threads=d.get("threads", ""))
 
     def to_dict(self):
-        return {**{name: getattr(self, name).tolist() for name in FIELDS}, "step": self.step}
+        return {**{name: getattr(self, name).tolist() for name in FIELDS}, "step": self.step,
+                "threads": self.threads}
 
 
-FIELDS = tuple(f.name for f in fields(Trace) if f.name != "step")      # the [t, j] arrays
+FIELDS = tuple(f.name for f in fields(Trace) if f.name not in ("step", "threads"))   # the [t, j] arrays
+TIMELINE = ("start_s", "arrived_s")             # seconds since the device's ring began; NaN where none
+_REQUIRED = set(FIELDS) - set(TIMELINE)         # a trace file written before the timeline lacks it
 
 
 class RoundLog:
@@ -92,8 +116,11 @@ class RoundLog:
     def __init__(self, n_rounds, step="", clock=None):
         for name in FIELDS:
             setattr(self, name, np.zeros(n_rounds, dtype=float if name.endswith("_s") else np.int64))
+        for name in TIMELINE:
+            getattr(self, name).fill(np.nan)
         self.step = step            # the step version that ran
         self.clock, self._marks = clock, []      # [(t, start event, end event)]
+        self.began = time.perf_counter()        # the timeline's zero
 
     def record(self, t, counts, block, *, sent):
         """The step's counts (`reference.step.StepCounts`), the device `block`
@@ -110,6 +137,7 @@ class RoundLog:
         """Wall and CPU time of the step in round t (device time with a clock)."""
         start = self.clock.mark() if self.clock else None
         wall, cpu = time.perf_counter(), time.thread_time()
+        self.start_s[t] = wall - self.began
         yield
         self.compute_cpu_s[t] += time.thread_time() - cpu
         if self.clock:
@@ -125,6 +153,14 @@ class RoundLog:
         yield
         if not self.clock:
             self.wait_s[t] += time.perf_counter() - wall
+
+    def add_transfers(self, transfers, tag):
+        """When the blocks of `tag` arrived: the communication object's record
+        of its shifts (`mpi_impl.comm.Transfer`: tag, round, and times of
+        time.perf_counter())."""
+        for transfer in transfers:
+            if transfer.tag == tag and transfer.round < len(self.arrived_s):
+                self.arrived_s[transfer.round] = transfer.arrived - self.began
 
     def close(self):
         """With a clock: read the device times (this waits for the last step),
@@ -157,7 +193,7 @@ def write_trace(path, doc):
 def read_trace(path):
     """The document `write_trace` wrote, every trace in it a Trace again."""
     with open(path) as f:
-        return json.load(f, object_hook=lambda d: Trace.from_dict(d) if set(FIELDS) <= set(d) else d)
+        return json.load(f, object_hook=lambda d: Trace.from_dict(d) if _REQUIRED <= set(d) else d)
 
 
 def _as_json(x):

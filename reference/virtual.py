@@ -16,7 +16,7 @@ Shapes: q (B, S, Hq, D), k and v (B, S, Hkv, D), lse (B, Hq, S).
 import queue
 import threading
 
-from . import checks, ring, steps
+from . import checks, cores, ring, steps
 from .layouts import array_module, check_layout, positions, shard, unshard
 from .masks import layout_mask
 from .trace import Trace
@@ -89,14 +89,18 @@ def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_o
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
                    tile_size=None, step=steps.DEFAULT, trace=False, window=None, cu_seqlens=None,
-                   segment_ids=None, dropout=0.0, seed=0):
+                   segment_ids=None, dropout=0.0, seed=0, threads=None, blas_threads=None):
     """Exact attention over N virtual devices. Returns (out, lse) or (out, lse, Trace).
     `step`: a name of `reference.steps` ("v1", the readable step, by default;
     "auto": the fastest for the arrays) or a `reference.step.Step`.
     Mask options (`reference.masks`): a sliding `window`, packed documents
-    (`cu_seqlens` or `segment_ids`), `dropout` with its `seed`; any S."""
+    (`cu_seqlens` or `segment_ids`), `dropout` with its `seed`; any S.
+    `threads` (workers per device, for steps that take them) and
+    `blas_threads` (per product): the devices' share of the cores by default
+    (`reference.cores`); the trace says what ran (``Trace.threads``)."""
     mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
     scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options)
+    step, share = cores.for_devices(step, n_devices, threads=threads, blas_threads=blas_threads)
     S = q.shape[1]
     pos = positions(S, n_devices, layout)                              # (N, c), padded
     qs, ks, vs = (shard(x, n_devices, layout) for x in (q, k, v))
@@ -105,19 +109,22 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
         return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm,
                                  mask=mask, scale=scale, tile_size=tile_size, step=step)
 
-    outs, lses, logs = zip(*run_devices(n_devices, device))
+    with share.held():
+        outs, lses, logs = zip(*run_devices(n_devices, device))
     out, lse = unshard(outs, layout, axis=1, seq_len=S), unshard(lses, layout, axis=2, seq_len=S)
-    return (out, lse, Trace.from_logs(logs)) if trace else (out, lse)
+    return (out, lse, Trace.from_logs(logs, threads=share.label)) if trace else (out, lse)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
                             scale=None, tile_size=None, step=steps.DEFAULT, trace=False, window=None,
-                            cu_seqlens=None, segment_ids=None, dropout=0.0, seed=0):
+                            cu_seqlens=None, segment_ids=None, dropout=0.0, seed=0, threads=None,
+                            blas_threads=None):
     """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace);
-    mask options as `ring_attention` (dropout drops the forward's pairs again)."""
+    mask and thread options as `ring_attention` (dropout drops the forward's pairs again)."""
     mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
     scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options,
                                   backward=True)
+    step, share = cores.for_devices(step, n_devices, threads=threads, blas_threads=blas_threads)
     checks.check_grads_inputs(q, out, lse, dout)
     S = q.shape[1]
     pos = positions(S, n_devices, layout)
@@ -128,6 +135,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
         return ring.ring_backward(qs[j], ks[j], vs[j], outs[j], lses[j], douts[j], pos[j], pos[j],
                                   comm, mask=mask, scale=scale, tile_size=tile_size, step=step)
 
-    dqs, dks, dvs, logs = zip(*run_devices(n_devices, device))
+    with share.held():
+        dqs, dks, dvs, logs = zip(*run_devices(n_devices, device))
     grads = tuple(unshard(g, layout, axis=1, seq_len=S) for g in (dqs, dks, dvs))
-    return grads + (Trace.from_logs(logs),) if trace else grads
+    return grads + (Trace.from_logs(logs, threads=share.label),) if trace else grads

@@ -260,8 +260,8 @@ def test_kernel_check_catches_a_wrong_step():
     from reference.step_v2 import ExactBase2Step
 
     class DropsATile(ExactBase2Step):
-        def forward_tiles(self, acc, queries, block, plan):
-            super().forward_tiles(acc, queries, block, plan[1:])
+        def forward_tiles(self, acc, queries, block, plan, progress=None):
+            super().forward_tiles(acc, queries, block, plan[1:], progress)
 
     point = kernel.kernel_point(256, 16, 64, 1, 1e9, DropsATile())
     assert point["error"] > 1e-2
@@ -301,6 +301,64 @@ def test_virtual_ring_section_smoke():
     text, _ = virtual_ring.run(seq_len=256, n_devices=4, tile=16, heads=1, head_dim=8, repeats=1, steps=("v1",))
     rows = [line for line in text.splitlines() if line.startswith("| v1 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["striped", "zigzag"]
-    predicted = [float(r.split("|")[6]) for r in rows]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    predicted = [float(c[8]) for c in cells]
     assert predicted == [round(virtual_ring.total_tile_area(256, 4, "contiguous", 16)
                                / virtual_ring.total_tile_area(256, 4, layout, 16), 2) for layout in ("striped", "zigzag")]
+    for c in cells:                                    # the CPU ratio, against the prediction
+        assert float(c[5]) > 0 and float(c[6]) > 0
+        assert abs(int(c[10][:-1]) - 100 * float(c[7]) / float(c[8])) <= 1
+
+
+def test_paper_code_deals_tokens_as_our_striped_layout():
+    """bench.paper_code hands the paper's code its tokens in bpt.permute_tokens'
+    order ('b (n d) -> b (d n)'): device r's contiguous shard must then hold
+    our striped layout's positions r, r + N, ..., or the two sides would not
+    compute the same attention (the JAX side itself runs only where jax is)."""
+    import numpy as np
+    from bench.paper_code import _striped_order
+    from reference import positions
+    for S, N in ((16, 4), (64, 8), (24, 3)):
+        np.testing.assert_array_equal(_striped_order(S, N), positions(S, N, "striped").reshape(-1))
+
+
+def test_overlap_figures_tell_a_wait_on_a_block_already_sent_from_one_not_yet_sent():
+    """bench.overlap's figures on hand-made timelines (2 ranks, 2 rounds, a
+    transfer alone takes 10 ms): rank 0 computes 0.1 s, then waits until 0.3 s
+    for a block rank 1 posted at 0 (already sent: the whole wait is avoidable,
+    and 10 of the 20 ms of transfer time showed); then the same wait for a
+    block whose sender posted it at 0.29 s (not yet sent: nothing avoidable)."""
+    import numpy as np
+
+    from bench.overlap import figures
+    from reference.trace import Trace
+
+    def trace(sender_start):
+        z = np.zeros((2, 2))
+        start = np.array([[0.0, sender_start], [0.3, sender_start + 0.2]])     # [t, j]
+        compute = np.array([[0.1, 0.2], [0.1, 0.1]])
+        wait = np.array([[0.2, 0.0], [0.0, 0.0]])
+        return Trace(source=z, tiles_computed=z, tiles_skipped=z, pairs=z, bytes_sent=z, compute_s=compute,
+                     compute_cpu_s=compute, wait_s=wait, start_s=start)
+
+    avoidable, hidden, wait = figures(trace(0.0), alone_s=0.01)
+    assert avoidable == pytest.approx(0.2 / 0.2) and hidden == pytest.approx(0.5) and wait == pytest.approx(1.0)
+    avoidable, hidden, wait = figures(trace(0.29), alone_s=0.01)
+    assert avoidable == pytest.approx(0.0) and hidden == pytest.approx(1.0) and wait == pytest.approx(1.0)
+
+
+def test_overlap_figures_read_the_sender_upstream():
+    """3 ranks: rank 0 waits 0.1 -> 0.3 s for the block of rank 2 (its upstream),
+    posted at 0.29 s; rank 1, downstream, posted at 0: nothing was avoidable."""
+    import numpy as np
+
+    from bench.overlap import figures
+    from reference.trace import Trace
+    z = np.zeros((3, 3))
+    start = np.array([[0.0, 0.0, 0.29], [0.3, 0.3, 0.49], [0.6, 0.6, 0.69]])
+    compute = np.full((3, 3), 0.1)
+    wait = np.zeros((3, 3))
+    wait[0, 0] = 0.2
+    trace = Trace(source=z, tiles_computed=z, tiles_skipped=z, pairs=z, bytes_sent=z, compute_s=compute,
+                  compute_cpu_s=compute, wait_s=wait, start_s=start)
+    assert figures(trace, alone_s=0.01)[0] == pytest.approx(0.0)

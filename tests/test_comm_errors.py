@@ -8,7 +8,7 @@ transfer named by rank, round, neighbour and transfer.
 import numpy as np
 import pytest
 
-from mpi_impl.comm import RingComm, RingError, named_rank, rank_name
+from mpi_impl.comm import TAG_STRIDE, RingComm, RingError, named_rank, rank_name
 from test_gpu import OneRank
 
 
@@ -52,20 +52,34 @@ def test_rank_name_of_a_stand_in_communicator():
 
 
 class FailingRequest:
-    def __init__(self, error):
-        self.error = error
+    """Complete at once, or failing when tested or waited for; a notice
+    (ring tag 0) never comes."""
+    def __init__(self, error=False, never=False):
+        self.error, self.never = error, never
 
-    def Wait(self):
+    def Test(self):
         if self.error:
             raise RuntimeError("connection lost")
+        return not self.never
+
+    def Wait(self):
+        assert not self.never, "waiting for a notice that never comes"
+        self.Test()
+
+    def Cancel(self):
+        self.never = False
+
+    @staticmethod
+    def Waitany(requests):
+        return next(i for i, r in enumerate(requests) if r.Test())
 
 
 class FailingComm(OneRank):
     """Three ranks seen from rank 1, whose send of array 1 fails when waited for."""
     def Get_rank(self): return 1
     def Get_size(self): return 3
-    def Irecv(self, buf, source, tag): return FailingRequest(False)
-    def Isend(self, buf, dest, tag): return FailingRequest(tag % 16 == 1)
+    def Irecv(self, buf, source, tag): return FailingRequest(never=tag < TAG_STRIDE)
+    def Isend(self, buf, dest, tag): return FailingRequest(tag % TAG_STRIDE == 1)
 
 
 def test_failed_transfer_names_round_neighbour_and_array():
@@ -73,4 +87,5 @@ def test_failed_transfer_names_round_neighbour_and_array():
     block = (np.zeros(3), np.zeros(2))
     with pytest.raises(RingError, match=r"^rank 1: round 0: sending the dK/dV block \(array 1 of 2\) to rank 2 "
                                         r"failed: RuntimeError: connection lost$"):
-        ring.finish_shift(ring.start_shift(block, tag=2))
+        ring.finish_shift(ring.start_shift(block, tag=2))   # tested there, or at close
+        ring.close()

@@ -1,7 +1,7 @@
 """Fault injection under real MPI (tests/mpi/fault_worker.py): an exception on
-one rank before, during or after the ring, a rank that exits, a transfer that
-fails, ranks that disagree on each agreed field, a sub-communicator, one slow
-rank. Each job must end by itself (never by the launcher's time limit) with a
+one rank before, during or after the ring, a rank that exits (and one that
+leaves with sys.exit(0), which its neighbours name), a transfer that fails,
+ranks that disagree on each agreed field, a sub-communicator, one slow rank. Each job must end by itself (never by the launcher's time limit) with a
 message naming the rank and the cause and a non-zero exit, or, for the slow
 rank, with the right answer.
 
@@ -74,6 +74,20 @@ def test_rank_exiting_ends_the_job():
         if "RingError" in line:     # rank 0 sends to rank 1, rank 2 receives from it
             assert re.search(r"RingError: rank (0|2): round \d: (sending the .* to|receiving the .* from) "
                              r"rank 1 failed", line), line
+
+
+def test_neighbour_that_left_is_named():
+    """Rank 1 calls sys.exit(0) in round 1 (a clean exit: no launcher reports
+    it), with 256 KiB arrays in flight: a neighbour says that rank 1 left the
+    ring, and why, and the job ends non-zero (neither hangs in the next
+    collective nor reports MPI's bare "Other MPI error")."""
+    proc, output = launch("leave")
+    assert proc.returncode != 0, output
+    assert "rank 1: leaving in round 1" in output, output
+    # in a transfer with rank 1, or at the end of the call (its transfers with rank 1 done)
+    named = re.findall(r"RingError: rank [02]: (?:round \d: (?:sending the .* to|receiving the .* from) rank 1 "
+                       r"failed: )?rank 1 left the ring \(SystemExit: 0\)", output)
+    assert named, output
 
 
 def test_disagreement_on_each_agreed_field():

@@ -31,10 +31,8 @@ against the plain step; the command line.
     .venv/bin/python -m pytest tests/test_gpu.py -q
 """
 
-import collections
 import dataclasses
 import os
-import queue
 import shutil
 import subprocess
 import sys
@@ -62,6 +60,7 @@ from reference.virtual import run_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from queued_device import POLICIES, QueuedDevice, QueuedStep  # noqa: E402
+from strict_comm import ThreadMPI, World  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "gpu" / "batch_worker.py"
@@ -204,50 +203,20 @@ def test_local_rank_comes_from_the_launcher_before_mpi():
 
 # -- the ring on a GPU whose streams run later (tests/gpu/queued_device.py) ---------
 
-class FakeRequest:
-    def __init__(self, wait=lambda: None):
-        self.Wait = wait
+class FakeComm(ThreadMPI):
+    """Isend / Irecv between threads (tests/strict_comm.py), reading and
+    writing buffers outside any stream order, as MPI does: the receiver copies
+    the sender's buffer when its receive completes (as late as MPI may read
+    it), and the sender's send completes only then."""
 
-
-class FakeComm:
-    """Isend / Irecv between threads, reading and writing buffers outside any
-    stream order, as MPI does: the receiver copies the sender's buffer when
-    its receive completes (as late as MPI may read it), and the sender's
-    Wait returns only then."""
-
-    def __init__(self, rank, size, boxes):
-        self.rank, self.size, self.boxes = rank, size, boxes
-
-    def Get_rank(self): return self.rank
-    def Get_size(self): return self.size
-
-    def Isend(self, buf, dest, tag):
-        buf = buf[0] if isinstance(buf, list) else buf
-        assert buf.dtype == np.uint8 and buf.ndim == 1
-        done = threading.Event()
-        self.boxes[dest][(self.rank, tag)].put((buf, done))
-        return FakeRequest(lambda: _wait(done))
-
-    def Irecv(self, buf, source, tag):
-        buf = buf[0] if isinstance(buf, list) else buf
-
-        def wait():
-            data, done = self.boxes[self.rank][(source, tag)].get(timeout=10)
-            buf.view(np.ndarray)[...] = data.view(np.ndarray)
-            done.set()
-        return FakeRequest(wait)
-
-    def Free(self):
-        pass
-
-
-def _wait(event):
-    assert event.wait(timeout=10), "a send was never received"
+    def __init__(self, rank, size, world):
+        assert size == world.n
+        super().__init__(rank, world)
 
 
 def fake_world(n):
-    """Each rank's mailboxes, one queue per (source, tag)."""
-    return [collections.defaultdict(queue.Queue) for _ in range(n)]
+    """The threads' mailboxes."""
+    return World(n)
 
 
 def _waitall(requests):

@@ -1,4 +1,5 @@
-"""Buffer hazards of the ring, made to fail on any machine and at real sizes.
+"""Buffer hazards of the ring, made to fail on any machine and at real sizes,
+and RingComm's contract, guard by guard.
 
 At the sizes of the other tests (a few KiB a message) MPI copies each message
 when it is sent (the eager protocol), so a buffer written while its send is in
@@ -7,13 +8,23 @@ flight goes unnoticed. Here:
   buffers as late as the contract allows and scribbles on receive buffers until
   the data lands (tests/strict_comm.py): forward and backward equal the dense
   reference for random cases;
-- mpi_impl.RingComm runs the ring over `CheckingMPI`, a stand-in MPI that
-  refuses a send buffer written before its request is waited for, a receive
-  into a send not waited for, and a send never waited for;
+- mpi_impl.RingComm runs the ring over `CheckingMPI`, a stand-in MPI between
+  threads that reads a send buffer when the receive completes and refuses a
+  send buffer written before its send completes, a receive into a send not
+  complete, and a send never completed;
+- RingComm's contract, one guard at a time, on `ScriptedMPI` (one thread, the
+  test playing the neighbour), so that no guard covers for another as they do
+  in the ring: a shift finished twice or never started, a tag started twice,
+  a block sent after its buffers were handed back, the held block never
+  received into, a send in flight completed before its buffers receive again,
+  `finish_shift` waiting for its receives only, `close` completing the sends,
+  `progress` moving transfers, and a neighbour that left the ring named;
 - both checkers catch the hazards they are for (small loops that commit them);
 - the ring runs on real MPI ranks with every message of K, V, dK and dV at
   least 256 KiB, above the eager threshold of MPICH and Open MPI, so that MPI
-  reads the buffers during the transfer (the rendezvous protocol).
+  reads the buffers during the transfer (the rendezvous protocol);
+- a 4 MiB block arrives while its receiver computes and calls progress()
+  (real MPI, no timing), and the trace's timeline orders each block's arrival.
 
     .venv/bin/python -m pytest tests/test_hazards.py -q
 """
@@ -23,9 +34,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conftest import Case, assert_close, cases
-from mpi_impl.comm import RingComm
+from mpi_impl.comm import FROM_PREV, RingComm, RingError, ShiftOrderError
 from reference import attention, attention_backward, positions, ring, shard, unshard
-from strict_comm import CheckingMPI, HazardError, StrictRing, run_threads
+from strict_comm import CheckingMPI, HazardError, ScriptedMPI, StrictRing, run_threads
 
 # -- the ring on a communication object, on threads ----------------------------------
 
@@ -70,6 +81,7 @@ def strict(rank, world):
 
 def strict_done(rank, comm):
     assert not comm.unfinished(), f"device {rank} left shifts unfinished: {comm.unfinished()}"
+    comm.close()            # the sent arrays are read once more
 
 
 def mpi_ring(rank, world):
@@ -77,7 +89,8 @@ def mpi_ring(rank, world):
 
 
 def mpi_ring_done(rank, comm):
-    assert not comm.comm.unwaited(), f"rank {rank}: sends never waited for: {comm.comm.unwaited()}"
+    comm.close()
+    assert not comm.comm.incomplete(), f"rank {rank}: sends never completed: {comm.comm.incomplete()}"
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -114,6 +127,23 @@ def test_strict_ring_refuses_a_send_buffer_written_before_finish():
         _pass_on(3, 2, body)
 
 
+def test_strict_ring_refuses_a_sent_buffer_written_before_the_ring_ends():
+    """Written after finish_shift returned: a send may read it until close."""
+    def body(comm, block, t):
+        arrived = comm.finish_shift(comm.start_shift(block, tag=1))
+        block[0][...] = 0.0
+        return arrived
+
+    def device(j, world):
+        comm = StrictRing(j, world)
+        block = (np.full(4, float(j)),)
+        for t in range(2):
+            block = body(comm, block, t)
+        comm.close()
+    with pytest.raises(HazardError, match=r"array 0 of the K/V block sent in round [01] was written before the ring ended"):
+        run_threads(3, device)
+
+
 def test_strict_ring_scribbles_on_a_block_held_too_long():
     """A block kept past the second start_shift after it arrived reads garbage."""
     kept, seen = {}, {}
@@ -137,27 +167,161 @@ def test_strict_ring_reports_unfinished_shifts():
     assert [c.unfinished() for c in comms] == [[("K/V block", 0)]] * 2
 
 
-def test_checking_mpi_refuses_a_send_buffer_written_before_its_wait():
+def test_checking_mpi_refuses_a_send_buffer_written_before_it_completes():
     def body(comm, block, t):
         shift = comm.start_shift(block, tag=2)
         block[0][...] = 0.0
         return comm.finish_shift(shift)
-    with pytest.raises(HazardError, match="send buffer .* was written before its send was waited for"):
+    with pytest.raises(HazardError, match="send buffer .* was written before its send completed"):
         _pass_on(3, 2, body, make_comm=mpi_ring)
 
 
-def test_checking_mpi_refuses_a_receive_into_a_send_not_waited_for():
-    """A RingComm that waits for its receives only (the sends still reading)
-    hands the sent buffers out again to receive into."""
-    def receives_only(comm, block, t):
-        shift = comm.start_shift(block, tag=1)
-        for request in shift.requests[0::2]:            # the receives
-            request.Wait()
-        comm._in_flight.remove(shift)
-        comm._pools[1].held = next(i for i, s in enumerate(comm._pools[1].sets) if s is shift.received)
-        return shift.received
-    with pytest.raises(HazardError, match="receiving .* into the buffer of a send .* not yet waited for"):
-        _pass_on(3, 4, receives_only, make_comm=mpi_ring)
+def test_checking_mpi_refuses_a_receive_into_a_send_not_complete():
+    def device(j, world):
+        mpi = CheckingMPI(j, world)
+        buf = np.zeros(8, np.uint8)
+        mpi.Isend(buf, dest=(j + 1) % 2, tag=16)
+        mpi.Irecv(buf, source=(j - 1) % 2, tag=16)
+    with pytest.raises(HazardError, match="receiving .* into the buffer of a send .* not yet complete"):
+        run_threads(2, device)
+
+
+# -- RingComm's contract, guard by guard (ScriptedMPI: the test is the neighbour) --------
+
+def block(value, n=4):
+    """A K/V-like block of two arrays."""
+    return np.full(n, float(value)), np.array([value], dtype=np.int64)
+
+
+def scripted(**kwargs):
+    mpi = ScriptedMPI(**kwargs)
+    return RingComm(mpi), mpi
+
+
+def one_shift(ring_comm, mpi, arrays, arriving, tag=1):
+    """start_shift(arrays), the neighbour's `arriving` lands, finish_shift."""
+    shift = ring_comm.start_shift(arrays, tag)
+    mpi.deliver(tag, arriving)
+    return ring_comm.finish_shift(shift)
+
+
+def test_guard_finish_twice():
+    ring_comm, mpi = scripted()
+    shift = ring_comm.start_shift(block(0), 1)
+    mpi.deliver(1, block(9))
+    ring_comm.finish_shift(shift)
+    with pytest.raises(ShiftOrderError, match=r"finish_shift called twice: the K/V block of round 0"):
+        ring_comm.finish_shift(shift)
+
+
+def test_guard_finish_never_started():
+    ring_comm, _ = scripted()
+    other, other_mpi = scripted()
+    for handle in (1, None, other.start_shift(block(0), 1)):
+        with pytest.raises(ShiftOrderError, match="finish_shift called before start_shift"):
+            ring_comm.finish_shift(handle)
+
+
+def test_guard_start_twice_with_one_tag():
+    ring_comm, mpi = scripted()
+    ring_comm.start_shift(block(0), 1)
+    ring_comm.start_shift(block(0), 2)                  # another tag: fine
+    with pytest.raises(ShiftOrderError, match=r"start_shift called twice: the K/V block of round 0 is still"):
+        ring_comm.start_shift(block(1), 1)
+
+
+def test_guard_block_sent_after_its_buffers_came_round_again():
+    ring_comm, mpi = scripted()
+    first = one_shift(ring_comm, mpi, block(0), block(1))        # arrives in set 0
+    one_shift(ring_comm, mpi, first, block(2))                   # set 1; `first` is sent on
+    mpi.take()
+    with pytest.raises(ShiftOrderError, match="array 0 to send lies in the buffers the next K/V block arrives in"):
+        ring_comm.start_shift(first, 1)                          # set 0 again: `first` is no longer valid
+
+
+def test_held_block_is_not_received_into():
+    """The block finish_shift returned stays intact through the next shift,
+    here sent as a copy so that the guard above cannot fire in its place."""
+    ring_comm, mpi = scripted()
+    held = one_shift(ring_comm, mpi, block(0), block(1))
+    shift = ring_comm.start_shift(tuple(a.copy() for a in held), 1)
+    assert all(np.array_equal(a, b) for a, b in zip(held, block(1))), held      # scribbled on?
+    mpi.deliver(1, block(2))
+    assert all(np.array_equal(a, b) for a, b in zip(ring_comm.finish_shift(shift), block(2)))
+    assert all(np.array_equal(a, b) for a, b in zip(held, block(1))), held
+
+
+def test_send_in_flight_completes_before_its_buffers_receive_again():
+    """The ring's pattern: the block that arrived is sent on. When its set
+    comes round again, the send still reading it is completed first."""
+    ring_comm, mpi = scripted(waits_complete_sends=True)
+    held = one_shift(ring_comm, mpi, block(0), block(1))        # set 0
+    held = one_shift(ring_comm, mpi, held, block(2))            # set 1; set 0 is being sent
+    assert 16 in mpi.sends_pending()
+    ring_comm.start_shift(held, 1)                              # set 0 again: its send first
+    completed, reposted = mpi.log.index("complete send 16"), len(mpi.log) - 1 - mpi.log[::-1].index("post receive 16")
+    assert completed < reposted, mpi.log
+
+
+def test_finish_waits_for_its_receives_only():
+    """The neighbour has not taken the block sent (it computes): finish_shift
+    returns what arrived all the same."""
+    ring_comm, mpi = scripted(waits_complete_sends=False)       # waiting for a send raises
+    arrived = one_shift(ring_comm, mpi, block(0), block(1))
+    assert all(np.array_equal(a, b) for a, b in zip(arrived, block(1)))
+    assert mpi.sends_pending() == [16, 17]
+    mpi.take()
+    ring_comm.close()
+
+
+def test_close_completes_the_sends_and_refuses_unfinished_shifts():
+    ring_comm, mpi = scripted(waits_complete_sends=True)
+    one_shift(ring_comm, mpi, block(0), block(1))
+    assert mpi.sends_pending() == [16, 17]
+    ring_comm.close()
+    assert mpi.sends_pending() == [], mpi.log
+    assert not mpi.pending, "the notice receives were not withdrawn"
+    ring_comm, mpi = scripted()
+    ring_comm.start_shift(block(0), 1)
+    with pytest.raises(ShiftOrderError, match="closed with shifts never finished: the K/V block of round 0"):
+        ring_comm.close()
+
+
+def test_progress_moves_transfers_during_the_step():
+    """Between tiles the step calls progress(): a block that landed is seen
+    (its arrival time is taken then), and a send the neighbour took completes."""
+    ring_comm, mpi = scripted(waits_complete_sends=False)
+    shift = ring_comm.start_shift(block(0), 1)
+    mpi.deliver(1, block(1))
+    mpi.take()
+    ring_comm.progress()
+    assert shift.arrived_at is not None and not shift.receives and not shift.sends
+    ring_comm.finish_shift(shift)
+    assert ring_comm.transfers[0].arrived <= ring_comm.transfers[0].handed
+
+
+def test_neighbour_that_left_is_named():
+    """A receive from a neighbour that sent word it left ends with its reason."""
+    ring_comm, mpi = scripted()
+    shift = ring_comm.start_shift(block(0), 1)
+    mpi.notify(FROM_PREV, "SystemExit: 0")
+    with pytest.raises(RingError, match=r"^rank 0: round 0: receiving the K/V block \(array 0 of 2\) from rank 1 "
+                                        r"failed: rank 1 left the ring \(SystemExit: 0\)$"):
+        ring_comm.finish_shift(shift)
+
+
+def test_leaving_tells_the_neighbours_and_settles_what_is_in_flight():
+    """An error ends the ring on this rank: both neighbours are told why,
+    the receive in flight is cancelled and the send completed."""
+    ring_comm, mpi = scripted(waits_complete_sends=True)
+    with pytest.raises(ValueError):
+        with ring_comm:
+            ring_comm.start_shift(block(0), 1)
+            raise ValueError("the step failed")
+    told = [r for r in mpi.log if r.startswith("post send") and int(r.split()[-1]) < 16]
+    assert told == ["post send 0", "post send 1"], mpi.log
+    # receives cancelled (the notices' too), sends completed; the notices travel on
+    assert [(r.kind, r.tag) for r in mpi.pending] == [("send", 0), ("send", 1)], mpi.log
 
 
 # -- real MPI ranks, messages above the eager threshold ------------------------------------
@@ -185,3 +349,47 @@ def test_mpi_ring_with_messages_above_the_eager_threshold(n, tmp_path):
     results = run_batch(n, LARGE[n], tmp_path)
     for i, case in enumerate(LARGE[n]):
         assert_case(case, results[i])
+
+
+def test_block_arrives_while_its_receiver_computes_given_progress():
+    """tests/mpi/progress_worker.py: rank 0 idle in finish_shift, rank 1
+    computing tiles and calling progress() between them; its 4 MiB block
+    (rendezvous: MPI moves it only inside MPI calls) completes before rank 1
+    calls finish_shift. No timing: rank 1 computes until the block is there."""
+    pytest.importorskip("mpi4py")
+    from test_mpi import MPIEXEC, WORKERS, mpirun
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    proc, _ = mpirun(2, str(WORKERS / "progress_worker.py"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "rank 1: arrived during the step" in output and output.count(": done") == 2, output
+
+
+# -- the trace's timeline ------------------------------------------------------------
+
+def test_trace_timeline_orders_each_blocks_arrival_between_its_sending_and_its_use():
+    """mpi_impl on 3 ranks as threads (RingComm over the stand-in MPI): each
+    round's step starts after the last; the block received in round t arrived
+    after that round's step began (its receive is first tested then) and
+    before the next round's step, which uses it; none is recorded for the last
+    round, which receives nothing."""
+    import threading
+
+    import mpi_impl
+    from test_gpu import ThreadComm, fake_world
+    n = 3
+    world, gathered, barrier = fake_world(n), [None] * n, threading.Barrier(n)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, 2, 4)) for _ in range(3))
+
+    def device(j, _world):
+        comm = ThreadComm(j, n, world, gathered, barrier)
+        return mpi_impl.ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2, trace=True)[2]
+
+    for trace in run_threads(n, device)[:1]:
+        for j in range(n):
+            start, arrived = trace.start_s[:, j], trace.arrived_s[:, j]
+            assert (np.diff(start) > 0).all(), start
+            assert (arrived[:-1] >= start[:-1]).all() and (arrived[:-1] <= start[1:]).all(), (start, arrived)
+            assert np.isnan(arrived[-1])

@@ -5,7 +5,8 @@ grouped-query heads, float64 and float32 (float16 is the ring's business: it
 travels as float16 and is computed in float32), tiles of every shape, rows
 that see no key of a block, rows whose visible scores are all -inf, large
 logits, NaN reaching the rows dense says; the inputs are left alone, and the
-accumulator's invariants hold after a merge. Adding a step to the registry
+accumulator's invariants hold after a merge; `progress` is called between
+tiles on the calling thread. Adding a step to the registry
 adds it here. What only one version has is in its own file
 (tests/test_step_v3.py: the lazy max, worker threads).
 
@@ -13,6 +14,8 @@ Sizes are small (S <= 256, D <= 16): each case runs the dense oracle.
 
     .venv/bin/python -m pytest tests/test_step.py -q
 """
+
+import threading
 
 import numpy as np
 import pytest
@@ -47,7 +50,7 @@ def key_block(k, v, k_pos):
     return own_block(k[:, k_pos], v[:, k_pos], k_pos, 0)
 
 
-def step_forward(step, q, k, v, blocks, *, causal=True, tile_size=(7, 5), q_pos=None):
+def step_forward(step, q, k, v, blocks, *, causal=True, tile_size=(7, 5), q_pos=None, progress=None):
     """One device holding the queries at `q_pos` (default 0..S-1), its keys
     arriving in `blocks`. Returns (out (B, S, Hq, D), lse (B, Hq, S), the ForwardAcc)."""
     D = q.shape[-1]
@@ -55,12 +58,12 @@ def step_forward(step, q, k, v, blocks, *, causal=True, tile_size=(7, 5), q_pos=
     queries = Queries.prepare(q, k.shape[2], q_pos, D ** -0.5)
     acc = ForwardAcc.zeros(queries.q)
     for blk in blocks:
-        step.forward(acc, queries, key_block(k, v, blk), causal=causal, tile_size=tile_size)
+        step.forward(acc, queries, key_block(k, v, blk), causal=causal, tile_size=tile_size, progress=progress)
     out, lse = finish_forward(acc)
     return q_from_heads(out), rows_from_heads(lse), acc
 
 
-def step_backward(step, q, k, v, out, lse, dout, blocks, *, causal=True, tile_size=(7, 5)):
+def step_backward(step, q, k, v, out, lse, dout, blocks, *, causal=True, tile_size=(7, 5), progress=None):
     """The gradients (dq, dk, dv) in the user layout, keys in `blocks` as above."""
     S, Hkv, D = q.shape[1], k.shape[2], q.shape[-1]
     queries = Queries.prepare(q, Hkv, np.arange(S), D ** -0.5)
@@ -70,7 +73,7 @@ def step_backward(step, q, k, v, out, lse, dout, blocks, *, causal=True, tile_si
     for blk in blocks:
         block = key_block(k, v, blk)
         grads = Grads(dq, np.zeros_like(block.k), np.zeros_like(block.v))
-        step.backward(grads, queries, rows, block, causal=causal, tile_size=tile_size)
+        step.backward(grads, queries, rows, block, causal=causal, tile_size=tile_size, progress=progress)
         dk[:, blk], dv[:, blk] = kv_from_heads(grads.dk), kv_from_heads(grads.dv)
     return q_from_heads(dq * D ** -0.5), dk, dv
 
@@ -332,3 +335,29 @@ def test_nan_reaches_the_rows_dense_says(step, tile_size, source):
         np.testing.assert_array_equal(not_finite_rows(g), not_finite_rows(e), err_msg=name)
         rows = ~not_finite_rows(e)
         assert_close(g[rows], e[rows], np.float64, name)
+
+
+# -- progress: called on the calling thread, between tiles ----------------------------------
+
+def test_progress_is_called_between_tiles_on_the_calling_thread(step):
+    # the ring passes its communication object's `progress`: a transfer in
+    # flight moves only while it is called, so a step must call it during its
+    # work (not once at the end), and only on the thread that called the step
+    q, k, v, dout = problem(S=40)
+    queries = Queries.prepare(q, 2, np.arange(40), 0.3)
+    rows = BackwardRows.prepare(*attention(q, k, v), dout, 2, queries.q.dtype)
+    block = key_block(k, v, np.arange(40))
+    for kind in ("forward", "backward"):
+        calls = []
+        progress = lambda: calls.append(threading.get_ident())   # noqa: E731
+        if kind == "forward":
+            counts = step.forward(ForwardAcc.zeros(queries.q), queries, block, causal=True, tile_size=(7, 5),
+                                  progress=progress)
+        else:
+            grads = Grads(np.zeros_like(queries.q), np.zeros_like(block.k), np.zeros_like(block.v))
+            counts = step.backward(grads, queries, rows, block, causal=True, tile_size=(7, 5), progress=progress)
+        assert counts.tiles_computed > 20
+        assert set(calls) <= {threading.get_ident()}, f"{kind}: progress called on another thread"
+        if getattr(step, "workers", 1) == 1:            # with workers, the calling thread may do no tile
+            # (waiting for workers: tests/test_step_v3.py)
+            assert len(calls) >= 2, f"{kind}: progress called {len(calls)} times over {counts.tiles_computed} tiles"

@@ -1,33 +1,35 @@
 """What only step version 3 (reference/step_v3.py) has: the lazy max (kept
 for ordinary scores, redone exactly when a tile would overflow, off for huge
-values) and worker threads (results bit for bit the same on 1, 2 or 3).
+values) and worker threads (results bit for bit the same on 1, 2 or 3; the
+calling thread calls `progress` while it waits for them).
 Its agreement with dense is tests/test_step.py's, with every other version.
 
     .venv/bin/python -m pytest tests/test_step_v3.py -q
 """
 
+import threading
 import warnings
 
 import numpy as np
 import pytest
 
 from conftest import LARGE_LOGITS_FACTOR, assert_close
-from reference import attention, step_v2, steps
-from reference.step_v3 import forward_units
+from reference import attention, step_parts, steps
+from reference.step_parts import forward_units
 from reference.tiles import tile_plan
 from test_step import check_against_dense, growing_scores, perm_blocks, problem, step_backward, step_forward
 
 
 @pytest.fixture
 def exact_tiles(monkeypatch):
-    """Counts the exact (not lazy) tiles: version 3 falls back to version 2's."""
+    """Counts the exact (not lazy) tiles: version 3 falls back to `step_parts.exact_tile`."""
     calls = []                                         # list.append: safe from the worker threads
-    exact = step_v2.exact_tile
+    exact = step_parts.exact_tile
 
     def counting(*args, **kwargs):
         calls.append(1)
         return exact(*args, **kwargs)
-    monkeypatch.setattr(step_v2, "exact_tile", counting)
+    monkeypatch.setattr(step_parts, "exact_tile", counting)
     return calls
 
 
@@ -114,3 +116,37 @@ def test_workers_are_explicit():
         steps.get("v3", workers=0)
     with pytest.raises(ValueError, match="runs on the calling thread"):
         steps.get("v1", workers=2)
+
+
+@pytest.mark.parametrize("name", ["v3", "v4"])
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_progress_is_called_while_waiting_for_the_workers(name, kind, monkeypatch):
+    # two heads, two workers: the calling thread computes one head's unit, the
+    # worker the other, and the worker's unit does not start until the calling
+    # thread, its own unit done, has called `progress` three times: only a
+    # step that calls it while it waits lets the worker go (no timing involved)
+    patched = "forward_rows" if kind == "forward" else "backward_head"
+    real, caller = getattr(step_parts, patched), threading.get_ident()
+    own_done, go, calls = threading.Event(), threading.Event(), []
+
+    def unit(*args, **kwargs):
+        if threading.get_ident() == caller:
+            real(*args, **kwargs)
+            own_done.set()
+        else:
+            assert go.wait(timeout=20), "the calling thread never called progress while waiting"
+            real(*args, **kwargs)
+    monkeypatch.setattr(step_parts, patched, unit)
+
+    def progress():
+        calls.append(threading.get_ident())
+        if own_done.is_set() and len(calls) >= 3:
+            go.set()
+
+    q, k, v, dout = problem(B=1, S=16, Hq=2, Hkv=2, D=4)
+    step = steps.get(name, workers=2)
+    if kind == "forward":
+        step_forward(step, q, k, v, [np.arange(16)], tile_size=16, progress=progress)
+    else:
+        step_backward(step, q, k, v, *attention(q, k, v), dout, [np.arange(16)], tile_size=16, progress=progress)
+    assert go.is_set() and set(calls) == {caller}

@@ -342,7 +342,7 @@ class QueuedStep(Step):
         self.gpu, self.inner = gpu, get_step(inner)
         self.name, self.has_backward = f"queued {self.inner.name}", self.inner.has_backward
 
-    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None):
+    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, counts = self._plan(queries, block, mask, tile_size)
         acc.seen |= any_visible(queries.pos, block.pos, mask)
@@ -350,7 +350,7 @@ class QueuedStep(Step):
         self.gpu.queue_kernel(lambda: self.inner.forward_tiles(acc, queries, launched, plan))
         return counts
 
-    def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None):
+    def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None, progress=None):
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, counts = self._plan(queries, block, mask, tile_size)
         launched = block._replace(pos=np.array(block.pos))

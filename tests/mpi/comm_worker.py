@@ -26,7 +26,7 @@ def main():
     n, block, seen = ring.size, block_of(ring.rank), []
     for t in range(1, ROUNDS + 1):
         shift = ring.start_shift(block, tag=1)
-        assert not any(np.shares_memory(r, b) for r in shift.received for b in block), \
+        assert not any(np.shares_memory(r, b) for r in shift.buffers.receive for b in block), \
             f"rank {ring.rank} round {t}: receiving into a buffer being sent"
         arrived = ring.finish_shift(shift)
         expected = block_of((ring.rank - t) % n)
@@ -42,7 +42,7 @@ def main():
         assert "C-contiguous" in str(e), e
     else:
         raise AssertionError("a non-contiguous buffer was accepted")
-    ring.free()
+    ring.close()
     print(f"rank {ring.rank}: buffers ok", flush=True)
 
 

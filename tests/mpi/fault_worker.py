@@ -14,6 +14,8 @@ Modes run with ``-m mpi4py`` (an exception on one rank aborts the job):
   before           rank 1 raises before calling the ring (the others wait in it)
   after            rank 1 raises after the ring returned (the others finish)
   exit             rank 1 exits (os._exit) in round 1 of the forward, saying nothing
+  leave            rank 1 calls sys.exit(0) in round 1 of the forward, blocks of 256
+                   tokens (above the eager threshold): its neighbours say it left
   truncate         rank N-1 sends a larger block than its neighbour expects in
                    round 2 (RingComm directly): a real MPI error on a transfer
   subcomm          on 4 ranks, the ring on world ranks 1..3: a disagreement, then
@@ -41,10 +43,10 @@ from reference.step import Step
 FAILING_RANK = 1
 
 
-def inputs(c, hq=2, hkv=2, dtype=np.float64, n=1):
-    """q, k, v of one rank: (1, c, hq, 4), (1, c, hkv, 4); the same on every rank."""
+def inputs(c, hq=2, hkv=2, dtype=np.float64, n=1, d=4):
+    """q, k, v of one rank: (1, c, hq, d), (1, c, hkv, d); the same on every rank."""
     rng = np.random.default_rng(0)
-    return tuple(rng.standard_normal((1, c * n, h, 4)).astype(dtype) for h in (hq, hkv, hkv))
+    return tuple(rng.standard_normal((1, c * n, h, d)).astype(dtype) for h in (hq, hkv, hkv))
 
 
 def inject(name, round_to_fail, fault):
@@ -71,6 +73,11 @@ def exit_silently():
     os._exit(3)
 
 
+def leave_quietly():
+    print(f"rank {FAILING_RANK}: leaving in round 1", flush=True)
+    sys.exit(0)
+
+
 def sleep_once():
     done = []
 
@@ -84,7 +91,7 @@ def sleep_once():
 def in_ring_fault(mode, comm):
     """Faults injected into rank 1's ring: the other ranks run the ring as usual."""
     n, rank = comm.Get_size(), comm.Get_rank()
-    q, k, v = inputs(4)
+    q, k, v = inputs(256, d=64) if mode == "leave" else inputs(4)
     if rank == FAILING_RANK:
         if mode == "raise":
             inject("forward", 0, fail(f"injected failure on rank {FAILING_RANK} in round 0"))
@@ -94,10 +101,13 @@ def in_ring_fault(mode, comm):
             inject("backward", 1, fail("injected failure in round 1 of the backward"))
         elif mode == "exit":
             inject("forward", 1, exit_silently)
+        elif mode == "leave":
+            inject("forward", 1, leave_quietly)
         elif mode == "before":
             raise RuntimeError(f"injected failure on rank {FAILING_RANK} before the ring")
-    out, lse = ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=2)
-    ring_attention_backward(q, k, v, out, lse, q, comm=comm, layout="contiguous", tile_size=2)
+    tile = 64 if mode == "leave" else 2
+    out, lse = ring_attention(q, k, v, comm=comm, layout="contiguous", tile_size=tile)
+    ring_attention_backward(q, k, v, out, lse, q, comm=comm, layout="contiguous", tile_size=tile)
     print(f"rank {rank}: ring done", flush=True)
     if mode == "after":
         comm.Barrier()          # every rank has said so before rank 1 ends the job

@@ -1,0 +1,132 @@
+"""How the ring's threads share the machine's cores: BLAS threads per product, workers per device.
+
+Every virtual device is a thread (`reference.virtual`), every device's step
+calls BLAS, and OpenBLAS starts one thread per core for each product unless
+told otherwise; step v3 adds its own worker threads. Threads that add up to
+more than the cores take turns, and OpenBLAS's idle threads spin while they
+wait, so an unplanned ring of 8 devices on 2 cores ran 4 to 7 times slower
+than the same ring holding BLAS to one thread. So the ring decides, once,
+before its devices start:
+
+- a device's share of the cores: ``cores // N`` (at least 1);
+- BLAS threads per product: the share (1 with more devices than cores);
+- worker threads of a step that takes them (v3, v4): the share, and then
+  one BLAS thread per product (two levels of threads on the same cores
+  oversubscribe them), so a device never uses more than its share.
+
+Arguments override both (``threads=``, ``blas_threads=``; ``--threads`` and
+``--blas-threads`` on the command lines), and the trace says what ran
+(``Trace.threads``). BLAS is held with threadpoolctl, around the call only:
+no environment variable is read or written.
+
+OpenBLAS (built with pthreads, as NumPy's wheels are) has one thread pool for
+the whole process, so threadpoolctl lets one thread at a time hold it: the
+first to hold it, until its hold ends; holds made meanwhile by other threads
+do nothing. The ring holds it around its devices, so the share it holds
+already counts v3's workers: with more than one worker per device, one BLAS
+thread per product. A step called on its own (a benchmark, an MPI rank) holds
+BLAS to one thread around its workers itself (`step_parts.run_units`).
+
+    step, share = cores.for_devices(step, n_devices=8)   # Share(cores=2, devices=8, workers=1, blas=1)
+    with share.held():
+        ...                                      # run the devices
+    cores.blas_description()                     # 'openblas 0.3.31 (SkylakeX kernels, pthreads), 2 threads'
+"""
+
+import copy
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Share:
+    """What each of `devices` threads running at once may use of `cores` cores."""
+    cores: int
+    devices: int
+    workers: int         # worker threads per device, for steps that take them
+    blas: int            # BLAS threads per product
+
+    def held(self):
+        """Hold BLAS to this share's threads inside a `with` block."""
+        return blas_limit(self.blas)
+
+    @property
+    def label(self):
+        """What ran, as the trace and the tables print it."""
+        return (f"{self.devices} device{'s' if self.devices > 1 else ''} on {self.cores} "
+                f"core{'s' if self.cores > 1 else ''}: {self.blas} BLAS thread{'s' if self.blas > 1 else ''} "
+                f"per product, {self.workers} worker{'s' if self.workers > 1 else ''} per device")
+
+
+def share(n_devices, *, takes_workers=True, threads=None, blas_threads=None, cores=None):
+    """The cores' share of each of `n_devices` threads running at once (module
+    docstring), for a step that takes worker threads or not; `threads`
+    (workers per device) and `blas_threads` override it."""
+    cores = available_cores() if cores is None else cores
+    for name, value in (("threads", threads), ("blas_threads", blas_threads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    each = max(1, cores // n_devices)
+    workers = (each if takes_workers else 1) if threads is None else threads
+    blas = (each if workers == 1 else 1) if blas_threads is None else blas_threads
+    return Share(cores=cores, devices=n_devices, workers=workers, blas=blas)
+
+
+def for_devices(step, n_devices, *, threads=None, blas_threads=None, cores=None):
+    """(`step` with its share of worker threads, the `Share`) for `n_devices`
+    threads running it at once. `threads` above 1 needs a step that takes workers."""
+    if threads is not None and threads != 1 and not step.takes_workers:
+        raise ValueError(f"step {step.name!r} runs on its device's thread; threads={threads!r} applies to "
+                         "steps that take workers (v3, v4)")
+    got = share(n_devices, takes_workers=step.takes_workers, threads=threads, blas_threads=blas_threads,
+                cores=cores)
+    if step.takes_workers and step.workers != got.workers:
+        step = copy.copy(step)                 # the caller's step is left as it is
+        step.workers = got.workers
+    return step, got
+
+
+def available_cores():
+    """The cores this process may run on (its affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# -- holding BLAS's thread count -------------------------------------------------
+
+_CONTROLLER = []        # threadpoolctl's view of the loaded libraries, made once
+
+
+def _controller():
+    if not _CONTROLLER:
+        from threadpoolctl import ThreadpoolController
+        _CONTROLLER.append(ThreadpoolController())
+    return _CONTROLLER[0]
+
+
+def blas_limit(n):
+    """Hold BLAS to at most `n` threads inside a `with` block (module docstring)."""
+    return _controller().limit(limits=n, user_api="blas")
+
+
+def blas_threads():
+    """BLAS's thread count now (the first BLAS library's; None without one)."""
+    libs = _controller().select(user_api="blas").lib_controllers
+    return libs[0].num_threads if libs else None
+
+
+def blas_info():
+    """threadpoolctl's description of every BLAS library loaded (a list of dicts)."""
+    return [lib.info() for lib in _controller().select(user_api="blas").lib_controllers]
+
+
+def blas_description():
+    """'openblas 0.3.31 (SkylakeX kernels, pthreads), 2 threads' for each BLAS loaded."""
+    parts = []
+    for info in blas_info():
+        kernels = f"{info.get('architecture')} kernels, " if info.get("architecture") else ""
+        parts.append(f"{info['internal_api']} {info['version']} ({kernels}{info.get('threading_layer', '?')}), "
+                     f"{info['num_threads']} thread{'s' if info['num_threads'] != 1 else ''}")
+    return "; ".join(parts) or "no BLAS library found by threadpoolctl"

@@ -1,0 +1,482 @@
+"""The pieces the tuned NumPy steps (`step_v2`, `step_v3`, `step_v4`) are built from.
+
+Each version is a `reference.step.Step` that composes these functions; read a
+version top to bottom with `reference.step` (the contract, version 1) and this
+module open. What the pieces do is version 1's arithmetic (the formulas of
+`reference.step`) arranged for a CPU:
+
+- base 2: ``exp2`` is about twice as fast as ``exp``, so ``log2(e)`` is folded
+  into Q once and ``m`` and ``lse`` are carried in base 2 inside a run of rows;
+- folded columns, one product instead of a pass:
+  ``[Q, -m] @ [K, 1]^T = S - m`` and ``P @ [V, 1] = [P V, rowsum(P)]``; in the
+  backward ``[Q, -lse] @ [K, 1]^T = S - lse`` and ``[dO, -delta] @ [V, 1]^T = dP - delta``;
+- mask after exp2: masked scores are cleared after ``exp2`` rather than set to
+  -inf before it where a version can (NumPy's exp2 takes a slow path for -inf);
+- one (batch, head) at a time, on contiguous 2-D matrices;
+- the lazy shift (`lazy_tile`): a tile first tried with the current shift,
+  redone exactly (`exact_tile`) only if a row sum could overflow;
+- taller products (`forward_units`) and worker threads (`run_units`).
+
+A forward runs over a *run* of query rows of one head (`QueryRun`), in base 2
+(`Base2Rows`), tile by tile through a tile function ``update(st, s, head, ks,
+where)`` that a version chooses (`exact_update`, `lazy_tile`, or its own). A
+backward runs over one key tile's column of query tiles (`backward_cols`, or a
+version's own with the same parameters).
+
+Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a run;
+``[X, y]`` is X with the column y appended (D + 1 columns).
+"""
+
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .cores import blas_limit
+from .masks import visible
+from .step import all_finite, mask_rows, masked_product, no_progress
+from .tiles import FULL, MASKED
+
+LOG2E = float(np.log2(np.e))
+SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
+V_LIMIT = 2.0 ** 64     # above this |V|, O could overflow under a lazy shift: stay exact
+UNIT_ROWS = 512         # the forward stacks query tiles up to this many rows: taller products run faster
+PROGRESS_S = 0.002      # while its workers compute, the calling thread calls `progress` this often
+
+
+# -- what a forward tile reads and updates -------------------------------------------
+
+@dataclass
+class QueryRun:
+    """A run of query rows of one (batch, head): views of the accumulator
+    (updated at the end of `forward_rows`), the pre-scaled queries, their
+    positions and the mask."""
+    o: np.ndarray        # (tq, G, D)
+    m: np.ndarray        # (tq, G)
+    l: np.ndarray        # (tq, G)
+    q: np.ndarray        # (tq, G, D)
+    pos: np.ndarray      # (tq,)
+    mask: object
+    masks: dict          # the tiles' masks, made once for all heads (`tile_masks`)
+
+    @classmethod
+    def of(cls, acc, queries, b, h, qs, masks):
+        return cls(acc.o[b, h, qs], acc.m[b, h, qs], acc.l[b, h, qs], queries.q[b, h, qs], queries.pos[qs],
+                   queries.mask, masks)
+
+
+@dataclass
+class KeyHead:
+    """One (batch, head) of the key/value block, prepared for the forward."""
+    k1: np.ndarray       # (ck, D+1) [K, 1]
+    v1: np.ndarray       # (ck, D+1) [V, 1]
+    pos: np.ndarray      # (ck,)
+    guard: bool          # V holds a NaN or inf: guard the masked pairs (`masked_product`)
+    lazy: bool           # a lazy shift is safe (|V| <= V_LIMIT)
+
+    @classmethod
+    def of(cls, block, b, h):
+        k, v = block.k[b, h], block.v[b, h]
+        k1 = augment(k, 1.0, scratch(("k1", b, h), k.shape[:-1] + (k.shape[-1] + 1,), k.dtype))
+        v1 = augment(v, 1.0, scratch(("v1", b, h), v.shape[:-1] + (v.shape[-1] + 1,), v.dtype))
+        return cls(k1=k1, v1=v1, pos=block.pos, guard=not all_finite(np, v),
+                   lazy=max(v.max(initial=0.0), -v.min(initial=0.0)) <= V_LIMIT)   # False for NaN
+
+
+@dataclass
+class Base2Rows:
+    """A run's online softmax in base 2 with folded columns; ``st[rows]`` is a view of some rows."""
+    ol: np.ndarray       # (R, D+1) [O, l]
+    q2: np.ndarray       # (R, D+1) [Q log2(e), -m2] (0 for -m2 where m2 = -inf)
+    m2: np.ndarray       # (R,) the running shift, base 2
+    inc: np.ndarray      # (R, D+1) scratch: one tile's [P V, rowsum(P)]
+
+    def __getitem__(self, rows):
+        return Base2Rows(self.ol[rows], self.q2[rows], self.m2[rows], self.inc[rows])
+
+
+class TilePos(NamedTuple):
+    """What makes a masked tile's mask: its query and key positions, the rule,
+    and where masks already made are kept (`tile_masks`)."""
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    rule: object
+    masks: dict
+
+    def mask(self):
+        return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[0]     # (tq, tk) bool, True: visible
+
+    def hidden(self):
+        return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[1]     # (tq, tk) bool, True: masked
+
+
+def tile_masks(masks, q_pos, k_pos, rule):
+    """(visible, hidden) of the tile of these positions, each (tq, tk) bool,
+    made once and kept in `masks` (a dict living for one step call): every
+    head of a block has the same positions, so its tiles have the same masks.
+    The key is where the positions' views start and end: within one call the
+    query and key positions are two arrays, and a view of them is its tile."""
+    key = (q_pos.__array_interface__["data"][0], len(q_pos), k_pos.__array_interface__["data"][0], len(k_pos))
+    found = masks.get(key)
+    if found is None:
+        seen = visible(q_pos, k_pos, rule)
+        found = masks[key] = (seen, ~seen)
+    return found
+
+
+# -- the forward ------------------------------------------------------------------
+
+def forward_rows(run, head, blocks, update, tick=no_progress):
+    """The online softmax of a run of query rows over `blocks`, a list of
+    (query slice within the run, key slice, kind), each through
+    ``update(st, s, head, ks, where)``; `tick` after each."""
+    tq, G, D = run.q.shape
+    R, dtype = tq * G, run.q.dtype
+    m2_in = run.m.reshape(R) * LOG2E                 # (R,) the running shift, base 2
+    q2 = np.multiply(run.q.reshape(R, D), dtype.type(LOG2E), out=scratch("q2", (R, D), dtype))
+    st = Base2Rows(ol=augment(run.o.reshape(R, D), run.l.reshape(R), scratch("ol", (R, D + 1), dtype)),  # [O, l]
+                   q2=augment(q2, 0.0, scratch("q2+", (R, D + 1), dtype)), m2=m2_in.copy(),
+                   inc=scratch("inc", (R, D + 1), dtype))
+    set_shift(st.q2, st.m2)
+    buf = scratch("s", (R * max(len(head.k1[ks]) for _, ks, _ in blocks),), dtype)
+    for qr, ks, kind in blocks:
+        rows = slice(qr.start * G, qr.stop * G)      # the block's rows of the run
+        tk = len(head.k1[ks])
+        s = buf[:(rows.stop - rows.start) * tk].reshape(-1, tk)                   # (rows, tk)
+        where = TilePos(run.pos[qr], head.pos[ks], run.mask, run.masks) if kind == MASKED else None
+        update(st[rows], s, head, ks, where)
+        tick()
+    run.o[...] = st.ol[:, :D].reshape(tq, G, D)
+    run.l[...] = st.ol[:, D].reshape(tq, G)
+    # converting m to base e and back rounds it: write only the rows that moved
+    run.m[...] = np.where(st.m2 == m2_in, run.m.reshape(R), st.m2 / LOG2E).reshape(tq, G)
+
+
+def exact_update(st, s, head, ks, where):
+    """One exact tile: scores S - m into `s` (masked entries -inf), then `exact_tile`."""
+    shifted_scores(s, st.q2, head.k1[ks], None if where is None else where.hidden())
+    guarded = head.guard and where is not None
+    exact_tile(st, s, head.v1[ks], mask_rows(where.mask(), len(s), np) if guarded else None)
+
+
+def exact_tile(st, s, vt, vis=None):
+    """One exact online-softmax tile (reference.step), in base 2, on scores
+    s = S - shift; updates `st` (O, l, the shift). `vis` (R, tk): the mask,
+    when vt may hold NaN or inf (`masked_product`)."""
+    shift = -st.q2[:, -1]                                # (R,) m2, or 0 where m2 = -inf
+    m_new = np.maximum(st.m2, shift + s.max(axis=1))    # (R,)
+    # Hazard: a row with no visible key yet keeps m_new = -inf; shifting it by
+    # 0 leaves its P = exp2(-inf) = 0 and its alpha = 1 on O = l = 0, no NaN.
+    seen = np.isfinite(m_new)
+    s -= np.where(seen, m_new - shift, 0.0)[:, None]
+    np.exp2(s, out=s)                                    # P = exp(S - m_new)
+    alpha = np.exp2(st.m2 - np.where(seen, m_new, 0.0))  # rescales the old O and l
+    st.ol *= np.where(seen, alpha, 1.0)[:, None]
+    if vis is None:
+        np.matmul(s, vt, out=st.inc)                     # [P V, rowsum(P)]
+    else:
+        st.inc[...] = masked_product(s, vt, vis)
+    st.ol += st.inc
+    set_shift(st.q2, m_new)
+    st.m2[...] = m_new
+
+
+def lazy_tile(st, s, head, ks, where):
+    """A tile with the current shift, no row max, no rescaling, if its row sums
+    stay at most SUM_LIMIT (any shift gives the same O / l and m + log(l));
+    else `exact_update`. Rows that have seen no key yet (m = -inf) and heads
+    whose |V| could overflow O (``head.lazy`` False) are always exact."""
+    if head.lazy and np.isfinite(st.m2).all():
+        shifted_scores(s, st.q2, head.k1[ks], None)      # S - m, base 2   (rows, tk)
+        exp2_visible(s, None if where is None else where.hidden())   # P, 0 where masked; may overflow
+        np.matmul(s, head.v1[ks], out=st.inc)            # [P V, rowsum(P)]   (rows, D+1)
+        if st.inc[:, -1].max() <= SUM_LIMIT:             # False for inf and NaN too
+            st.ol += st.inc
+            return
+    exact_update(st, s, head, ks, where)
+
+
+# -- the backward -----------------------------------------------------------------
+
+@dataclass
+class BackwardQueries:
+    """One (batch, head) of the queries as the backward reads them, the same
+    every round: made once and kept in `BackwardRows.cache`."""
+    q: np.ndarray        # (c, G, D)
+    q2: np.ndarray       # (c, G, D+1) [Q log2(e), -lse log2(e)]
+    do: np.ndarray       # (c, G, D)
+    do1: np.ndarray      # (c, G, D+1) [dO, -delta]
+    pos: np.ndarray      # (c,)
+    mask: object
+    finite: bool         # q, dO and delta hold no NaN or inf
+    masks: dict          # the tiles' masks, made once for all heads (`tile_masks`)
+
+    @classmethod
+    def of(cls, queries, rows, b, h, masks):
+        key = ("base2", b, h)
+        if key not in rows.cache:
+            q, do = queries.q[b, h], rows.do[b, h]
+            q2 = augment(q * LOG2E, -rows.lse[b, h] * LOG2E)
+            do1 = augment(do, -rows.delta[b, h])
+            rows.cache[key] = (q2, do1, all_finite(np, q, do1))
+        q2, do1, finite = rows.cache[key]
+        return cls(q=queries.q[b, h], q2=q2, do=rows.do[b, h], do1=do1, pos=queries.pos,
+                   mask=queries.mask, finite=finite, masks=masks)
+
+
+@dataclass
+class KeyColumn:
+    """One key tile of one head in the backward, and its gradients (views, added to)."""
+    k: np.ndarray        # (tk, D)
+    k1: np.ndarray       # (tk, D+1) [K, 1]
+    v1: np.ndarray       # (tk, D+1) [V, 1]
+    pos: np.ndarray      # (tk,)
+    dk: np.ndarray       # (tk, D)
+    dv: np.ndarray       # (tk, D)
+
+
+def backward_head(grads, queries, rows, block, bh, columns, cols, tick=no_progress):
+    """Every key tile of one (batch, head) `bh`, each through
+    ``cols(hq, column, dq, tiles, guard, tick)``: all add to the head's dQ.
+    `columns`: the plan by key tile, ``by_tile(plan, 1)``, and the dict
+    where the tiles' masks are kept for all heads: ``(by_tile(plan, 1), {})``."""
+    b, h = bh
+    columns, masks = columns
+    hq = BackwardQueries.of(queries, rows, b, h, masks)
+    k, v = block.k[b, h], block.v[b, h]
+    wide = k.shape[:-1] + (k.shape[-1] + 1,)
+    k1 = augment(k, 1.0, scratch("bk1", wide, k.dtype))       # [K, 1]   (ck, D+1)
+    v1 = augment(v, 1.0, scratch("bv1", wide, v.dtype))       # [V, 1]
+    guard = not (hq.finite and all_finite(np, k, v))            # NaN or inf: guard masked pairs
+    for ks, tiles in columns:
+        column = KeyColumn(k[ks], k1[ks], v1[ks], block.pos[ks], grads.dk[b, h, ks], grads.dv[b, h, ks])
+        cols(hq, column, grads.dq[b, h], tiles, guard, tick)
+
+
+def backward_cols(hq, col, dq, tiles, guard, tick=no_progress):
+    """The backward of one key tile over its query tiles `tiles` [(query
+    slice, kind)]; dq (c, G, D) and the column's dk, dv are added to. P is
+    exactly 0 where masked, even where lse is NaN: the mask clears it after exp2."""
+    tk, D = col.k.shape
+    G, dtype = hq.q.shape[1], hq.q.dtype
+    dk_t, dv_t = scratch("dk_t", col.dk.shape, dtype), scratch("dv_t", col.dv.shape, dtype)
+    dk_t.fill(0)                                                 # (tk, D) kept in cache over the tiles
+    dv_t.fill(0)
+    R_max = G * max(len(hq.pos[qs]) for qs, _ in tiles)
+    buf_p, buf_ds = scratch("p", (R_max * tk,), dtype), scratch("ds", (R_max * tk,), dtype)
+    for qs, kind in tiles:
+        tq = len(hq.pos[qs])
+        R = tq * G
+        p, ds = buf_p[:R * tk].reshape(R, tk), buf_ds[:R * tk].reshape(R, tk)
+        mask, hidden = tile_masks(hq.masks, hq.pos[qs], col.pos, hq.mask) if kind == MASKED else (None, None)
+        shifted_scores(p, hq.q2[qs].reshape(R, D + 1), col.k1, None)    # S - lse, base 2
+        exp2_visible(p, hidden)                                  # P = exp(S - lse), 0 where masked
+        vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None
+        vis_t = None if vis is None else vis.T
+        dv_t += masked_product(p.T, hq.do[qs].reshape(R, D), vis_t)   # dV += P^T dO
+        np.matmul(hq.do1[qs].reshape(R, D + 1), col.v1.T, out=ds)     # dP - delta   (R, tk)
+        np.multiply(p, ds, out=ds)                               # dS = P * (dP - delta)
+        if vis is not None:                                      # 0 x NaN: P = 0 does not clear a NaN dP - delta
+            np.copyto(ds, 0, where=~vis)
+        dq[qs] += masked_product(ds, col.k, vis).reshape(tq, G, D)      # dQ += dS K
+        dk_t += masked_product(ds.T, hq.q[qs].reshape(R, D), vis_t)    # dK += dS^T Q
+        tick()
+    col.dk += dk_t
+    col.dv += dv_t
+
+
+# -- small pieces -------------------------------------------------------------------
+
+def augment(x, column, out=None):
+    """[x, column] along the last axis: (..., D) -> (..., D+1)."""
+    if out is None:
+        out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), dtype=x.dtype)
+    out[..., :-1] = x
+    out[..., -1] = column
+    return out
+
+
+def by_tile(plan, which):
+    """Group the plan by its query tiles (which=0) or key tiles (which=1):
+    a list of (slice, [(other slice, kind), ...]) in plan order."""
+    groups = {}
+    for entry in plan:
+        own = entry[which]
+        groups.setdefault((own.start, own.stop), (own, []))[1].append((entry[1 - which], entry[2]))
+    return list(groups.values())
+
+
+def set_shift(q2, m2):
+    """Last column of [Q log2(e), -m2] := -m2, or 0 where no key has been seen (m2 = -inf)."""
+    q2[:, -1] = np.where(np.isfinite(m2), -m2, 0.0)
+
+
+def shifted_scores(s, q2, kt, hidden):
+    """s (R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, -inf at
+    the masked pairs of `hidden` (tq, tk) (True: masked; None: none)."""
+    np.matmul(q2, kt.T, out=s)
+    if hidden is not None:
+        tq, tk = hidden.shape
+        np.copyto(s.reshape(tq, -1, tk), -np.inf, where=hidden[:, None, :])
+
+
+def exp2_visible(s, hidden):
+    """s := exp2(s), then 0 at the masked pairs of `hidden` (tq, tk) (True:
+    masked; None: none). A masked entry may overflow to inf or be NaN before
+    it is cleared; it contributes nothing either way."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.exp2(s, out=s)
+    if hidden is not None:
+        tq, tk = hidden.shape
+        np.copyto(s.reshape(tq, -1, tk), 0, where=hidden[:, None, :])
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(key, shape, dtype):
+    """An uninitialised array of `shape` for this thread, under `key`: the same
+    memory from call to call, grown when too small. A fresh array of a block's
+    size pays its page faults on every call (measured: a fifth of the CPU time
+    of a forward of a block of 1024 tokens). It is this thread's until it asks
+    for `key` again, so a key names one use that ends before the next begins."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    n, dtype = int(np.prod(shape)), np.dtype(dtype)
+    buf = bufs.get((key, dtype))
+    if buf is None or buf.size < n:
+        buf = bufs[key, dtype] = np.empty(n, dtype)
+    return buf[:n].reshape(shape)
+
+
+# -- taller products --------------------------------------------------------------
+
+def forward_units(plan, c, G):
+    """Consecutive query tiles stacked into groups of up to UNIT_ROWS rows.
+    Returns [(query slice of the group, blocks)], blocks being the group's tiles
+    as (query slice within the group, key slice, kind): a key tile shared by
+    neighbouring query tiles of the group is one block, one product. Blocks
+    cover exactly the plan's tiles."""
+    groups = []
+    for qs, tiles in by_tile(plan, 0):
+        stop = min(qs.stop, c)
+        last = groups[-1] if groups else None
+        if last and last[-1][0].stop == qs.start and (stop - last[0][0].start) * G <= UNIT_ROWS:
+            last.append((slice(qs.start, stop), tiles))
+        else:
+            groups.append([(slice(qs.start, stop), tiles)])
+    return [(slice(g[0][0].start, g[-1][0].stop), _blocks(g)) for g in groups]
+
+
+def _blocks(group):
+    """The blocks of one group of query tiles (see `forward_units`)."""
+    first = group[0][0].start
+    users = {}                                           # key tile -> [(member, kind)]
+    for i, (qs, tiles) in enumerate(group):
+        for ks, kind in tiles:
+            users.setdefault((ks.start, ks.stop), (ks, []))[1].append((i, kind))
+    blocks = []
+    for ks, members in users.values():
+        run = [members[0]]
+        for member in members[1:] + [None]:              # runs of neighbouring query tiles
+            if member is not None and member[0] == run[-1][0] + 1:
+                run.append(member)
+                continue
+            rows = slice(group[run[0][0]][0].start - first, group[run[-1][0]][0].stop - first)
+            blocks.append((rows, ks, MASKED if any(kind == MASKED for _, kind in run) else FULL))
+            run = [member]
+    return blocks
+
+
+# -- worker threads ---------------------------------------------------------------
+
+def threaded_forward(acc, queries, block, plan, update, workers, progress=no_progress):
+    """A forward in units of stacked query tiles of one head (`forward_units`)
+    on `workers` threads (`run_units`), each tile through `update`."""
+    B, Hkv, c, G, _ = queries.q.shape
+    pairs = [(b, h) for b in range(B) for h in range(Hkv)]
+    heads, masks, tick = {}, {}, on_this_thread(progress)
+
+    def prepare(b, h):                                   # [K, 1], [V, 1] of each head, once
+        heads[b, h] = KeyHead.of(block, b, h)
+
+    def unit(b, h, qs, blocks):
+        with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
+            forward_rows(QueryRun.of(acc, queries, b, h, qs, masks), heads[b, h], blocks, update, tick)
+
+    units = sorted(((b, h, qs, blocks) for qs, blocks in forward_units(plan, c, G) for b, h in pairs),
+                   key=lambda u: -len(u[3]))             # most blocks first: workers finish together
+    run_units(prepare, pairs, workers, progress)
+    run_units(unit, units, workers, progress)
+
+
+def threaded_backward(grads, queries, rows, block, plan, cols, workers, progress=no_progress):
+    """A backward in units of one whole head (its key tiles all add to its dQ)
+    on `workers` threads, each key tile through `cols` (`backward_head`)."""
+    B, Hkv = queries.q.shape[:2]
+    columns, tick = (by_tile(plan, 1), {}), on_this_thread(progress)
+
+    def unit(b, h):
+        backward_head(grads, queries, rows, block, (b, h), columns, cols, tick)
+    run_units(unit, [(b, h) for b in range(B) for h in range(Hkv)], workers, progress)
+
+
+
+def check_workers(workers):
+    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    return int(workers)
+
+
+def workers_label(name, workers):
+    return f"{name}, {workers} worker{'s' if workers > 1 else ''}"
+
+
+def on_this_thread(progress):
+    """`progress` when called from the thread that made it, nothing on others
+    (a worker's tile loop calls it; only the calling thread may progress a transfer)."""
+    me = threading.get_ident()
+
+    def tick():
+        if threading.get_ident() == me:
+            progress()
+    return tick
+
+
+def run_units(fn, units, workers, progress=no_progress):
+    """fn(*unit) for every unit, taken in order by `workers` threads (this one
+    included), with BLAS held to one thread meanwhile (two levels of threads
+    on the same cores oversubscribe them: measured several times slower). A
+    unit owns the rows it writes, so results do not depend on `workers`, bit
+    for bit. This thread calls `progress` every PROGRESS_S while it waits for
+    the others. The first exception is raised here, after all stop."""
+    if workers <= 1 or len(units) <= 1:
+        for u in units:
+            fn(*u)
+        return
+    pending, lock, errors = iter(units), threading.Lock(), []
+
+    def work():
+        while not errors:
+            with lock:
+                u = next(pending, None)
+            if u is None:
+                return
+            try:
+                fn(*u)
+            except BaseException as e:   # re-raised by the caller below
+                errors.append(e)
+
+    with blas_limit(1):
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(1, workers)]
+        for t in threads:
+            t.start()
+        work()
+        for t in threads:
+            while t.is_alive():
+                t.join(PROGRESS_S)
+                progress()
+    if errors:
+        raise errors[0]
