@@ -121,7 +121,7 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--tile-size", type=tile_arg, default=128,
                     help="tile side T (T queries by T keys), or TQxTK for a rectangle")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
-    ap.add_argument("--step", choices=steps.NAMES, default="auto",
+    ap.add_argument("--step", choices=steps.names(), default="auto",
                     help="block step version (reference.steps): auto is the fastest validated one for the arrays")
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads per rank, for steps that take them (v3, v4) (default: the rank's share "

@@ -131,7 +131,7 @@ def as_dtype(block, dtype, step=None):
     """The block with K, V in the accumulation dtype (float16 blocks travel as
     float16); left as it is for a step that reads float16 itself
     (``step.reads_float16``, the fused kernel)."""
-    if getattr(step, "reads_float16", False) and block.k.dtype == np.float16:
+    if step is not None and step.reads_float16 and block.k.dtype == np.float16:
         return block
     return block._replace(k=block.k.astype(dtype, copy=False), v=block.v.astype(dtype, copy=False))
 

@@ -176,6 +176,8 @@ class Step:
     takes_workers = False                # True: its constructor takes `workers` threads
     takes_masks = True                   # False: causal=True/False only (reference.masks' plain)
     dtypes = ()                          # the input dtypes "auto" may pick it for (empty: any)
+    reads_float16 = False                # True: takes float16 K, V as they travel (the ring does not
+                                         # cast them to the accumulation dtype: the fused kernels)
 
     def refuses(self, call):
         """Why this version cannot take a call (`reference.steps.Call`: dtype,
@@ -207,10 +209,10 @@ class Step:
         return _count(plan, skipped, queries.pos, block.pos, mask)
 
     def _with_mask(self, queries, block, mask, causal):
-        """The queries carrying the mask (the tiles read it there), the block's positions on the host."""
+        """The queries carrying the mask (the tiles read it there), the block's
+        positions on the host. Whether this version takes the mask was asked at
+        the door (`reference.steps.check_step`)."""
         mask = resolve(mask, causal)
-        if mask.dropout and not self.has_dropout:
-            raise ValueError(f"step {self.name!r} has no dropout; use step='v1'")
         return replace(queries, mask=mask), block._replace(pos=to_host(block.pos)), mask
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
