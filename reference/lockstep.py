@@ -27,7 +27,8 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
                    tile_size=None, step=steps.DEFAULT, **mask_options):
     """Exact attention over N devices in lockstep. Returns (out, lse).
     `mask_options`: those of `reference.ring_attention` (window, documents, dropout)."""
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options)
+    scale, step, mask = _validate(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                                      step=step, mask_options=mask_options)
     n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
     qs, ks, vs = (shard(x, n, layout) for x in (q, k, v))
     queries = [Queries.prepare(qs[j], Hkv, pos[j], scale) for j in range(n)]     # Q_j
@@ -50,8 +51,8 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
     """Gradients (dq, dk, dv) over N devices in lockstep: dQ_j stays with
     device j; block src's dK, dV collect every device's share as the block
     passes, and are home after the last round."""
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options,
-                                  backward=True)
+    scale, step, mask = _validate(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                                      step=step, mask_options=mask_options, backward=True)
     n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
     qs, ks, vs, outs, douts = (shard(x, n, layout) for x in (q, k, v, out, dout))
     lses = shard(lse, n, layout, axis=2)

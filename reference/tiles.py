@@ -49,6 +49,16 @@ def plan_tile(plan):
     return qs.stop - qs.start, ks.stop - ks.start
 
 
+def by_tile(plan, which):
+    """Group the plan by its query tiles (which=0) or key tiles (which=1):
+    a list of (slice, [(other slice, kind), ...]) in plan order."""
+    groups = {}
+    for entry in plan:
+        own = entry[which]
+        groups.setdefault((own.start, own.stop), (own, []))[1].append((entry[1 - which], entry[2]))
+    return list(groups.values())
+
+
 def tile_edges(n, t):
     """Start of each tile of length `t` over `n` items (the last may be shorter)."""
     return np.arange(0, n, t)

@@ -77,7 +77,7 @@ def _secondary(e):
     return isinstance(e, RuntimeError) and str(e) == "another virtual device failed"
 
 
-def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options, backward=False):
+def _validate(q, k, v, *, n_devices, layout, causal, scale, tile_size, step, mask_options, backward=False):
     """Check every argument before any work; returns (scale, Step, Mask)."""
     B, S, Hq, Hkv, D = checks.check_qkv(q, k, v)
     check_layout(layout, S, n_devices)
@@ -99,7 +99,8 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
     `blas_threads` (per product): the devices' share of the cores by default
     (`reference.cores`); the trace says what ran (``Trace.threads``)."""
     mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options)
+    scale, step, mask = _validate(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                                      step=step, mask_options=mask_options)
     step, share = cores.for_devices(step, n_devices, threads=threads, blas_threads=blas_threads)
     S = q.shape[1]
     pos = positions(S, n_devices, layout)                              # (N, c), padded
@@ -122,8 +123,8 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
     """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace);
     mask and thread options as `ring_attention` (dropout drops the forward's pairs again)."""
     mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options,
-                                  backward=True)
+    scale, step, mask = _validate(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                                      step=step, mask_options=mask_options, backward=True)
     step, share = cores.for_devices(step, n_devices, threads=threads, blas_threads=blas_threads)
     checks.check_grads_inputs(q, out, lse, dout)
     S = q.shape[1]
