@@ -68,6 +68,8 @@ def build_parser():
     c.add_argument("--layouts", type=names, default=None, metavar="NAME,...",
                    help="contiguous, striped, zigzag (default: the adapter's layouts)")
     c.add_argument("--max-seq", type=int, default=MAX_SEQ, help=f"the longest sequence drawn (default {MAX_SEQ})")
+    c.add_argument("--shrink-seconds", type=float, default=120,
+                   help="how long to shrink a disagreement before printing the smallest so far (default 120)")
     c.add_argument("--seed", type=int, default=0, help="hypothesis's seed (default 0: the same run each time)")
     c.add_argument("--markdown", metavar="FILE", help="also write the verdict to FILE as Markdown")
     c.add_argument("--repro", metavar="CASE", help="run this one case (the line a disagreement prints) and stop")
@@ -89,7 +91,8 @@ def run_check(args, ap):
         case = parse_case(args.repro) if args.repro else None
         plan = None if case else make_plan(adapter, world_sizes=args.world_sizes, layouts=args.layouts,
                                            dtypes=args.dtypes, masks=args.masks, examples=args.examples,
-                                           seed=args.seed, max_seq=args.max_seq)
+                                           seed=args.seed, max_seq=args.max_seq,
+                                           shrink_seconds=args.shrink_seconds)
     except ValueError as e:
         ap.error(str(e))                   # exit 2
     try:

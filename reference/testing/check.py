@@ -39,8 +39,7 @@ PROTOCOL = ("name", "layouts", "dtypes", "masks", "backward", "outputs", "replic
 
 def load_adapter(spec):
     """The adapter `spec` names: "module:Name" or "path/to/file.py:Name", where
-    Name is an adapter object, or a class (or function) called with no
-    arguments to make one. ValueError, in words, when it cannot."""
+    Name is an adapter object, or a class made with no arguments. ValueError, in words, when it cannot."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"expected MODULE:ADAPTER (as mymodule:MyRing or path/to/ring.py:MyRing), got {spec!r}")
@@ -55,8 +54,12 @@ def load_adapter(spec):
         if not hasattr(adapter, part):
             raise ValueError(f"{module_name!r} has no {attr!r}")
         adapter = getattr(adapter, part)
-    if isinstance(adapter, type) or (callable(adapter) and not hasattr(adapter, "run")):
-        adapter = adapter()
+    if isinstance(adapter, type):
+        try:
+            adapter = adapter()
+        except TypeError as e:
+            raise ValueError(f"{spec} is a class that cannot be made with no arguments ({e}): "
+                             f"name an object of it instead") from None
     missing = [name for name in PROTOCOL if not hasattr(adapter, name)]
     if missing:
         raise ValueError(f"{spec} is not an adapter: it has no {', '.join(missing)} "
@@ -90,6 +93,7 @@ class Plan:
     examples: int = 100
     seed: int = 0
     max_seq: int = MAX_SEQ
+    shrink_seconds: float = 120.0
 
 
 def _narrow(what, asked, declared, name=lambda x: x):
@@ -105,7 +109,7 @@ def _narrow(what, asked, declared, name=lambda x: x):
 
 
 def make_plan(adapter, *, world_sizes=None, layouts=None, dtypes=None, masks=None, examples=100, seed=0,
-              max_seq=MAX_SEQ):
+              max_seq=MAX_SEQ, shrink_seconds=120.0):
     """The Plan for `adapter`, options given as names (None: all it declares);
     ValueError for what it does not take."""
     if examples < 1:
@@ -114,6 +118,7 @@ def make_plan(adapter, *, world_sizes=None, layouts=None, dtypes=None, masks=Non
     if not sizes or min(sizes) < 1:
         raise ValueError(f"world sizes must be at least 1, got {sizes}")
     return Plan(world_sizes=tuple(sorted(set(sizes))), examples=examples, seed=seed, max_seq=max_seq,
+                shrink_seconds=shrink_seconds,
                 layouts=_narrow("layout", layouts, tuple(adapter.layouts)),
                 dtypes=_narrow("dtype", dtypes, tuple(adapter.dtypes), lambda d: np.dtype(d).name),
                 masks=check_masks(_narrow("mask", masks, tuple(adapter.masks))))
@@ -177,16 +182,21 @@ def _hypothesis_own(error):
 def check_adapter(adapter, plan, progress=None):
     """Run `plan` on `adapter`: per world size (smallest first) hypothesis
     draws up to `plan.examples` cases; at the first disagreement it shrinks
-    to the smallest case it finds and the run stops there. Returns a Verdict."""
-    from hypothesis import HealthCheck, find, settings
+    to the smallest case it finds within `plan.shrink_seconds` (a slow ring's
+    shrinking can take many minutes) and the run stops there. Returns a Verdict."""
+    from hypothesis import HealthCheck, Phase, find, settings
     from hypothesis.errors import NoSuchExample, Unsatisfiable
     verdict, start = Verdict(adapter.name, plan), time.monotonic()
+    # no explain phase: its variations of the shrunk case come after it, and
+    # `find` returns the last case that failed, so it would return one of them
     config = settings(max_examples=plan.examples, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
+                      suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p != Phase.explain])
     for n in plan.world_sizes:
         counts = dict(run=0, failed=0, before=0)
 
         def fails(case):
+            if counts["failed"] and time.monotonic() > counts["shrink_until"]:
+                return False        # shrinking's time is up: hypothesis keeps the smallest failure so far
             counts["run"] += 1
             if progress:
                 progress.update(n, counts["run"], plan.examples, shrinking=counts["failed"])
@@ -194,6 +204,7 @@ def check_adapter(adapter, plan, progress=None):
             failed = check_one(adapter, case, usage) is not None
             if failed and not counts["failed"]:
                 counts["before"] = counts["run"] - 1        # the examples that agreed before it
+                counts["shrink_until"] = time.monotonic() + plan.shrink_seconds
             counts["failed"] += failed
             if not failed:
                 for name, used in usage.items():
@@ -218,7 +229,7 @@ def check_adapter(adapter, plan, progress=None):
 
 def used_line(used):
     """"out 0.31, lse 0.02, dq 0.2, ...": the line used per output (1 is the line)."""
-    return ", ".join(f"{name} {used[name]:.2g}" for name in NAMES if name in used) or "nothing compared"
+    return ", ".join(f"{name} {used[name]:.3g}" for name in NAMES if name in used) or "nothing compared"
 
 
 def summary(verdict):
