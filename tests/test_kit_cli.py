@@ -46,6 +46,13 @@ class Raises(VirtualRingAdapter):
         return super().run(case, shards)
 
 
+class NoSingleRank(ToyRing):
+    """A ring that cannot run on one rank (as gloo cannot send a rank to itself)."""
+
+    def supports(self, case):
+        return "one rank: no ring" if case.n_devices == 1 else super().supports(case)
+
+
 def check(capsys, *args):
     """(exit status, stdout) of `python -m reference.testing check ARGS`."""
     status = main(["check", *args])
@@ -100,6 +107,14 @@ def test_an_exception_in_the_ring_is_a_disagreement(capsys):
     assert status == 1, out
     assert "raising ring raised on" in out and "ValueError: shapes do not match" in out, out
     assert "n_devices=2, B=1, S=2, Hq=1, Hkv=1, D=1," in out, out          # shrunk
+
+
+def test_a_world_size_the_adapter_never_takes_is_said_and_not_counted(capsys):
+    status, out = check(capsys, "test_kit_cli:NoSingleRank", "--world-sizes", "1,2", "--examples", "10", *FAST)
+    assert status == 0 and re.match(r"toy ring agrees \(10 examples per world size, N = 2; .*; "
+                                    r"N = 1 skipped: one rank: no ring; \d+ s\)", out), out
+    status, out = check(capsys, "test_kit_cli:NoSingleRank", "--world-sizes", "1", *FAST)
+    assert status == 2 and out.startswith("toy ring took none of the cases drawn; N = 1 skipped: one rank: no ring"), out
 
 
 @pytest.mark.parametrize("args, words", [

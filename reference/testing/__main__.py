@@ -25,7 +25,8 @@ reference.testing.Adapter; the harnesses' JaxAdapter and the PyTorch one are),
 or a class made with no arguments. For each world size, hypothesis draws up to
 --examples cases among the layouts, dtypes and masks the adapter declares
 (narrowed by the options) and shrinks the first disagreement to the smallest
-case it finds. Exit status: 0 agrees, 1 disagrees, 2 usage error.
+case it finds. Exit status: 0 agrees, 1 disagrees, 2 usage error (or no case drawn that
+the adapter takes).
 
 examples:
   python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 2,4
@@ -123,6 +124,8 @@ def check_plan(adapter, plan, args):
         command = "python -m reference.testing " + " ".join(shlex.quote(a) for a in args.argv)
         with open(args.markdown, "w") as f:
             f.write(markdown(verdict, command, repro))
+    if not verdict.examples:
+        return 2                    # nothing checked: the options leave nothing the adapter takes
     return 0 if verdict.agrees else 1
 
 

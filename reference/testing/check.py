@@ -24,6 +24,7 @@ import shlex
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,13 @@ def _import(name):
     return importlib.import_module(name)
 
 
+SKIP_LIMIT = 50      # cases drawn and none taken: the adapter takes nothing at this world size
+
+
+class _NothingTaken(BaseException):
+    """Ends `find` at once (hypothesis passes on what is not an Exception, unshrunk)."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to draw: the world sizes, and per case the layouts, dtypes and masks
@@ -134,10 +142,13 @@ def strategy(adapter, plan, n):
 class Verdict:
     """The outcome: examples run per world size, the line used per output
     name (largest error / tolerance over the agreeing examples), and, on a
-    disagreement, the smallest case, the kit's message and the world size."""
+    disagreement, the smallest case, the kit's message and the world size;
+    `skipped`, per world size at which the adapter took none of the cases
+    drawn, its reason (gloo cannot send a rank to itself, say, at N = 1)."""
     adapter: str
     plan: Plan
     examples: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)
     used: dict = field(default_factory=dict)
     case: object = None
     message: str = None
@@ -184,19 +195,25 @@ def check_adapter(adapter, plan, progress=None):
     draws up to `plan.examples` cases; at the first disagreement it shrinks
     to the smallest case it finds within `plan.shrink_seconds` (a slow ring's
     shrinking can take many minutes) and the run stops there. Returns a Verdict."""
-    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis import HealthCheck, Phase, Verbosity, assume, find, settings
     from hypothesis.errors import NoSuchExample, Unsatisfiable
     verdict, start = Verdict(adapter.name, plan), time.monotonic()
     # no explain phase: its variations of the shrunk case come after it, and
     # `find` returns the last case that failed, so it would return one of them
-    config = settings(max_examples=plan.examples, deadline=None, database=None,
+    config = settings(max_examples=plan.examples, deadline=None, database=None, verbosity=Verbosity.quiet,
                       suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p != Phase.explain])
     for n in plan.world_sizes:
-        counts = dict(run=0, failed=0, before=0)
+        counts, skipped = dict(run=0, failed=0, before=0), Counter()
 
         def fails(case):
             if counts["failed"] and time.monotonic() > counts["shrink_until"]:
                 return False        # shrinking's time is up: hypothesis keeps the smallest failure so far
+            reason = adapter.supports(case)
+            if reason:              # not drawn: hypothesis draws another
+                skipped[reason] += 1
+                if not counts["run"] and skipped.total() >= SKIP_LIMIT:
+                    raise _NothingTaken
+                assume(False)
             counts["run"] += 1
             if progress:
                 progress.update(n, counts["run"], plan.examples, shrinking=counts["failed"])
@@ -213,8 +230,11 @@ def check_adapter(adapter, plan, progress=None):
 
         try:
             case = find(strategy(adapter, plan, n), fails, settings=config, random=random.Random(plan.seed))
-        except (NoSuchExample, Unsatisfiable):
-            verdict.examples[n] = counts["run"]
+        except (NoSuchExample, Unsatisfiable, _NothingTaken):
+            if not counts["run"]:   # the adapter took none of the cases drawn
+                verdict.skipped[n] = skipped.most_common(1)[0][0] if skipped else "no case drawn"
+            else:
+                verdict.examples[n] = counts["run"]
             if progress:
                 progress.done(n, counts["run"])
             continue
@@ -235,10 +255,13 @@ def used_line(used):
 def summary(verdict):
     """The verdict's first line: "agrees (...)" or "disagrees (...)"."""
     sizes = ", ".join(str(n) for n in verdict.examples)
+    skipped = "".join(f"; N = {n} skipped: {why}" for n, why in verdict.skipped.items())
+    if verdict.agrees and not verdict.examples:
+        return f"{verdict.adapter} took none of the cases drawn{skipped}"
     if verdict.agrees:
-        each = min(verdict.examples.values(), default=0)
+        each = min(verdict.examples.values())
         return (f"{verdict.adapter} agrees ({each} examples per world size, N = {sizes}; "
-                f"line used: {used_line(verdict.used)}; 1 is the line; {verdict.seconds:.0f} s)")
+                f"line used: {used_line(verdict.used)}; 1 is the line{skipped}; {verdict.seconds:.0f} s)")
     n = list(verdict.examples)[-1]
     return (f"{verdict.adapter} disagrees (N = {n}, after {verdict.examples[n]} agreeing examples there; "
             f"the smallest case hypothesis found:)")
@@ -261,6 +284,7 @@ class Progress:
 
     def done(self, n, run, failed=False):
         what = f"disagrees ({run} tries, shrinking included)" if failed else f"{run} examples agree"
+        what = what if run else "took none of the cases drawn"
         line = f"  N = {n}: {what}, {time.monotonic() - self.start:.0f} s"
         self.stream.write(f"\r{line}\x1b[K\n" if self.live else f"{line}\n")
         self.stream.flush()
