@@ -173,3 +173,13 @@ def test_the_kit_imports_no_framework_and_no_hypothesis():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert proc.stdout.split() == ["[]", "--xla_force_host_platform_device_count=8"], proc.stdout + proc.stderr
+
+
+def test_the_readmes_jax_adapter_is_the_examples():
+    """The README shows examples/jax_ring.py's adapter; it must not drift from the file that runs."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### A JAX ring"):]
+    block = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    shown = block[block.index("def visible_keys"):]
+    source = (ROOT / "examples" / "jax_ring.py").read_text()
+    assert shown.replace("      # shard.q (B, c, Hq, D), shard.k, shard.v, shard.positions (c,)", "") in source
