@@ -1,14 +1,16 @@
 """A ring attention in JAX, checked by the kit from the command line.
 
-    .venv-jax/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 1,2,3,4
+    peers/.venv/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 1,2,3,4
 
-(`pip install -e '.[peers]'` or `pip install 'jax[cpu]'` first.) Each device
-holds c tokens of q, k, v in any layout: positions travel with the tokens,
-and the mask (causal or not, a window, packed documents, padding) comes from them. In each round a device attends its queries to
-the K/V block it holds and passes the block, with its positions, one device
-on (paper, Algorithm 1); the online softmax merges the blocks. The backward
-is JAX's autodiff of the forward (ppermute's transpose sends dK, dV back
-round the ring). Shapes: B batch, c tokens per device, Hq / Hkv heads, D head dim.
+(`make conformance` makes peers/.venv, with the `peers` extra's jax[cpu];
+or `pip install 'jax[cpu]'`.) Each device holds c tokens of q, k, v in any
+layout: positions travel with the tokens, and the mask (causal or not, a
+window, packed documents, padding) comes from them. In each round a device
+attends its queries to the K/V block it holds and passes the block, with its
+positions, one device on (paper, Algorithm 1); the online softmax merges the
+blocks. The backward is JAX's autodiff of the forward (ppermute's transpose
+sends dK, dV back round the ring). Shapes: B batch, c tokens per device,
+Hq / Hkv heads, D head dim.
 """
 
 import jax
