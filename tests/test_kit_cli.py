@@ -138,6 +138,13 @@ def test_usage_errors_exit_2_with_words(capsys, args, words):
     assert words in capsys.readouterr().err
 
 
+def test_without_hypothesis_it_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hypothesis", None)            # import hypothesis -> ImportError
+    with pytest.raises(SystemExit) as e:
+        main(["check", "test_kit:ToyRing"])
+    assert e.value.code == 2 and "pip install 'striped-attention[test]'" in capsys.readouterr().err
+
+
 def test_an_adapter_is_an_object_or_a_class_made_without_arguments():
     assert isinstance(load_adapter("test_kit:ToyRing"), ToyRing)
     assert load_adapter("test_kit_cli:WINDOW_TOO_WIDE") is WINDOW_TOO_WIDE
