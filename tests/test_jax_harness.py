@@ -59,6 +59,12 @@ def test_the_example_jax_ring_agrees(case):
     check_ring_attention(JaxRing(), case)
 
 
+def test_a_forward_only_adapter_returns_out_and_lse():
+    ring = type("ForwardOnly", (JaxRing,), dict(backward=False))()
+    results = check_ring_attention(ring, AGREES[0])
+    assert set(results[0]) == {"out", "lse"}
+
+
 def test_kv_sent_in_bfloat16_rounds_the_gradients_and_is_caught():
     case = Case("contiguous", 4, 2, 8, 2, 1, 8, None, True, None, BFLOAT16, "constant", 1)
     check_ring_attention(JaxRing(), case)
