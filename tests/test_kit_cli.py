@@ -174,6 +174,16 @@ def test_the_module_runs_as_a_command(tmp_path):
     assert re.search(r"N = 2: disagrees \(\d+ tries, shrinking included\)", failed.stderr), failed.stderr
 
 
+def test_the_jax_harness_leaves_a_device_count_already_asked_for(monkeypatch):
+    from reference.testing.harness import jax as harness
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3")
+    harness.request_devices()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    harness.request_devices(5)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=5"
+
+
 def test_the_kit_imports_no_framework_and_no_hypothesis():
     code = ("import sys, os; import reference.testing, reference.testing.check, reference.testing.harness.jax\n"
             "print(sorted(m for m in ('jax', 'torch', 'hypothesis') if m in sys.modules), os.environ['XLA_FLAGS'])")
