@@ -331,18 +331,16 @@ def _gpu_backward_with(options):
 
 @pytest.mark.parametrize("case", BAD_MASK_OPTIONS, ids=[c[0] for c in BAD_MASK_OPTIONS])
 def test_every_entry_point_refuses_a_bad_mask_option_before_any_work(case, no_work, fake_cupy):
-    _, options, error, argument, text = case
-    for name, call in mask_entry_points(options):
-        try:
-            assert_refused(call, error, argument, text)
-        except AssertionError as e:
-            raise AssertionError(f"{name}: {e}") from None
+    refused_everywhere(mask_entry_points, *case[1:])
 
 
 @pytest.mark.parametrize("case", BAD_SEQ_LEN, ids=[c[0] for c in BAD_SEQ_LEN])
 def test_shard_entry_points_refuse_a_seq_len_that_does_not_fit(case, no_work, fake_cupy):
-    _, options, error, argument, text = case
-    for name, call in shard_entry_points(options):
+    refused_everywhere(shard_entry_points, *case[1:])
+
+
+def refused_everywhere(entry_points, options, error, argument, text):
+    for name, call in entry_points(options):
         try:
             assert_refused(call, error, argument, text)
         except AssertionError as e:
