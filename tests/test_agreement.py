@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import mpi_impl
-from mpi_impl.attention import describe_call
 from conftest import assert_close
 from reference import attention, shard, unshard
 from reference.masks import make_mask
@@ -138,9 +137,8 @@ def test_every_mask_option_is_in_what_ranks_compare():
 @pytest.mark.parametrize("layout, seq_len", [("striped", 12), ("zigzag", 11), ("zigzag", 12), ("contiguous", 12)])
 def test_seq_len_that_pads_to_the_shards_is_taken(layout, seq_len):
     q, k, v = data(c=12)
-    d = describe_call(q, k, v, comm=OneRank(), layout=layout, causal=True, scale=None, tile_size=2,
-                      seq_len=seq_len)
-    assert d["mask"][3] == (None if seq_len == 12 else seq_len)
+    with pytest.raises(ValueError, match="no ring"):          # the checks passed
+        mpi_impl.ring_attention(q, k, v, comm=OneRank(), layout=layout, seq_len=seq_len, make_ring=_no_ring)
 
 
 @pytest.mark.parametrize("seq_len", [8, 13, 24, 0, -12, 12.0, True, "12", 11.5])
