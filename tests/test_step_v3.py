@@ -9,6 +9,7 @@ Its agreement with dense is tests/test_step.py's, with every other version.
     .venv/bin/python -m pytest tests/test_step_v3.py -q
 """
 
+import sys
 import threading
 import warnings
 
@@ -232,6 +233,9 @@ def test_lazy_shift_is_off_for_huge_values_of_either_sign(sign, exact_tiles):
     assert_close(lse, ref_lse, np.float32, "lse")
 
 
+UNIT_ROWS = sys.modules[forward_units.__module__].UNIT_ROWS     # where forward_units lives
+
+
 def covered(plan, c, G):
     """{(query slice, key slice): kind} of the tiles `forward_units` computes,
     from its units, each block spread back over the plan's query tiles it
@@ -263,7 +267,7 @@ def check_units_cover_the_plan(q_pos, k_pos, tile_size, mask, G):
     for (start, stop), (next_start, _) in zip(units, units[1:]):
         assert stop <= next_start                    # units own their rows
     for start, stop in units:                        # a unit is one tile, or stacks at most UNIT_ROWS rows
-        assert (start, stop) in q_tiles or (stop - start) * G <= step_parts.UNIT_ROWS
+        assert (start, stop) in q_tiles or (stop - start) * G <= UNIT_ROWS
 
 
 @settings(max_examples=60, deadline=None)
