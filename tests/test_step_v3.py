@@ -184,7 +184,8 @@ def _run(kind, step, q, k, v, dout):
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 5])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_a_unit_that_raises_raises_from_the_call(kind, workers, monkeypatch):
+@pytest.mark.parametrize("name", ["v3", "v4"])
+def test_a_unit_that_raises_raises_from_the_call(name, kind, workers, monkeypatch):
     # four heads, four units; the third one fails, whichever thread takes it:
     # the call raises it (a swallowed error would return rows never computed)
     q, k, v, dout = problem(B=1, S=16, Hq=4, Hkv=4, D=4)
@@ -196,12 +197,13 @@ def test_a_unit_that_raises_raises_from_the_call(kind, workers, monkeypatch):
     _failing(monkeypatch, kind, third)
     before = threading.active_count()
     with pytest.raises(RuntimeError, match="unit failed"):
-        _run(kind, steps.get("v3", workers=workers), q, k, v, dout)
+        _run(kind, steps.get(name, workers=workers), q, k, v, dout)
     assert threading.active_count() == before         # every worker stopped before the call returned
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_a_worker_threads_error_reaches_the_caller(kind, monkeypatch):
+@pytest.mark.parametrize("name", ["v3", "v4"])
+def test_a_worker_threads_error_reaches_the_caller(name, kind, monkeypatch):
     # two heads, two workers: the calling thread's unit waits until the other
     # thread has taken the second unit, which raises there (no timing involved)
     q, k, v, dout = problem(B=1, S=16, Hq=2, Hkv=2, D=4)
@@ -215,7 +217,7 @@ def test_a_worker_threads_error_reaches_the_caller(kind, monkeypatch):
         return True
     _failing(monkeypatch, kind, on_the_worker)
     with pytest.raises(RuntimeError, match="unit failed"):
-        _run(kind, steps.get("v3", workers=2), q, k, v, dout)
+        _run(kind, steps.get(name, workers=2), q, k, v, dout)
     assert worker_took.is_set()
 
 
