@@ -58,6 +58,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 import reference
+from mpi_impl.launch import find_mpiexec
 from model import attention, layers, recipe, speedup, train, transformer
 from reference import LAYOUTS
 
@@ -280,7 +281,7 @@ plt.show()
 # with the options of the run above, its loss curves must be the virtual ring's, to rounding:
 
 # %%
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
+MPIEXEC = find_mpiexec()                                      # beside this Python, else on PATH
 PROJECT = Path(reference.__file__).resolve().parents[1]             # the ranks import this checkout
 ENV = dict(os.environ, MPIEXEC_TIMEOUT="120", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
            PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])))
