@@ -515,6 +515,8 @@ def one_fused_launch():
     """One small fused launch per K/V dtype (what the sanitizer watches): a
     partly masked block of 96 keys, D = 64, GQA, tiles cut short at both ends."""
     import cupy
+
+    import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
     rng = np.random.default_rng(0)
@@ -558,6 +560,8 @@ def rates(ctx):
     if ctx.dry:
         return Result(True, f"dry run: torch {module_version('torch')}")
     import cupy
+
+    import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
     from bench import gpu_bench
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
