@@ -45,11 +45,12 @@ from IPython.display import Image, display
 
 import reference
 from mpi_impl import RingComm
+from mpi_impl.launch import find_mpiexec
 from reference.trace import read_trace
 from reference import LAYOUTS, cost, positions, ring_attention, ring_attention_backward
 from reference.tiles import FULL, MASKED, classify
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
+MPIEXEC = find_mpiexec()                                      # beside this Python, else on PATH
 N_RANKS = 4
 _workdir = tempfile.TemporaryDirectory(prefix="striped_attention_")   # removed when the kernel stops
 OUT = Path(_workdir.name)                                     # where the jobs write
@@ -57,7 +58,7 @@ PROJECT = Path(reference.__file__).resolve().parents[1]       # the ranks import
 ENV = dict(os.environ, MPIEXEC_TIMEOUT="120",                 # seconds, then mpiexec kills the job
            OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",     # one BLAS thread per rank
            PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])))
-assert MPIEXEC.exists(), "install the MPI extra: pip install -e '.[mpi]'"
+assert MPIEXEC is not None, "install the MPI extra: pip install -e '.[mpi]'"
 
 
 def launch(*options):

@@ -51,6 +51,7 @@ from gpu_impl import fused
 from gpu_impl.device import GpuUnavailable, device_for_local_rank, local_rank_from_env
 from gpu_impl.transfer import choose_transfer, memory_for
 from mpi_impl.comm import RingComm
+from mpi_impl.launch import find_mpiexec
 from reference import attention, attention_backward, cost, ring
 from reference.ring import own_block
 from reference.step import ForwardAcc, Queries, ReadableStep, finish_forward
@@ -65,8 +66,7 @@ from strict_comm import ThreadMPI, World  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "gpu" / "batch_worker.py"
-MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()),
-               shutil.which("mpiexec"))
+MPIEXEC = find_mpiexec()
 NVCC = shutil.which("nvcc")
 GXX = shutil.which("g++")
 EMULATOR = Path(__file__).resolve().parent / "gpu" / "emulate_cuda.cpp"
