@@ -9,7 +9,8 @@ Without a GPU (CI):
 - `mpi_impl.comm.RingComm` with the GPU memory objects (`gpu_impl.transfer`:
   staged through pinned buffers, and device buffers straight to MPI) on a GPU
   made of NumPy whose streams really run later (tests/gpu/queued_device.py),
-  copies as early or kernels as early as CUDA allows: over a fake MPI of
+  copies as early or kernels as early as CUDA allows, and whose memory pool
+  hands freed memory out again at once, as CuPy's: over a fake MPI of
   threads and on real MPI ranks (tests/gpu/batch_worker.py --device queued),
   forward and backward bit for bit equal to the virtual ring's; the forward
   never waits for its kernels before the transfer (overlap), and reads no
@@ -330,14 +331,45 @@ def virtual_ring_results(case):
 @given(case=cases(max_devices=4))
 @example(case=Case(layout="striped", n_devices=4, B=1, S=32, Hq=4, Hkv=2, D=8, tile_size=4, causal=True,
                    scale=None, dtype=np.float32, kind="gaussian", seed=5))       # every hazard can show on 4
+@example(case=Case(layout="striped", n_devices=4, B=1, S=32, Hq=4, Hkv=2, D=8, tile_size=4, causal=True,
+                   scale=None, dtype=np.float16, kind="gaussian", seed=5))       # the step reads float32 copies
 def test_ring_on_a_queued_gpu_equals_the_virtual_ring(transfer, policy, fake_mpi, case):
     """reference.ring with RingComm's GPU memory objects, on a GPU whose copies
-    run as early (or kernels as early) as CUDA allows: exactly the virtual
-    ring's results, forward and backward. A missing event or a buffer reused
-    too early gives a kernel the wrong block here."""
+    run as early (or kernels as early) as CUDA allows and whose pool hands out
+    freed memory at once: exactly the virtual ring's results, forward and
+    backward. A missing event or a buffer reused too early gives a kernel the
+    wrong block here; so does a device buffer allocated after the step was
+    queued (float16: the float32 copies the step reads are freed by the host
+    while its kernel waits, and an upload into their memory overwrites them)."""
     got, _ = queued_ring_results(case, transfer, policy)
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, virtual_ring_results(case)):
         np.testing.assert_array_equal(g, w, err_msg=f"{name} ({transfer}, {policy}) of {case}")
+
+
+def test_queued_gpu_pool_hands_out_freed_memory_at_once():
+    """The fake's pool as CuPy's: memory the host no longer refers to goes to
+    the next allocation of its size on its stream at once, though a queued
+    kernel (which holds addresses) still reads it; not to another stream; and
+    never while the host holds a view of it."""
+    gpu = QueuedDevice("copies-early")
+    with gpu.installed():
+        a = gpu.asarray(np.arange(8, dtype=np.float32))
+        seen = []
+        held = gpu.pool.by_address(a)
+        gpu.queue_kernel(lambda: seen.append(held.copy()))       # reads a when it runs
+        address = a.__array_interface__["data"][0]
+        view = a[2:]
+        del a
+        kept = [gpu.empty((8,), np.float32)]
+        assert kept[-1].__array_interface__["data"][0] != address        # a view holds it
+        del view
+        with gpu.copy:
+            kept.append(gpu.empty((8,), np.float32))
+        assert kept[-1].__array_interface__["data"][0] != address        # another stream's
+        b = gpu.empty((4, 2), np.float32)
+        assert b.__array_interface__["data"][0] == address and gpu.pool.reused == 1
+        b[...] = -1                                                # from the host: runs after the kernel
+        assert seen and (seen[0] == np.arange(8)).all()
 
 
 @pytest.mark.parametrize("transfer", TRANSFER_PATHS)
