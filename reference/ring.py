@@ -35,7 +35,7 @@ from . import steps
 from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
 from .layouts import array_module
 from .masks import resolve
-from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward
+from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, all_finite, finish_forward
 from .trace import RoundLog
 
 KV, DKV = 1, 2            # tags of the two kinds of message in flight
@@ -81,6 +81,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     acc = queries.q.dtype
     rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)        # dO_j, lse_j, delta_j
+    rows.finite = all_finite(array_module(q), queries.q, rows.do, rows.delta)   # once: no step reads it
     dq = array_module(q).zeros_like(queries.q)                         # dQ_j stays home
     block, grads_in_flight = own_block(k, v, k_pos, comm.rank), None
     for t in range(n):
@@ -122,9 +123,12 @@ def own_block(k, v, k_pos, rank):
     """This device's own K, V (compute layout, as they came: blocks travel in
     the input dtype), with their positions and owner, as the block that travels.
     Positions and owner are NumPy wherever K, V live: the host reads them
-    (tile plans, the trace) without waiting for a device."""
-    return KVBlock(kv_to_heads(k), kv_to_heads(v), np.asarray(k_pos, dtype=np.int64),
-                   np.array([rank], dtype=np.int64))
+    (tile plans, the trace) without waiting for a device. The owner also says
+    whether K and V are finite, found here once (one wait for the device,
+    before the rounds), so that no step needs to look (`step.block_finite`)."""
+    k, v = kv_to_heads(k), kv_to_heads(v)
+    finite = all_finite(array_module(k), k, v)
+    return KVBlock(k, v, np.asarray(k_pos, dtype=np.int64), np.array([rank, finite], dtype=np.int32))
 
 
 def as_dtype(block, dtype, step=None):

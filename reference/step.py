@@ -92,11 +92,13 @@ class Queries:
 class KVBlock(NamedTuple):
     """K_k, V_k: the block that travels the ring, with its keys' global
     positions and the device it started on. A tuple of arrays, so the
-    communication object moves it as it is."""
+    communication object moves it as it is. `source` also says whether K and
+    V are finite, as their owner found once (`reference.ring.own_block`), so
+    that no step reads device memory on the host to know it (`block_finite`)."""
     k: object            # (B, Hkv, ck, D)
     v: object            # (B, Hkv, ck, D)
     pos: object          # (ck,) int64
-    source: object       # (1,) int64
+    source: object       # (2,) int32: [device, 1 if K and V hold no NaN or inf else 0]; (1,): device only
 
 
 @dataclass
@@ -128,6 +130,7 @@ class BackwardRows:
     lse: object          # (B, Hkv, c, G), 0 where -inf (a row with no visible key)
     delta: object        # (B, Hkv, c, G) rowsum(dO * out)
     cache: dict = field(default_factory=dict, repr=False, compare=False)
+    finite: bool = None  # q, dO and delta hold no NaN or inf, found once before the rounds (None: the step looks)
 
     @classmethod
     def prepare(cls, out, lse, dout, n_kv_heads, dtype):
@@ -258,7 +261,7 @@ class ReadableStep(Step):
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         xp = array_module(queries.q)
-        guard = not all_finite(xp, block.v)             # a NaN or inf in V: guard the masked pairs
+        guard = not block_finite(xp, block)             # a NaN or inf in V (or K): guard the masked pairs
         for qs, ks, kind in plan:
             mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
             tile = ForwardTile(o=tile_rows(acc.o, qs), m=tile_rows(acc.m, qs), l=tile_rows(acc.l, qs),
@@ -269,7 +272,8 @@ class ReadableStep(Step):
 
     def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
         xp = array_module(queries.q)
-        guard = not all_finite(xp, queries.q, rows.do, rows.delta, block.k, block.v)
+        rows_finite = all_finite(xp, queries.q, rows.do, rows.delta) if rows.finite is None else rows.finite
+        guard = not (rows_finite and block_finite(xp, block))
         for qs, ks, kind in plan:
             mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
             tile = BackwardTile(dq=tile_rows(grads.dq, qs), dk=grads.dk[:, :, ks], dv=grads.dv[:, :, ks],
@@ -388,8 +392,17 @@ def mask_rows(mask, R, xp):
 
 
 def all_finite(xp, *arrays):
-    """True when no array holds a NaN or inf: one pass per array (a block, not a tile)."""
+    """True when no array holds a NaN or inf: one pass per array (a block, not a tile),
+    read on the host (on a GPU, a wait for the kernels queued so far)."""
     return all(bool(xp.isfinite(x).all()) for x in arrays)
+
+
+def block_finite(xp, block):
+    """True when the block's K and V hold no NaN or inf: the flag its owner
+    set (host memory, read without waiting for a device), or, for a block
+    made without one, a look at K and V (`all_finite`)."""
+    source = to_host(block.source)
+    return bool(source[1]) if source.size > 1 else all_finite(xp, block.k, block.v)
 
 
 def masked_product(w, x, vis):

@@ -60,7 +60,7 @@ from reference.layouts import positions, shard, unshard
 from reference.virtual import run_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-from queued_device import POLICIES, QueuedDevice, QueuedStep  # noqa: E402
+from queued_device import POLICIES, CountedStep, QueuedDevice, QueuedStep  # noqa: E402
 from strict_comm import ThreadMPI, World  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -370,6 +370,33 @@ def test_queued_gpu_pool_hands_out_freed_memory_at_once():
         assert b.__array_interface__["data"][0] == address and gpu.pool.reused == 1
         b[...] = -1                                                # from the host: runs after the kernel
         assert seen and (seen[0] == np.arange(8)).all()
+
+
+@pytest.mark.parametrize("transfer", TRANSFER_PATHS)
+def test_steps_read_no_device_memory_on_the_host(transfer, fake_mpi):
+    """The readable step run from the host as on a GPU (every CuPy call a
+    kernel), forward and backward: no host read inside a step, so the host
+    never waits in a step for the kernels queued before it. Whether a block
+    holds NaN or inf comes with its owner's flag (`reference.step.block_finite`),
+    the query side's is found once before the rounds. Results as the virtual ring's."""
+    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=4, Hkv=2, D=4, tile_size=4, causal=True,
+                scale=None, dtype=np.float32, kind="gaussian", seed=2)
+    q, k, v, dout = case.inputs()
+    pos = positions(case.S, 3, case.layout)
+    kw = dict(causal=True, scale=case.D ** -0.5, tile_size=4)
+
+    def device(j, ring_comm, gpu):
+        qj, kj, vj, dj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
+        step = CountedStep(gpu, "v1")
+        out, lse, _ = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, step=step, **kw)
+        grads = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, step=step, **kw)[:3]
+        return gpu.host_reads_in_steps, tuple(x.get() for x in (out, lse) + grads)
+
+    got = run_ring(3, transfer, "copies-early", device)
+    assert [reads for reads, _ in got] == [0, 0, 0], "a step read device memory on the host"
+    for i, (name, want) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), virtual_ring_results(case))):
+        axis = 2 if name == "lse" else 1
+        np.testing.assert_array_equal(unshard([r[i] for _, r in got], case.layout, axis=axis), want, err_msg=name)
 
 
 @pytest.mark.parametrize("transfer", TRANSFER_PATHS)
