@@ -92,6 +92,12 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         with log.computing(t):
             counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
                                    mask=mask, tile_size=tile_size)
+        log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
+        # receive the next K, V first, while the step's kernels run: sending dK, dV
+        # below waits for them (they write dK, dV), and K, V would wait behind it
+        if in_flight is not None:
+            with log.waiting(t):
+                block = KVBlock(*comm.finish_shift(in_flight))
         # add what the devices before us added to this block, and send it on (home, after the last round)
         if grads_in_flight is not None:
             with log.waiting(t):
@@ -99,10 +105,6 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
             grads.dk += dk_in
             grads.dv += dv_in
         grads_in_flight = comm.start_shift((grads.dk, grads.dv), DKV)
-        log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
-        if in_flight is not None:
-            with log.waiting(t):
-                block = KVBlock(*comm.finish_shift(in_flight))
     with log.waiting(n - 1):
         dk, dv = comm.finish_shift(grads_in_flight)                    # home again
     dq *= acc.type(scale)

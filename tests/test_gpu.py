@@ -401,35 +401,45 @@ def test_steps_read_no_device_memory_on_the_host(transfer, fake_mpi):
 
 @pytest.mark.parametrize("transfer", TRANSFER_PATHS)
 def test_transfers_overlap_the_step(transfer, fake_mpi):
-    """The forward never waits on the host for the step's kernels before the
-    block's transfer completes: when each round's finish_shift starts, that
-    round's kernel is still queued, and the loop reads no device memory on
-    the host (owner and positions are NumPy). The RoundLog times the step with
-    the device's events."""
+    """Forward and backward, the loop never waits on the host for a round's
+    step before that round's K, V transfer completes: when the K, V
+    finish_shift starts, the round's kernel is still queued (in the backward
+    it comes before the dK, dV shift, whose send waits for the kernel that
+    writes dK, dV). And from its first shift on, the loop reads no device
+    memory on the host (owner, positions and finiteness flags are NumPy). The
+    RoundLog times the step with the device's events."""
     case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=2, Hkv=1, D=4, tile_size=4, causal=True,
                 scale=None, dtype=np.float32, kind="gaussian", seed=1)
-    q, k, v, _ = case.inputs()
+    q, k, v, dout = case.inputs()
     pos = positions(case.S, 3, case.layout)
-    pending_at_finish = []
+    at_finish = []      # (pass, rank, kernels pending, host reads since the pass's first shift)
 
     def device(j, ring_comm, gpu):
-        finish = ring_comm.finish_shift
+        start, finish, first_read = ring_comm.start_shift, ring_comm.finish_shift, {}
+
+        def watched_start(arrays, tag):
+            first_read.setdefault(now[0], gpu.host_reads)
+            return start(arrays, tag)
 
         def watched_finish(shift):
-            pending_at_finish.append((j, gpu.kernels_pending, gpu.host_reads))
+            if shift.tag == ring.KV:
+                at_finish.append((now[0], j, gpu.kernels_pending, gpu.host_reads - first_read[now[0]]))
             return finish(shift)
-        ring_comm.finish_shift = watched_finish
-        qj, kj, vj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v))
-        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, causal=True, scale=0.5,
-                                          tile_size=4, step=QueuedStep(gpu))
-        return log
+        ring_comm.start_shift, ring_comm.finish_shift = watched_start, watched_finish
+        qj, kj, vj, dj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
+        kw = dict(causal=True, scale=0.5, tile_size=4, step=QueuedStep(gpu))
+        now = ["forward"]
+        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, **kw)
+        now = ["backward"]
+        backward_log = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, **kw)[3]
+        return log, backward_log
 
     logs = run_ring(3, transfer, "copies-early", device)
-    assert len(pending_at_finish) == 3 * 2
-    for rank, pending, reads in pending_at_finish:
-        assert pending >= 1, f"rank {rank}: the step had run before its round's transfer was waited for"
-        assert reads == 0, f"rank {rank}: the loop read device memory on the host"
-    for log in logs:
+    assert sorted(p for p, *_ in at_finish) == ["backward"] * 6 + ["forward"] * 6      # 3 ranks, 2 rounds
+    for name, rank, pending, reads in at_finish:
+        assert pending >= 1, f"{name}, rank {rank}: the step had run before its round's K, V transfer was waited for"
+        assert reads == 0, f"{name}, rank {rank}: the loop read device memory on the host"
+    for log in (log for both in logs for log in both):
         assert (log.compute_s > 0).all() and log.clock is None          # device times; the log pickles
 
 
