@@ -895,6 +895,32 @@ def test_fused_positions_are_kept_per_stream():
         fused.POSITIONS.clear()
 
 
+@pytest.mark.parametrize("version", ["fused", "fused_v2"])
+def test_fused_launches_read_positions_uploaded_on_their_stream(version, monkeypatch):
+    """Each fused kernel's launch reads position arrays uploaded on the stream
+    it is launched on: a launch on another stream (the queued GPU's copy stream
+    made current) gets arrays of its own, never those the compute stream's
+    launches read (kept per GPU, an upload on one stream would be read on
+    another with no event between them)."""
+    from gpu_impl import fused_v2
+    from reference import steps
+    module = {"fused": fused, "fused_v2": fused_v2}[version]
+    read = []
+    monkeypatch.setattr(module, "_kernel", lambda *config: lambda grid, threads, args, **kw: read.append(args[3]))
+    gpu = QueuedDevice()
+    q, k = np.zeros((1, 1, 16, 1, 64), np.float32), np.zeros((1, 1, 16, 64), np.float16)
+    with gpu.installed():
+        fused.POSITIONS.clear()
+        queries = Queries(gpu.asarray(q), np.arange(16), scale=1.0)
+        block = ring.KVBlock(gpu.asarray(k), gpu.asarray(k), np.arange(16), np.array([0]))
+        acc = ForwardAcc.zeros(queries.q)
+        for stream in (gpu.compute, gpu.copy, gpu.compute):
+            with stream:
+                steps.get(version).forward(acc, queries, block, causal=True, tile_size=None)
+        fused.POSITIONS.clear()
+    assert len(read) == 3 and read[2] is read[0] and read[1] is not read[0]
+
+
 def test_fused_options_are_checked():
     assert fused.fused_tile(None, 64) == fused.DEFAULT_TILE
     with pytest.raises(ValueError, match="does not fit step='fused'"):
