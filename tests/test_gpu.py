@@ -12,9 +12,9 @@ Without a GPU (CI):
   copies as early or kernels as early as CUDA allows, and whose memory pool
   hands freed memory out again at once, as CuPy's: over a fake MPI of
   threads and on real MPI ranks (tests/gpu/batch_worker.py --device queued),
-  forward and backward bit for bit equal to the virtual ring's; the forward
-  never waits for its kernels before the transfer (overlap), and reads no
-  device memory on the host;
+  forward and backward bit for bit equal to the virtual ring's; neither pass
+  waits for a round's kernels before its K, V transfer (overlap), and no step
+  reads device memory on the host;
 - the public functions end to end on that GPU (the collective checks, the
   transfer choice, mpi_impl's path, the trace);
 - the fused kernel's CUDA source compiles with nvcc for sm_90 (and NVRTC where
