@@ -57,6 +57,7 @@ from reference.ring import own_block
 from reference.step import ForwardAcc, Queries, ReadableStep, finish_forward
 from reference.tiles import any_visible
 from reference.layouts import positions, shard, unshard
+from reference.masks import CAUSAL, as_mask
 from reference.virtual import run_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -383,7 +384,7 @@ def test_steps_read_no_device_memory_on_the_host(transfer, fake_mpi):
                 scale=None, dtype=np.float32, kind="gaussian", seed=2)
     q, k, v, dout = case.inputs()
     pos = positions(case.S, 3, case.layout)
-    kw = dict(causal=True, scale=case.D ** -0.5, tile_size=4)
+    kw = dict(mask=CAUSAL, scale=case.D ** -0.5, tile_size=4)
 
     def device(j, ring_comm, gpu):
         qj, kj, vj, dj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
@@ -427,7 +428,7 @@ def test_transfers_overlap_the_step(transfer, fake_mpi):
             return finish(shift)
         ring_comm.start_shift, ring_comm.finish_shift = watched_start, watched_finish
         qj, kj, vj, dj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
-        kw = dict(causal=True, scale=0.5, tile_size=4, step=QueuedStep(gpu))
+        kw = dict(mask=CAUSAL, scale=0.5, tile_size=4, step=QueuedStep(gpu))
         now = ["forward"]
         out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, **kw)
         now = ["backward"]
@@ -916,7 +917,7 @@ def test_fused_launches_read_positions_uploaded_on_their_stream(version, monkeyp
         acc = ForwardAcc.zeros(queries.q)
         for stream in (gpu.compute, gpu.copy, gpu.compute):
             with stream:
-                steps.get(version).forward(acc, queries, block, causal=True, tile_size=None)
+                steps.get(version).forward(acc, queries, block, mask=CAUSAL, tile_size=None)
         fused.POSITIONS.clear()
     assert len(read) == 3 and read[2] is read[0] and read[1] is not read[0]
 
