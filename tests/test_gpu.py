@@ -298,7 +298,7 @@ def queued_ring_results(case, transfer, policy, step_name="v1"):
     pos = positions(case.S, case.n_devices, case.layout)
     shards = [shard(x, case.n_devices, case.layout) for x in (q, k, v, dout)]
     scale = case.scale if case.scale is not None else case.D ** -0.5
-    kw = dict(causal=case.causal, scale=scale, tile_size=case.tile_size)
+    kw = dict(mask=as_mask(case.causal), scale=scale, tile_size=case.tile_size)
 
     def device(j, ring_comm, gpu):
         qj, kj, vj, dj = (gpu.asarray(s[j]) for s in shards)
