@@ -145,7 +145,8 @@ def step_table(cupy, cfg, blas32):
 
     def inputs(dtype):
         return (Queries(cupy.asarray(q * D ** -0.5, dtype=dtype), q_pos),
-                KVBlock(cupy.asarray(k, dtype=dtype), cupy.asarray(v, dtype=dtype), k_pos, np.array([0])))
+                KVBlock(cupy.asarray(k, dtype=dtype), cupy.asarray(v, dtype=dtype), k_pos,
+                        np.array([0, 1], np.int32)))        # device 0, K and V finite: the step reads no flag on the GPU
 
     def run(step, queries, block, tile):
         acc = ForwardAcc.zeros(queries.q)
