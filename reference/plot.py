@@ -7,9 +7,10 @@ trace holds the timeline (start_s: MPI ranks start their clocks together),
 the bars stand at the times they happened, and a forward pass's waits are
 split (`reference.trace.wait_parts`): waiting for a block its sender had not
 yet sent (red), and for a transfer still arriving (grey); a black tick marks
-when the block arrived. Without it, the rounds are laid end to end and every
-wait is grey. A balanced layout ends its lines together; an unbalanced one
-leaves some devices waiting.
+when the block arrived. A backward pass's waits (for K, V or for dK, dV) and
+those of a trace without the timeline stay whole (light grey); without it, the
+rounds are laid end to end. A balanced layout ends its lines together; an
+unbalanced one leaves some devices waiting.
 
     mpiexec -n 2 python -m mpi4py -m mpi_impl --seq-len 8192 --backward --plot timeline.png
     plot_timeline("timeline.png", {"striped": {"forward": trace}}, "S=8192, N=2")
@@ -22,7 +23,7 @@ import numpy as np
 from .trace import wait_parts
 
 COLOURS = {"forward": "tab:blue", "backward": "tab:orange"}
-NOT_SENT, IN_FLIGHT = "tab:red", "0.75"
+NOT_SENT, IN_FLIGHT, WAIT = "tab:red", "0.75", "0.88"
 
 
 def plot_timeline(path, traces, title=""):
@@ -39,8 +40,8 @@ def plot_timeline(path, traces, title=""):
 def timeline_figure(plt, traces, title=""):
     """The figure `plot_timeline` writes, drawn with `plt` (matplotlib.pyplot)."""
     n = next(iter(traces.values()))["forward"].n_devices
-    fig, axes = plt.subplots(len(traces), 1, figsize=(10, 1.2 + 0.45 * n * len(traces)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(len(traces), 1, figsize=(10, 1.6 + 0.45 * n * len(traces)), sharex=True,
+                             squeeze=False, layout="constrained")
     timed = True
     for ax, (layout, passes) in zip(axes[:, 0], traces.items()):
         timed &= draw_rounds(ax, list(passes.items()))
@@ -53,8 +54,7 @@ def timeline_figure(plt, traces, title=""):
         for handle, label in zip(*ax.get_legend_handles_labels()):
             if label not in labels:
                 handles.append(handle), labels.append(label)
-    axes[0, 0].legend(handles, labels, loc="upper right", fontsize="small")
-    fig.tight_layout()
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize="small")     # under the panels
     return fig
 
 
@@ -73,8 +73,8 @@ def draw_rounds(ax, passes):
 
     offset = 0.0
     for kind, tr in passes:
-        not_sent, in_flight = wait_parts(tr) if timed and kind == "forward" else (np.zeros_like(tr.wait_s),
-                                                                                  tr.wait_s)
+        split = timed and kind == "forward"          # a backward's waits mix K, V with dK, dV
+        not_sent, in_flight = wait_parts(tr) if split else (np.zeros_like(tr.wait_s), tr.wait_s)
         starts = tr.start_s if timed else np.cumsum(tr.compute_s + tr.wait_s, axis=0) - tr.compute_s - tr.wait_s
         wide = 0.02 * (starts + tr.compute_s + tr.wait_s).max()      # a bar wide enough for its round number
         for j in range(n):
@@ -84,7 +84,8 @@ def draw_rounds(ax, passes):
                 if c > wide:
                     ax.text(x + c / 2, j, str(t), ha="center", va="center", fontsize=7, color="white")
                 bar(j, not_sent[t, j], x + c, NOT_SENT, "waiting for a block not yet sent")
-                bar(j, in_flight[t, j], x + c + not_sent[t, j], IN_FLIGHT, "waiting for a transfer to arrive")
+                bar(j, in_flight[t, j], x + c + not_sent[t, j], IN_FLIGHT if split else WAIT,
+                    "waiting for a transfer to arrive" if split else f"{kind}: waiting for a block")
                 if timed and np.isfinite(tr.arrived_s[t, j]):
                     ax.plot([offset + tr.arrived_s[t, j]] * 2, [j - 0.4, j + 0.4], "k-", lw=0.8,
                             label=None if "arrived" in seen else "block arrived")
