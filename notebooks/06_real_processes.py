@@ -187,28 +187,32 @@ for layout, tr in forward.items():
     assert (tr.arrived_s[:-1] >= ended).all()                   # seen arriving only once its step was over
     assert np.isnan(tr.arrived_s[-1]).all()                     # nothing travels after the last round
 
-cpu = forward["contiguous"].compute_cpu_s.sum(axis=0)           # per rank, all rounds
-print("contiguous, CPU ms per rank:", np.round(cpu * 1e3, 1))
+contiguous = forward["contiguous"]
+cpu = contiguous.compute_cpu_s.sum(axis=0)                      # per rank, all rounds
+ends = (contiguous.start_s + contiguous.compute_s + contiguous.wait_s).max(axis=0)
+print("contiguous, CPU ms per rank:", np.round(cpu * 1e3, 1), " ends at (ms):", np.round(ends * 1e3))
 assert cpu[-1] > 2 * cpu[0]          # rank 0's keys are the future of every other block; the last rank sees all
+assert ends.argmax() == N_RANKS - 1 and (forward["striped"].bytes_sent[0] > 2 * 2**20).all()   # blocks of 2 MiB
 
 # %% [markdown]
 # What the timeline shows:
 #
 # - **Contiguous** is unbalanced: rank 0 computes only its own block (every other block
 #   lies in its future) while the last rank computes a full block every round (asserted
-#   above, in CPU time). Its ranks end far apart, and a rank that ran ahead of its sender
+#   above, in CPU time), and ends last (asserted). A rank that ran ahead of its sender
 #   waits for a block not yet sent (red).
 # - **Striped** and **zigzag** give every rank the same work, so their ranks keep pace;
 #   a red wait there is the scheduler's doing (a sender set aside while its receiver
-#   ran), and the table above the picture gives each kind of wait in milliseconds.
-# - **Every tick sits at the end of a step or a wait**, never inside a step (asserted): a block is
-#   seen arriving only when its receiver asks for it. MPI moves a large message only
-#   inside MPI calls; `RingComm.progress` is that call, made between tiles, but this
-#   version of the ring loop (`reference.ring.ring_forward`, notebook 3) does not hand it
-#   to the step. So a block sent at the start of a round moves while both ranks compute
-#   only as far as MPI's eager protocol takes it, and the rest of the transfer shows as
-#   grey. `python -m bench.overlap` measures how much of the transfers hides behind the
-#   computation, with and without progress.
+#   ran), and the table under the picture gives each kind of wait in milliseconds.
+# - **Every tick sits at the end of a step or a wait**, never inside a step (asserted): a
+#   block is seen arriving only when its receiver asks for it. MPI moves a large
+#   (rendezvous) message only inside MPI calls, unless the library runs a progress thread
+#   of its own; `RingComm.progress` is such a call, made between tiles, but this version
+#   of the ring loop (`reference.ring.ring_forward`, notebook 3) does not hand it to the
+#   step. So a block of 2 MiB, as here, sent at the start of a round, is mostly still to
+#   move when its receiver's step ends, and that shows as grey. `python -m bench.overlap`
+#   measures how much of the transfers hides behind the computation, with and without
+#   progress.
 #
 # From the trace: each rank's CPU time per round as a heat map, the same picture as
 # notebook 3's work heat maps but measured, next to the predicted work.
