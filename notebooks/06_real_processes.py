@@ -192,17 +192,18 @@ for layout, tr in forward.items():
 contiguous = forward["contiguous"]
 cpu = contiguous.compute_cpu_s.sum(axis=0)                      # per rank, all rounds
 ends = (contiguous.start_s + contiguous.compute_s + contiguous.wait_s).max(axis=0)
-print("contiguous, CPU ms per rank:", np.round(cpu * 1e3, 1), " ends at (ms):", np.round(ends * 1e3))
+print("contiguous, CPU ms per rank:", np.round(cpu * 1e3, 1), " done at (ms, wall):", np.round(ends * 1e3))
 assert cpu[-1] > 2 * cpu[0]          # rank 0's keys are the future of every other block; the last rank sees all
-assert ends.argmax() == N_RANKS - 1 and (forward["striped"].bytes_sent[0] > 2 * 2**20).all()   # blocks of 2 MiB
+assert (forward["striped"].bytes_sent[0] > 2 * 2**20).all()     # a K, V block of 2 MiB (and its positions)
 
 # %% [markdown]
 # What the timeline shows:
 #
 # - **Contiguous** is unbalanced: rank 0 computes only its own block (every other block
 #   lies in its future) while the last rank computes a full block every round (asserted
-#   above, in CPU time), and ends last (asserted). A rank that ran ahead of its sender
-#   waits for a block not yet sent (red).
+#   above, in CPU time), so the last rank finishes last (printed, on the wall clock)
+#   unless the scheduler holds another back. A rank that ran ahead of its sender waits
+#   for a block not yet sent (red).
 # - **Striped** and **zigzag** give every rank the same work, so their ranks keep pace;
 #   a red wait there is the scheduler's doing (a sender set aside while its receiver
 #   ran), and the table under the picture gives each kind of wait in milliseconds.
