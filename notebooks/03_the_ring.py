@@ -77,10 +77,26 @@ assert np.allclose(lock_lse, dense_lse, rtol=0, atol=1e-12)
 # Real devices do not run in lockstep: each runs its own loop and waits only for the block
 # it needs next. `reference.ring.ring_forward` is that loop for **one** device, with the
 # paper's lines as comments: the send is started before the compute, so that the two
-# overlap, and the receive is waited for after it:
+# can overlap, and the receive is waited for after it:
 
 # %%
 print(inspect.getsource(ring.ring_forward))
+
+# %% [markdown]
+# Starting the send first lets the transfer overlap the compute; whether it does is up to
+# the communication object. Here (`reference.virtual`) `start_shift` copies the block into
+# the next device's mailbox at once, so a block is there before its receiver needs it
+# unless the sender is behind. On MPI ranks (notebook 6) a large message moves only while
+# a rank is inside an MPI call, not while its process computes. `mpi_impl.RingComm` has a
+# third verb for that, `progress`, which a step may call between its tiles (the step's
+# `progress` argument); this loop does not hand it to the step (checked below), so on MPI
+# a block sent at the start of a round moves during the step only as far as MPI moves it
+# by itself, and the rest of the transfer is waited for in `finish_shift`. Notebook 6
+# draws those waits.
+
+# %%
+assert "progress" not in inspect.getsource(ring.ring_forward)     # the step runs with no progress to call
+assert "progress" in inspect.signature(steps.get("v1").forward).parameters   # though a step takes one
 
 # %% [markdown]
 # Run on N threads (`reference.ring_attention`), it gives the lockstep's answer bit for
