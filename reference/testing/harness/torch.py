@@ -80,8 +80,12 @@ class TorchAdapter(Adapter):
     out (B, c, Hq, D) in the input dtype, lse (B, Hq, c) natural log), with
     "dq", "dk", "dv" where the ring computes them itself; otherwise, when
     `backward`, the harness takes them by autograd of sum(out * dout).
-    `timeout`: seconds one example may take on every rank together."""
+    `timeout`: seconds one example may take on every rank together;
+    `preload`: modules (the ring's library) the ranks import before they are
+    forked, once, so that a world started after a failure starts at once
+    (taken from the adapter that starts the first world of the process)."""
     timeout = 120
+    preload = ()
 
     def compute(self, case, shard):
         raise NotImplementedError
@@ -89,7 +93,8 @@ class TorchAdapter(Adapter):
     def run(self, case, shards):
         mine = [dict(q=shards.q[r], k=shards.k[r], v=shards.v[r], dout=shards.dout[r], positions=shards.positions[r])
                 for r in range(case.n_devices)]
-        return WORLDS.request(case.n_devices, (self, case), mine, timeout=self.timeout, who=self.name)
+        return WORLDS.request(case.n_devices, (self, case), mine, timeout=self.timeout, who=self.name,
+                              preload=self.preload)
 
 
 # -- the driver's side: one world per world size --------------------------------
@@ -98,9 +103,9 @@ class TorchAdapter(Adapter):
 class World:
     """N rank processes joined in one gloo group, answering one example at a time."""
 
-    def __init__(self, n):
+    def __init__(self, n, preload=()):
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", __name__])
+        ctx.set_forkserver_preload(["torch", __name__, *preload])     # (read when the forkserver starts)
         self.n = n
         self._dir = tempfile.TemporaryDirectory(prefix=f"torch-world-{n}-")
         init = "file://" + os.path.join(self._dir.name, "init")
@@ -207,8 +212,8 @@ class Worlds:
     def __init__(self):
         self.worlds = {}
 
-    def request(self, n, job, mine, *, timeout, who):
-        world = self.worlds.get(n) or self.worlds.setdefault(n, World(n))
+    def request(self, n, job, mine, *, timeout, who, preload=()):
+        world = self.worlds.get(n) or self.worlds.setdefault(n, World(n, preload))
         try:
             return world.request(job, mine, timeout, who)
         except (RuntimeError, TimeoutError):
