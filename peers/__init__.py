@@ -1,15 +1,16 @@
 """Other projects' ring attention, held against this project's oracle.
 
-Adapters (`reference.testing.Adapter`) for ring-attention implementations of
-other projects that run on a CPU, each in its own persistent group of
-torch.distributed processes (gloo) per world size, so that hypothesis drives
-one example at a time and shrinks a disagreement to its smallest case:
+Adapters for ring-attention implementations of other projects that run on a
+CPU, written on the kit's public PyTorch harness
+(`reference.testing.harness.torch.TorchAdapter`: a persistent gloo world per
+world size, so that hypothesis drives one example at a time and shrinks a
+disagreement to its smallest case); each says what one rank computes:
 
     peers/ring_attention_pytorch_adapter.py   ring-attention-pytorch: contiguous and striped rings
     peers/ring_flash_attn_adapter.py          ring-flash-attn: ring, zigzag and stripe, with
                                               peers/flash_attn_stand_in.py for flash-attn's kernels
-    peers/group.py                            the process groups
     peers/conformance.py                      the runner; writes CONFORMANCE.md
+    examples/torch_ring.py                    this project's example ring, run beside them as a control
 
     make conformance                          # installs the `peers` extra, runs, writes CONFORMANCE.md
     python -m peers.conformance --help
@@ -17,10 +18,21 @@ one example at a time and shrinks a disagreement to its smallest case:
 Nothing here is imported by the project or by `make test`.
 """
 
+from examples.torch_ring import TorchRing
+
 from .ring_attention_pytorch_adapter import RingAttentionPytorch
 from .ring_flash_attn_adapter import RingFlashAttn
 
+
+class ExampleRing(TorchRing):
+    """This project's example PyTorch ring (examples/torch_ring.py), run beside the
+    peers as a control: the harness and the kit agree with a correct ring."""
+    key, library = "examples/torch_ring", "striped-attention"
+    conventions = "examples.torch_ring"          # the module whose docstring CONFORMANCE.md quotes
+
+
+# (the first peer to start a world names the modules its forkserver preloads: a peer's)
 PEERS = {peer.key: peer for peer in (
     RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
     RingAttentionPytorch.contiguous(whole_buckets=True), RingAttentionPytorch.striped(whole_buckets=True),
-    RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe())}
+    RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(), ExampleRing())}

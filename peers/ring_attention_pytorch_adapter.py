@@ -21,13 +21,17 @@ Its conventions, and what this adapter does about them:
   its bucket-index masks are right (see CONFORMANCE.md);
 - the forward returns out only; lse is read from what it saves for the
   backward (`out.grad_fn.saved_tensors[4]`, (B, H, c, 1));
-- float16: out and the products accumulate in float16 (`o = torch.zeros_like(q)`),
-  so the adapter declares float16 as its accumulation dtype for float16 inputs.
+- float16 and bfloat16: out and the products accumulate in the input dtype
+  (`o = torch.zeros_like(q)`), so the adapter declares it as the accumulation
+  dtype of 16-bit inputs;
+- the backward is its own (`RingFlashAttentionFunction.backward`), taken by the
+  harness's autograd of sum(out * dout) through the head permutation.
 """
 
 import numpy as np
 
-from .adapter import PeerAdapter, to_numpy, to_torch
+from reference.testing import ALL_DTYPES
+from reference.testing.harness.torch import TorchAdapter
 
 
 def lib_head_order(Hq, Hkv):
@@ -37,9 +41,11 @@ def lib_head_order(Hq, Hkv):
     return np.array([(i % Hkv) * G + i // Hkv for i in range(Hq)])
 
 
-class RingAttentionPytorch(PeerAdapter):
+class RingAttentionPytorch(TorchAdapter):
     library = "ring-attention-pytorch"
-    dtypes = (np.float64, np.float32, np.float16)
+    dtypes = ALL_DTYPES
+    world_sizes = (2, 3, 4)
+    preload = ("peers.preload",)
 
     def __init__(self, layout, whole_buckets=False):
         self.layout, self.whole_buckets = layout, whole_buckets
@@ -57,7 +63,7 @@ class RingAttentionPytorch(PeerAdapter):
         return cls("striped", whole_buckets)
 
     def accumulate_dtype(self, dtype):
-        return np.dtype(dtype) if np.dtype(dtype) == np.float16 else super().accumulate_dtype(dtype)
+        return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
 
     def supports(self, case):
         if case.scale is not None:
@@ -68,16 +74,14 @@ class RingAttentionPytorch(PeerAdapter):
             return "whole buckets only"
         return super().supports(case)
 
-    def compute(self, case, mine, rank):
+    def compute(self, case, shard):
+        import torch
         from ring_attention_pytorch import ring_flash_attn
-        perm = lib_head_order(case.Hq, case.Hkv)
-        back = np.argsort(perm)
-        q = to_torch(mine["q"][:, :, perm], requires_grad=True)              # (B, c, Hq, D), its head order
-        k, v = (to_torch(mine[name], requires_grad=True) for name in ("k", "v"))
+        perm = torch.from_numpy(lib_head_order(case.Hq, case.Hkv))
+        back = torch.argsort(perm)
+        q = shard.q if shard.q.requires_grad else shard.q.requires_grad_()      # lse is read from its autograd node
         bucket = case.tile_size if case.tile_size is not None else 1024
-        out = ring_flash_attn(q, k, v, causal=case.causal, bucket_size=bucket, ring_reduce_col=True,
-                              striped_ring_attn=self.layout == "striped")
-        lse = out.grad_fn.saved_tensors[4][..., 0]                           # (B, Hq, c)
-        out.backward(to_torch(mine["dout"][:, :, perm]))
-        return dict(out=to_numpy(out)[:, :, back], lse=to_numpy(lse)[:, back], dq=to_numpy(q.grad)[:, :, back],
-                    dk=to_numpy(k.grad), dv=to_numpy(v.grad))
+        out = ring_flash_attn(q[:, :, perm], shard.k, shard.v, causal=case.causal, bucket_size=bucket,
+                              ring_reduce_col=True, striped_ring_attn=self.layout == "striped")   # (B, c, Hq, D), its heads
+        lse = out.grad_fn.saved_tensors[4][..., 0]                                # (B, Hq, c), its heads
+        return dict(out=out[:, :, back], lse=lse[:, back])

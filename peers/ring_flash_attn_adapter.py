@@ -13,39 +13,46 @@ Its conventions, and what this adapter does about them:
 - shards are the caller's, in the layouts of `reference.positions`; it does not permute;
 - flash-attn's heads: query head h reads key/value head h // (Hq // Hkv), as here;
 - lse is returned with `return_attn_probs=True`, (B, Hq, c), natural log;
-- flash-attn takes float16 and bfloat16 only (NumPy has no bfloat16, so
-  float16 runs here), and returns each block's out in that dtype before the
-  ring merges blocks in float32 (utils.py `update_out_and_lse`), so float16
-  inputs are declared to accumulate in float16 (held to the float32 line
-  instead, `python -m peers.conformance --peer ring-flash-attn/zigzag
-  --accumulate float32`, every ring fails it, the shrunk cases' first bad
-  elements 1.1 to 9 times over it; against the
-  float16 line they use less than a tenth of it: see "line used" in the
-  table). float32 is not run: the rings
-  start their float32 accumulators with `block_dq_buffer.to(torch.float32)`
-  (ring_flash_attn.py lines 134-136, zigzag_ring_flash_attn.py 164-166,
-  stripe_flash_attn.py 202-204), which for float32 inputs is the buffer
-  itself, not a copy, so the next block's kernel overwrites the sum;
-- no tile size (flash-attn chooses its own): the case's tile size is ignored;
-- read in the code, not measured: `ring_flash_attn_backward` returns
-  `dq.to(torch.bfloat16)` whatever the input dtype (ring_flash_attn.py line
-  154; the zigzag and stripe rings return `dq.to(q.dtype)`); autograd casts it
-  back to float16, so the contiguous ring's dq carries bfloat16 rounding
-  (2**-9 relative), which lies inside the float16 line (compare the dq "line
-  used" of the contiguous ring with the zigzag and stripe rings' in the table).
+- flash-attn takes float16 and bfloat16 only, and returns each block's out
+  in that dtype before the ring merges blocks in float32 (utils.py
+  `update_out_and_lse`), so 16-bit inputs are declared to accumulate in
+  their own dtype (held to the float32 line instead, `python -m
+  peers.conformance --peer ring-flash-attn/zigzag --dtype float16
+  --accumulate float32`, every ring fails it);
+- float32 runs here because the stand-in takes it (flash-attn itself
+  refuses it): what the rings do with it is what a block kernel that takes
+  it would get; float64 is not run (the rings merge in float32 whatever the
+  input, and under the stand-in their float64 backward ended in a gloo abort,
+  "Received data size doesn't match expected size. 8 vs 4": a float64
+  tensor where a float32 one was expected). The rings start their float32 accumulators with
+  `block_dq_buffer.to(torch.float32)` (ring_flash_attn.py lines 134-136,
+  zigzag_ring_flash_attn.py 164-166, stripe_flash_attn.py 202-204), which for
+  float32 inputs is the buffer itself, not a copy, so the next block's kernel
+  overwrites the sum;
+- `ring_flash_attn_backward` returns `dq.to(torch.bfloat16)` whatever the
+  input dtype (ring_flash_attn.py line 154; the zigzag and stripe rings
+  return `dq.to(q.dtype)`); autograd casts it back, so the contiguous ring's
+  dq carries bfloat16 rounding (2**-9 relative): inside the float16 line,
+  outside the float32 one;
+- no tile size (flash-attn chooses its own): the case's tile size is ignored.
 """
 
 import numpy as np
 
-from .adapter import PeerAdapter, to_numpy, to_torch
+from reference.testing import ALL_DTYPES
+from reference.testing.harness.torch import TorchAdapter
 
 FUNCTIONS = {"contiguous": "ring_flash_attn_func", "zigzag": "zigzag_ring_flash_attn_func",
              "striped": "stripe_flash_attn_func"}
 
 
-class RingFlashAttn(PeerAdapter):
+class RingFlashAttn(TorchAdapter):
     library = "ring-flash-attn"
-    dtypes = (np.float16,)
+    dtypes = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
+    unsupported = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge "
+                              "blocks in float32 (utils.py lines 40, 63)"}
+    world_sizes = (2, 3, 4)
+    preload = ("peers.preload",)
 
     def __init__(self, layout):
         self.layout = layout
@@ -66,21 +73,18 @@ class RingFlashAttn(PeerAdapter):
         return cls("striped")
 
     def accumulate_dtype(self, dtype):
-        return np.dtype(dtype) if np.dtype(dtype) == np.float16 else super().accumulate_dtype(dtype)
+        return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
 
     def supports(self, case):
         if self.layout != "contiguous" and not case.causal:
             return f"{FUNCTIONS[self.layout]} is causal only (it asserts causal)"
         return super().supports(case)
 
-    def compute(self, case, mine, rank):
+    def compute(self, case, shard):
         fn = getattr(load_rings(), FUNCTIONS[self.layout])
-        q, k, v = (to_torch(mine[name], requires_grad=True) for name in ("q", "k", "v"))
-        scale = case.scale if case.scale is not None else case.D ** -0.5
-        out, lse, _ = fn(q, k, v, softmax_scale=scale, causal=case.causal, return_attn_probs=True)
-        out.backward(to_torch(mine["dout"]))
-        return dict(out=to_numpy(out), lse=to_numpy(lse), dq=to_numpy(q.grad), dk=to_numpy(k.grad),
-                    dv=to_numpy(v.grad))
+        out, lse, _ = fn(shard.q, shard.k, shard.v, softmax_scale=case.scale_value, causal=case.causal,
+                         return_attn_probs=True)                  # out (B, c, Hq, D), lse (B, Hq, c)
+        return dict(out=out, lse=lse)
 
 
 def load_rings():
