@@ -9,6 +9,8 @@ disagreement to its smallest case); each says what one rank computes:
     peers/ring_attention_pytorch_adapter.py   ring-attention-pytorch: contiguous and striped rings
     peers/ring_flash_attn_adapter.py          ring-flash-attn: ring, zigzag and stripe, with
                                               peers/flash_attn_stand_in.py for flash-attn's kernels
+    peers/ring_flash_attn_varlen_adapter.py   ring-flash-attn: its varlen ring, zigzag and llama3
+                                              functions over packed documents
     peers/conformance.py                      the runner; writes CONFORMANCE.md
     examples/torch_ring.py                    this project's example ring, run beside them as a control
 
@@ -22,6 +24,7 @@ from examples.torch_ring import TorchRing
 
 from .ring_attention_pytorch_adapter import RingAttentionPytorch
 from .ring_flash_attn_adapter import RingFlashAttn
+from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
 
 
 class ExampleRing(TorchRing):
@@ -35,4 +38,5 @@ class ExampleRing(TorchRing):
 PEERS = {peer.key: peer for peer in (
     RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
     RingAttentionPytorch.contiguous(whole_buckets=True), RingAttentionPytorch.striped(whole_buckets=True),
-    RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(), ExampleRing())}
+    RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(),
+    RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"), ExampleRing())}

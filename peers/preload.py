@@ -8,3 +8,8 @@ import ring_attention_pytorch  # noqa: F401
 from .ring_flash_attn_adapter import load_rings
 
 load_rings()
+
+import warnings  # noqa: E402
+
+# torch 2.13 warns at every all_gather_into_tensor / reduce_scatter_tensor the peers call
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\..*` is deprecated", category=FutureWarning)
