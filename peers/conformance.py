@@ -5,9 +5,11 @@
     peers/.venv/bin/python -m peers.conformance --peer ring-flash-attn/zigzag --examples 10 --out -
     peers/.venv/bin/python -m peers.conformance --repro ring-attention-pytorch/striped backward "Case(...)"
 
-For each peer (peers.PEERS), each dtype it takes, and each pass (forward:
-out and lse; backward: dq, dk, dv from autograd of sum(out * dout)), hypothesis
-draws cases (`reference.testing.cases`, the peer's layout, N in WORLD_SIZES)
+For each peer (peers.PEERS), each dtype it takes, each mask set (causal /
+full; a sliding window; packed documents: the last two where the peer takes
+them, in float16 and bfloat16) and each pass (forward: out and lse; backward:
+dq, dk, dv from autograd of sum(out * dout)), hypothesis draws cases
+(`reference.testing.cases`, the peer's layout and positions, N in WORLD_SIZES)
 and `check_ring_attention` holds every rank's results against the float64
 oracle. A disagreement is shrunk to its smallest case (hypothesis replays the
 minimal example last, so the last failure seen is it); the report gives it,
@@ -38,6 +40,12 @@ WORLD_SIZES = (2, 3, 4)        # gloo cannot send a rank to itself, which every 
 LIBRARIES = ("striped-attention", "torch", "numpy", "ml_dtypes", "hypothesis", "ring-attention-pytorch",
              "ring-flash-attn")
 PASSES = {"forward": FORWARD, "backward": BACKWARD}
+# The matrix's mask columns: the kit's masks a set adds to causal / full, and what a case of it carries
+# (cases without it are drawn again). Windows and documents run in the 16-bit dtypes the rings in use run.
+MASK_SETS = {"causal / full": ((), lambda case: True),
+             "window": (("window",), lambda case: case.window is not None),
+             "documents": (("cu_seqlens",), lambda case: case.cu_seqlens is not None and len(case.cu_seqlens) > 2)}
+MASKED_DTYPES = ("float16", "bfloat16")
 REPRO = "peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{case!r}\""
 
 # What explains each disagreement, from reading the peer's code. A finding applies
@@ -100,20 +108,38 @@ FINDINGS = [
               "merges blocks as `out - sigmoid(block_lse - lse) * (out - block_out)` (utils.py line 47), whose "
               "difference `out - block_out` and product round twice where the textbook weighted sum rounds once; "
               "read as rounding at the edge of the error model, not a wrong result."),
+    dict(peer="ring-flash-attn/llama3", dtype=None, phase=None, masks="window", match="d",
+         kind="defect (windows, not causal)",
+         text="A window without the causal mask is misplaced. `llama3_flash_attn_prepare_cu_seqlens` with "
+              "causal=False lets the keys of this rank's last document run on to the document's end "
+              "(llama3_flash_attn_varlen.py lines 49-52: 'when not causal, we hope the last k is full seq'), and "
+              "the kernel places a window bottom-right, aligning a query with the key as many tokens later as the "
+              "document runs past this rank: the window is measured from the wrong key. Causal windows, whose key "
+              "slice ends with this rank's queries (lines 44-47), agree."),
+    dict(peer="ring-flash-attn/", dtype=None, phase=None, masks="window", match="d",
+         kind="defect (windows)",
+         text="A sliding window is wrong beyond the diagonal block. Every ring (ring_flash_attn.py lines 45-49 "
+              "and 123-127, zigzag_ring_flash_attn.py 44-48, stripe_flash_attn.py 48-52, ring_flash_attn_varlen.py "
+              "68-72, zigzag_ring_flash_attn_varlen.py 129-133, and their backwards) passes its `window_size` on to "
+              "each block's kernel, which measures the window in the block's own local indices, bottom-right "
+              "aligned, as if the block's keys were the query's own; a block that came round the ring holds keys "
+              "whole blocks earlier, so keys inside the window are dropped and keys outside it kept. "
+              "llama3_flash_attn_varlen_func gathers the keys each rank's queries need and calls the kernel once "
+              "with aligned cu_seqlens: its causal windows agree."),
 ]
 
 
 class Run:
-    """One (peer, dtype, pass): the examples it ran and its smallest failure."""
+    """One (peer, dtype, mask set, pass): the examples it ran and its smallest failure."""
 
-    def __init__(self, peer, dtype, phase):
-        self.peer, self.dtype, self.phase = peer, np.dtype(dtype).name, phase
+    def __init__(self, peer, dtype, masks, phase):
+        self.peer, self.dtype, self.masks, self.phase = peer, np.dtype(dtype).name, masks, phase
         self.adapter = for_pass(peer, phase)
         self.world_sizes, self.examples, self.failure, self.usage = Counter(), 0, None, {}
 
     def check(self, case):
         from hypothesis import reject
-        if self.peer.supports(case):
+        if self.peer.supports(case) or not MASK_SETS[self.masks][1](case):
             reject()                   # not counted: hypothesis draws another
         self.examples += 1
         self.world_sizes[case.n_devices] += 1
@@ -133,6 +159,7 @@ class Run:
             return None
         for f in FINDINGS:
             if self.peer.key.startswith(f["peer"]) and _dtype_matches(f["dtype"], self.dtype) \
+                    and f.get("masks", self.masks) == self.masks \
                     and f["phase"] in (None, self.phase) and f["match"] in self.failure[1]:
                 return f
         return None
@@ -167,17 +194,27 @@ def _last_lines(text, n=6):
     return "\n".join(text.strip().splitlines()[-n:])
 
 
-def strategy(peer, dtype, n):
-    causal_only = peer.library == "ring-flash-attn" and peer.layout != "contiguous"
+def mask_sets(peer, dtype):
+    """The mask sets a peer runs in `dtype`: causal / full always, a window and
+    documents where it takes them (in MASKED_DTYPES)."""
+    sets = ["causal / full"]
+    if np.dtype(dtype).name in MASKED_DTYPES:
+        sets += [name for name, (extra, _) in MASK_SETS.items() if extra and set(extra) <= set(peer.masks)]
+    return sets
+
+
+def strategy(peer, dtype, n, masks):
+    plain = tuple(m for m in ("causal", "full") if m in peer.masks)
     return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8,
-                 causal=True if causal_only else None)
+                 masks=plain + MASK_SETS[masks][0], document_multiple=peer.document_multiple,
+                 max_batch=getattr(peer, "max_batch", 2))
 
 
-def run_one(peer, dtype, phase, examples):
+def run_one(peer, dtype, masks, phase, examples):
     """`examples` cases on each world size in turn, up to the first that disagrees
     (its smallest case is then on the smallest world size that shows it)."""
     from hypothesis import HealthCheck, Phase, given, seed, settings
-    run = Run(peer, dtype, phase)
+    run = Run(peer, dtype, masks, phase)
     for n in WORLD_SIZES:
         # seed(0), not derandomize=True: as reproducible, and hypothesis shrinks a derandomized failure only part way
         @seed(0)
@@ -185,7 +222,7 @@ def run_one(peer, dtype, phase, examples):
         @settings(max_examples=examples, deadline=None, database=None, print_blob=False,
                   phases=[p for p in Phase if p.name != "explain"],
                   suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
-        @given(strategy(peer, dtype, n))
+        @given(strategy(peer, dtype, n, masks))
         def body(case):
             run.check(case)
 
@@ -215,27 +252,30 @@ def report(runs, examples, seconds):
         "oracle by `reference.testing.check_ring_attention`, element by element, within the kit's error "
         "model (README, 'Testing your own ring attention'). Each run draws up to "
         f"{examples} hypothesis cases (seed 0) of the peer's layout on each world size "
-        f"{', '.join(map(str, WORLD_SIZES))} in turn (up to the first that disagrees), B <= 2, S <= 48, GQA and MQA heads, D <= 8, causal or not "
-        "(where the peer takes both), every input kind (scores in the hundreds, constant rows, values "
-        "exact in float16); a disagreement is shrunk to the smallest case hypothesis finds. Forward: out "
+        f"{', '.join(map(str, WORLD_SIZES))} in turn (up to the first that disagrees), B <= 2 (1 for the varlen "
+        "functions), S <= 48, GQA and MQA heads, D <= 8, causal or not (where the peer takes both), every input "
+        "kind (scores in the hundreds, constant rows, values exact in float16), in each mask set the peer takes: "
+        "causal / full; a sliding window (every case has one); packed documents (every case has two or more, "
+        "`cu_seqlens`, each the length the function's sharding needs); windows and documents in float16 and "
+        "bfloat16. A disagreement is shrunk to the smallest case hypothesis finds. Forward: out "
         "and lse; backward: dq, dk, dv by autograd of sum(out * dout). The adapters' conventions are in "
         "peers/*_adapter.py and below. Packages: " + ", ".join(f"{name} {v[name]}" for name in LIBRARIES) + ".",
         "",
-        "| implementation | version | layout | dtype | forward | backward |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| implementation | version | layout | dtype | masks | forward | backward |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     table = {}
     for run in runs:
-        table.setdefault((run.peer.key, run.dtype), {})[run.phase] = run
+        table.setdefault((run.peer.key, run.dtype, run.masks), {})[run.phase] = run
     for key in dict.fromkeys(run.peer.key for run in runs):
         peer = PEERS[key]
-        rows = [(dtype, [_cell(by_phase.get(phase)) for phase in PASSES])
-                for (k, dtype), by_phase in table.items() if k == key]
-        rows += [(dtype, [f"not supported: {why}"] * len(PASSES))
+        rows = [(dtype, masks, [_cell(by_phase.get(phase)) for phase in PASSES])
+                for (k, dtype, masks), by_phase in table.items() if k == key]
+        rows += [(dtype, "any", [f"not supported: {why}"] * len(PASSES))
                  for dtype, why in getattr(peer, "unsupported", {}).items()]
-        for dtype, cells in rows:
+        for dtype, masks, cells in rows:
             lines.append(f"| {peer.name} | {peer.library} {v[peer.library]} | {', '.join(peer.layouts)} | {dtype} | "
-                         + " | ".join(cells) + " |")
+                         f"{masks} | " + " | ".join(cells) + " |")
     lines += ["", "A cell: *agrees*, or the disagreement below; then the examples run by world size "
               "(with those hypothesis ran while shrinking a disagreement); for a run that agrees, the "
               "largest error / tolerance of any element of each output (1 is the line; the project's "
@@ -251,7 +291,7 @@ def report(runs, examples, seconds):
                 continue
             case, message = run.failure
             finding = run.finding()
-            lines += [f"### {run.peer.name}, {run.dtype}, {run.phase}: "
+            lines += [f"### {run.peer.name}, {run.dtype}, {run.masks}, {run.phase}: "
                       f"{finding['kind'] if finding else 'not classified'}", ""]
             if case is not None:
                 lines += [f"Smallest case: `{case!r}`", "", "```", message.strip(), "```", "",
@@ -312,6 +352,7 @@ def main(argv=None):
     ap.add_argument("--examples", type=int, default=30, help="hypothesis examples per (peer, dtype, pass)")
     ap.add_argument("--peer", action="append", choices=sorted(PEERS), help="only these (repeatable)")
     ap.add_argument("--dtype", action="append", help="only these dtypes (repeatable)")
+    ap.add_argument("--masks", action="append", choices=list(MASK_SETS), help="only these mask sets (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "CONFORMANCE.md"), help="the report ('-': stdout)")
     ap.add_argument("--accumulate", help="hold every peer to this accumulation dtype's line instead of its own")
     ap.add_argument("--repro", nargs=3, metavar=("PEER", "PASS", "CASE"), help="check one case and print the result")
@@ -326,16 +367,17 @@ def main(argv=None):
         if args.explain_dkv:
             return explain_dkv()
         start = datetime.datetime.now()
+        plan = [(PEERS[key], dtype, masks, phase) for key in args.peer or PEERS for dtype in PEERS[key].dtypes
+                if not args.dtype or np.dtype(dtype).name in args.dtype
+                for masks in mask_sets(PEERS[key], dtype) if not args.masks or masks in args.masks
+                for phase in PASSES]
         runs = []
-        for key in args.peer or PEERS:
-            peer = PEERS[key]
-            for dtype in peer.dtypes:
-                if args.dtype and np.dtype(dtype).name not in args.dtype:
-                    continue
-                for phase in PASSES:
-                    run = run_one(peer, dtype, phase, args.examples)
-                    print(f"{peer.name:<60} {run.dtype:<8} {phase:<9} {_cell(run)}", flush=True)
-                    runs.append(run)
+        for i, (peer, dtype, masks, phase) in enumerate(plan, start=1):
+            run = run_one(peer, dtype, masks, phase, args.examples)
+            elapsed = (datetime.datetime.now() - start).total_seconds()
+            print(f"[{i}/{len(plan)} {elapsed:4.0f} s] {peer.name} | {run.dtype} | {masks} | {phase}: {_cell(run)}",
+                  flush=True)
+            runs.append(run)
         text = report(runs, args.examples, (datetime.datetime.now() - start).total_seconds())
     finally:
         close_worlds()

@@ -56,13 +56,14 @@ class RingFlashAttn(TorchAdapter):
     dtypes = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
     unsupported = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge "
                               "blocks in float32 (utils.py lines 40, 63)"}
-    masks = ("causal", "full", "window")
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
 
     def __init__(self, layout):
         self.layout = layout
         self.layouts = (layout,)
+        # zigzag and stripe assert causal; every ring takes a window argument
+        self.masks = ("causal", "full", "window") if layout == "contiguous" else ("causal", "window")
         self.key = f"ring-flash-attn/{layout}"
         self.name = f"ring-flash-attn {FUNCTIONS[layout]}"
 
@@ -80,11 +81,6 @@ class RingFlashAttn(TorchAdapter):
 
     def accumulate_dtype(self, dtype):
         return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
-
-    def supports(self, case):
-        if self.layout != "contiguous" and not case.causal:
-            return f"{FUNCTIONS[self.layout]} is causal only (it asserts causal)"
-        return super().supports(case)
 
     def compute(self, case, shard):
         fn = getattr(load_rings(), FUNCTIONS[self.layout])

@@ -73,7 +73,6 @@ class RingFlashAttnVarlen(TorchAdapter):
     dtypes = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
     unsupported = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge "
                               "blocks in float32 (utils.py lines 40, 63)"}
-    masks = ("causal", "full", "window", "cu_seqlens")
     world_sizes = (2, 3, 4)
     max_batch = 1
     preload = ("peers.preload",)
@@ -81,6 +80,8 @@ class RingFlashAttnVarlen(TorchAdapter):
     def __init__(self, function):
         self.function = function
         self.layouts = ("zigzag",) if function == "zigzag" else ("contiguous",)
+        self.masks = ("causal", "window", "cu_seqlens") if function == "zigzag" else \
+            ("causal", "full", "window", "cu_seqlens")                 # (zigzag asserts causal)
         self.key = f"ring-flash-attn/{function}-varlen"
         self.name = f"ring-flash-attn {FUNCTIONS[function]}"
 
@@ -101,8 +102,6 @@ class RingFlashAttnVarlen(TorchAdapter):
     def supports(self, case):
         if case.B != 1:
             return "one packed sequence (B = 1)"
-        if self.function == "zigzag" and not case.causal:
-            return "zigzag_ring_flash_attn_varlen_func is causal only (it asserts causal)"
         if any((end - start) % self.document_multiple(case.n_devices) for start, end in document_ranges(case)):
             return f"every document a multiple of {self.document_multiple(case.n_devices)} tokens"
         return super().supports(case)
