@@ -11,6 +11,8 @@ disagreement to its smallest case); each says what one rank computes:
                                               peers/flash_attn_stand_in.py for flash-attn's kernels
     peers/ring_flash_attn_varlen_adapter.py   ring-flash-attn: its varlen ring, zigzag and llama3
                                               functions over packed documents
+    peers/torch_context_parallel_adapter.py   PyTorch's context-parallel ring core (torch 2.13), with and
+                                              without its head-tail balancer, each rotation
     peers/conformance.py                      the runner; writes CONFORMANCE.md
     examples/torch_ring.py                    this project's example ring, run beside them as a control
 
@@ -25,6 +27,7 @@ from examples.torch_ring import TorchRing
 from .ring_attention_pytorch_adapter import RingAttentionPytorch
 from .ring_flash_attn_adapter import RingFlashAttn
 from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
+from .torch_context_parallel_adapter import TorchContextParallel
 
 
 class ExampleRing(TorchRing):
@@ -39,4 +42,7 @@ PEERS = {peer.key: peer for peer in (
     RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
     RingAttentionPytorch.contiguous(whole_buckets=True), RingAttentionPytorch.striped(whole_buckets=True),
     RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(),
-    RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"), ExampleRing())}
+    RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
+    *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
+    TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
+    ExampleRing())}
