@@ -13,6 +13,8 @@ disagreement to its smallest case); each says what one rank computes:
                                               functions over packed documents
     peers/torch_context_parallel_adapter.py   PyTorch's context-parallel ring core (torch 2.13), with and
                                               without its head-tail balancer, each rotation
+    peers/ringmaster_adapter.py               axolotl-ringmaster: all-gather and p2p rings, zigzag over
+                                              packed documents
     peers/conformance.py                      the runner; writes CONFORMANCE.md
     examples/torch_ring.py                    this project's example ring, run beside them as a control
 
@@ -27,6 +29,7 @@ from examples.torch_ring import TorchRing
 from .ring_attention_pytorch_adapter import RingAttentionPytorch
 from .ring_flash_attn_adapter import RingFlashAttn
 from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
+from .ringmaster_adapter import Ringmaster
 from .torch_context_parallel_adapter import TorchContextParallel
 
 
@@ -45,4 +48,5 @@ PEERS = {peer.key: peer for peer in (
     RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
     *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
     TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
+    Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"),
     ExampleRing())}

@@ -39,7 +39,7 @@ from . import PEERS
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZES = (2, 3, 4)        # gloo cannot send a rank to itself, which every ring here does at N = 1
 LIBRARIES = ("striped-attention", "torch", "numpy", "ml_dtypes", "hypothesis", "ring-attention-pytorch",
-             "ring-flash-attn")
+             "ring-flash-attn", "axolotl-ringmaster")
 PASSES = {"forward": FORWARD, "backward": BACKWARD}
 # The matrix's mask columns: the kit's masks a set adds to causal / full, and what a case of it carries
 # (cases without it are drawn again). Windows and documents run in the 16-bit dtypes the rings in use run.
@@ -51,7 +51,8 @@ REPRO = "peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{c
 
 # What explains each disagreement, from reading the peer's code. A finding applies
 # to a run whose peer key starts with `peer`, whose dtype, pass and mask set match
-# (None or absent: any), and whose message `match`es (a regular expression).
+# (None or absent: any), whose message `match`es (a regular expression) and whose
+# smallest case passes `when` (absent: any).
 FINDINGS = [
     dict(peer="ring-attention-pytorch/", dtype=("float16", "bfloat16"), phase=None,
          match="expected scalar type Float but found", kind="defect (raises)",
@@ -109,7 +110,8 @@ FINDINGS = [
               "merges blocks as `out - sigmoid(block_lse - lse) * (out - block_out)` (utils.py line 47), whose "
               "difference `out - block_out` and product round twice where the textbook weighted sum rounds once; "
               "read as rounding at the edge of the error model, not a wrong result."),
-    dict(peer="ring-flash-attn/llama3", dtype=None, phase=None, masks="window", match=r"(out|lse|d[qkv]): \d+ of",
+    dict(peer="ring-flash-attn/llama3", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|lse|d[qkv]): \d+ of",
          kind="defect (windows, not causal)",
          text="A window without the causal mask is misplaced. `llama3_flash_attn_prepare_cu_seqlens` with "
               "causal=False lets the keys of this rank's last document run on to the document's end "
@@ -143,6 +145,26 @@ FINDINGS = [
               "with is_causal=False or a positive scale. Its C++ source (FlashAttentionKernel.cpp) is not in the "
               "wheel and was not read; NaN everywhere is what a mask of -inf multiplied by a negative scale "
               "(+inf) would give. The other rows skip these cases."),
+    dict(peer="ringmaster/allgather", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|d[qkv]): \d+ of",
+         kind="defect (windows without the causal mask)",
+         text="A window without the causal mask is misplaced. `math_block` places the window bottom-right: "
+              "`idx_q = arange(sq) + (sk - sq)` against all S gathered keys (kernels.py line 72), which is a "
+              "query's global position only on the last rank, and it reads only the left size "
+              "(`left, _ = window`, line 71), so keys after the query are never limited. Causal windows, whose "
+              "gathered keys end with this rank's queries (`end = rank + 1`, loop.py), agree."),
+    dict(peer="ringmaster/allgather", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit partial gradients summed in 16 bits)",
+         text="dK, dV of 16-bit inputs are summed across ranks in the input dtype: each rank's share comes back "
+              "through `.float()` in the input dtype, and `_AllGatherKV.backward` adds the shares with "
+              "`dist.all_reduce` on gloo (loop.py lines 83-90) in that dtype, one rounding per rank where a "
+              "float32 sum would round once."),
+    dict(peer="ringmaster/p2p", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit GQA gradients summed in 16 bits)",
+         text="With grouped heads, dK, dV of 16-bit inputs are rounded twice: `ring_p2p_attention` expands K, V "
+              "with `repeat_interleave` before its autograd Function on a CPU (p2p_attn.py lines 286-290), whose "
+              "backward returns each expanded head's float32 sum cast to the input dtype (line 281); autograd of "
+              "`repeat_interleave` then adds the G heads' gradients in that dtype."),
 ]
 
 
@@ -177,7 +199,8 @@ class Run:
         for f in FINDINGS:
             if self.peer.key.startswith(f["peer"]) and _dtype_matches(f["dtype"], self.dtype) \
                     and f.get("masks", self.masks) == self.masks \
-                    and f["phase"] in (None, self.phase) and re.search(f["match"], self.failure[1]):
+                    and f["phase"] in (None, self.phase) and re.search(f["match"], self.failure[1]) \
+                    and ("when" not in f or (self.failure[0] is not None and f["when"](self.failure[0]))):
                 return f
         return None
 
@@ -282,6 +305,9 @@ def report(runs, examples, seconds):
         "and lse; backward: dq, dk, dv by autograd of sum(out * dout). The adapters' conventions are in "
         "peers/*_adapter.py and below. Packages: " + ", ".join(f"{name} {v[name]}" for name in LIBRARIES) + ".",
         "",
+        *summary(runs),
+        "## Matrix",
+        "",
         "| implementation | version | layout | dtype | masks | forward | backward |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -322,6 +348,28 @@ def report(runs, examples, seconds):
             if finding:
                 lines += [finding["text"], ""]
     return "\n".join(lines) + "\n"
+
+
+def summary(runs):
+    """Per implementation: agrees everywhere it ran, or each kind of disagreement in one sentence."""
+    lines = ["## Summary", ""]
+    for key in dict.fromkeys(run.peer.key for run in runs):
+        mine = [run for run in runs if run.peer.key == key]
+        failed = [run for run in mine if run.failure is not None]
+        ran = f"{len(mine)} runs: " + ", ".join(dict.fromkeys(run.dtype for run in mine)) + "; " + \
+            ", ".join(dict.fromkeys(run.masks for run in mine))
+        if not failed:
+            lines.append(f"- **{mine[0].peer.name}** agrees in every run ({ran}).")
+            continue
+        kinds = {}
+        for run in failed:
+            finding = run.finding()
+            label = finding["kind"] if finding else "not classified"
+            first = finding["text"].split(". ")[0].rstrip(".") + "." if finding else "see below."
+            kinds.setdefault((label, first), []).append(f"{run.dtype} {run.masks} {run.phase}")
+        lines.append(f"- **{mine[0].peer.name}** disagrees in {len(failed)} of {len(mine)} runs ({ran}):")
+        lines += [f"  - {label} ({'; '.join(where)}): {first}" for (label, first), where in kinds.items()]
+    return lines + [""]
 
 
 def _cell(run):

@@ -4,6 +4,9 @@ peer raised then starts in a fraction of a second, not the seconds these
 imports take."""
 
 import ring_attention_pytorch  # noqa: F401
+import ringmaster.ring.loop  # noqa: F401
+import ringmaster.ring.zigzag  # noqa: F401
+from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: F401
 
 from .ring_flash_attn_adapter import load_rings
 
