@@ -15,6 +15,7 @@ disagreement to its smallest case); each says what one rank computes:
                                               without its head-tail balancer, each rotation
     peers/ringmaster_adapter.py               axolotl-ringmaster: all-gather and p2p rings, zigzag over
                                               packed documents
+    peers/yunchang_adapter.py                 yunchang: its ring with the torch block kernel
     peers/conformance.py                      the runner; writes CONFORMANCE.md
     examples/torch_ring.py                    this project's example ring, run beside them as a control
 
@@ -31,6 +32,7 @@ from .ring_flash_attn_adapter import RingFlashAttn
 from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
 from .ringmaster_adapter import Ringmaster
 from .torch_context_parallel_adapter import TorchContextParallel
+from .yunchang_adapter import Yunchang
 
 
 class ExampleRing(TorchRing):
@@ -48,5 +50,5 @@ PEERS = {peer.key: peer for peer in (
     RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
     *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
     TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
-    Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"),
+    Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
     ExampleRing())}

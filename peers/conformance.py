@@ -39,7 +39,7 @@ from . import PEERS
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZES = (2, 3, 4)        # gloo cannot send a rank to itself, which every ring here does at N = 1
 LIBRARIES = ("striped-attention", "torch", "numpy", "ml_dtypes", "hypothesis", "ring-attention-pytorch",
-             "ring-flash-attn", "axolotl-ringmaster")
+             "ring-flash-attn", "axolotl-ringmaster", "yunchang")
 PASSES = {"forward": FORWARD, "backward": BACKWARD}
 # The matrix's mask columns: the kit's masks a set adds to causal / full, and what a case of it carries
 # (cases without it are drawn again). Windows and documents run in the 16-bit dtypes the rings in use run.
@@ -65,7 +65,7 @@ FINDINGS = [
          text="float64 inputs raise in the forward: `torch.full((batch, heads, seq, 1), max_neg_value)` "
               "(ring_flash_attention.py line 125) makes a tensor of the default dtype, float32, filled with "
               "`max_neg_value = -torch.finfo(q.dtype).max` (line 119), which float32 cannot hold."),
-    dict(peer="ring-attention-pytorch/contiguous", dtype=None, phase="forward", match="out:",
+    dict(peer="ring-attention-pytorch/contiguous", dtype=None, phase="forward", match=r"(out|lse): \d+ of",
          kind="defect",
          text="With a bucket size that does not divide the rank's block c, a query sees keys after it. "
               "Buckets are numbered `ring_rank * per_machine_buckets + index` (lines 152, 163) with "
@@ -74,7 +74,7 @@ FINDINGS = [
               "ranks collide and a remote block is masked as if it were the diagonal block (`triu(1)`, "
               "line 189) or not at all. Divisibility is asserted only when `max_lookback_seq_len` is given "
               "(line 100). With one bucket per rank (the 'bucket = c' rows) the forward agrees."),
-    dict(peer="ring-attention-pytorch/striped", dtype=None, phase="forward", match="out:",
+    dict(peer="ring-attention-pytorch/striped", dtype=None, phase="forward", match=r"(out|lse): \d+ of",
          kind="defect",
          text="With more than one bucket per rank, the striped mask is wrong. It is "
               "`triu(int(row_bucket_index >= col_bucket_index))` on each (query bucket, key bucket) pair "
@@ -165,6 +165,16 @@ FINDINGS = [
               "with `repeat_interleave` before its autograd Function on a CPU (p2p_attn.py lines 286-290), whose "
               "backward returns each expanded head's float32 sum cast to the input dtype (line 281); autograd of "
               "`repeat_interleave` then adds the G heads' gradients in that dtype."),
+    dict(peer="yunchang/", dtype=None, phase="backward", match="Not implemented backward",
+         kind="not supported (its backward raises)",
+         text="The backward raises: `RingAttentionFunc.backward` calls `pytorch_attn_backward`, whose body is "
+              "`raise RuntimeError(\"Not implemented backward for PyTorch attention types\")` "
+              "(kernels/attention.py line 159); only the forward of this ring runs."),
+    dict(peer="yunchang/", dtype="float64", phase="forward", match=r"out: \d+ of",
+         kind="defect (float64 computed in float32)",
+         text="float64 inputs come back with float32 precision: the merge casts every block's out to float32 "
+              "(`block_out.to(torch.float32)`, ring/utils.py lines 17 and 40) and the result is cast back to the "
+              "input dtype only at the end."),
 ]
 
 

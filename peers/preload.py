@@ -6,6 +6,7 @@ imports take."""
 import ring_attention_pytorch  # noqa: F401
 import ringmaster.ring.loop  # noqa: F401
 import ringmaster.ring.zigzag  # noqa: F401
+import yunchang.ring.ring_pytorch_attn  # noqa: F401
 from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: F401
 
 from .ring_flash_attn_adapter import load_rings
