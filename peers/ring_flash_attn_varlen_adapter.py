@@ -37,10 +37,7 @@ Its conventions, and what this adapter does about them:
 
 import numpy as np
 
-from reference.testing import ALL_DTYPES
-from reference.testing.harness.torch import TorchAdapter
-
-from .ring_flash_attn_adapter import load_rings, window_size
+from .ring_flash_attn_adapter import RingFlashAttn, load_rings, window_size
 
 FUNCTIONS = {"ring": "ring_flash_attn_varlen_func", "zigzag": "zigzag_ring_flash_attn_varlen_func",
              "llama3": "llama3_flash_attn_varlen_func"}
@@ -68,14 +65,9 @@ def per_document_positions(case, chunks_of_rank):
     return np.array(rows)
 
 
-class RingFlashAttnVarlen(TorchAdapter):
-    library = "ring-flash-attn"
-    dtypes = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
-    unsupported = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge "
-                              "blocks in float32 (utils.py lines 40, 63)"}
-    world_sizes = (2, 3, 4)
+class RingFlashAttnVarlen(RingFlashAttn):
+    """The dense rings' dtypes, accumulation and preload; its own sharding and call."""
     max_batch = 1
-    preload = ("peers.preload",)
 
     def __init__(self, function):
         self.function = function
@@ -95,9 +87,6 @@ class RingFlashAttnVarlen(TorchAdapter):
 
     def document_multiple(self, n):
         return {"ring": n, "zigzag": 2 * n, "llama3": 1}[self.function]
-
-    def accumulate_dtype(self, dtype):
-        return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
 
     def supports(self, case):
         if case.B != 1:
