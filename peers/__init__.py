@@ -9,6 +9,13 @@ disagreement to its smallest case); each says what one rank computes:
     peers/ring_attention_pytorch_adapter.py   ring-attention-pytorch: contiguous and striped rings
     peers/ring_flash_attn_adapter.py          ring-flash-attn: ring, zigzag and stripe, with
                                               peers/flash_attn_stand_in.py for flash-attn's kernels
+    peers/ring_flash_attn_varlen_adapter.py   ring-flash-attn: its varlen ring, zigzag and llama3
+                                              functions over packed documents
+    peers/torch_context_parallel_adapter.py   PyTorch's context-parallel ring core (torch 2.13), with and
+                                              without its head-tail balancer, each rotation
+    peers/ringmaster_adapter.py               axolotl-ringmaster: all-gather and p2p rings, zigzag over
+                                              packed documents
+    peers/yunchang_adapter.py                 yunchang: its ring with the torch block kernel
     peers/conformance.py                      the runner; writes CONFORMANCE.md
     examples/torch_ring.py                    this project's example ring, run beside them as a control
 
@@ -22,6 +29,10 @@ from examples.torch_ring import TorchRing
 
 from .ring_attention_pytorch_adapter import RingAttentionPytorch
 from .ring_flash_attn_adapter import RingFlashAttn
+from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
+from .ringmaster_adapter import Ringmaster
+from .torch_context_parallel_adapter import TorchContextParallel
+from .yunchang_adapter import Yunchang
 
 
 class ExampleRing(TorchRing):
@@ -35,4 +46,9 @@ class ExampleRing(TorchRing):
 PEERS = {peer.key: peer for peer in (
     RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
     RingAttentionPytorch.contiguous(whole_buckets=True), RingAttentionPytorch.striped(whole_buckets=True),
-    RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(), ExampleRing())}
+    RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(),
+    RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
+    *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
+    TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
+    Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
+    ExampleRing())}

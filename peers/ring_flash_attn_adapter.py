@@ -34,7 +34,12 @@ Its conventions, and what this adapter does about them:
   return `dq.to(q.dtype)`); autograd casts it back, so the contiguous ring's
   dq carries bfloat16 rounding (2**-9 relative): inside the float16 line,
   outside the float32 one;
-- no tile size (flash-attn chooses its own): the case's tile size is ignored.
+- no tile size (flash-attn chooses its own): the case's tile size is ignored;
+- a sliding window is passed on as flash-attn's `window_size=(W - 1, 0)`
+  causal, `(W - 1, W - 1)` not (the kit's W keys, the query's own
+  included): each ring hands it to every block's kernel;
+- the backward is theirs (each function's autograd.Function saves q, k, v,
+  out and lse), taken by the harness's autograd.
 """
 
 import numpy as np
@@ -57,6 +62,8 @@ class RingFlashAttn(TorchAdapter):
     def __init__(self, layout):
         self.layout = layout
         self.layouts = (layout,)
+        # zigzag and stripe assert causal; every ring takes a window argument
+        self.masks = ("causal", "full", "window") if layout == "contiguous" else ("causal", "window")
         self.key = f"ring-flash-attn/{layout}"
         self.name = f"ring-flash-attn {FUNCTIONS[layout]}"
 
@@ -75,15 +82,10 @@ class RingFlashAttn(TorchAdapter):
     def accumulate_dtype(self, dtype):
         return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
 
-    def supports(self, case):
-        if self.layout != "contiguous" and not case.causal:
-            return f"{FUNCTIONS[self.layout]} is causal only (it asserts causal)"
-        return super().supports(case)
-
     def compute(self, case, shard):
         fn = getattr(load_rings(), FUNCTIONS[self.layout])
         out, lse, _ = fn(shard.q, shard.k, shard.v, softmax_scale=case.scale_value, causal=case.causal,
-                         return_attn_probs=True)                  # out (B, c, Hq, D), lse (B, Hq, c)
+                         window_size=window_size(case), return_attn_probs=True)   # out (B, c, Hq, D), lse (B, Hq, c)
         return dict(out=out, lse=lse)
 
 
@@ -103,9 +105,17 @@ def load_rings():
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["ring_flash_attn"] = package
     rings = types.SimpleNamespace()
-    for module in ("ring_flash_attn", "zigzag_ring_flash_attn", "stripe_flash_attn"):
+    for module in ("ring_flash_attn", "zigzag_ring_flash_attn", "stripe_flash_attn", "ring_flash_attn_varlen",
+                   "zigzag_ring_flash_attn_varlen", "llama3_flash_attn_varlen"):
         m = importlib.import_module(f"ring_flash_attn.{module}")
-        for name in FUNCTIONS.values():
-            if hasattr(m, name):
+        for name in dir(m):
+            if name.endswith("_func") or name.endswith("prepare_cu_seqlens"):
                 setattr(rings, name, getattr(m, name))
     return rings
+
+
+def window_size(case):
+    """The kit's window W (keys a query sees, itself included) as flash-attn's (left, right)."""
+    if case.window is None:
+        return (-1, -1)
+    return (case.window - 1, 0 if case.causal else case.window - 1)
