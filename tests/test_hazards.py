@@ -263,6 +263,17 @@ def test_send_in_flight_completes_before_its_buffers_receive_again():
     assert completed < reposted, mpi.log
 
 
+def test_a_tag_whose_arrays_change_shape_receives_into_new_buffers():
+    """The buffer sets are made for the arrays a tag carries: when they change
+    (another call's block size on a RingComm kept), the next shift receives
+    into sets of the new shape, never into the old ones."""
+    ring_comm, mpi = scripted()
+    one_shift(ring_comm, mpi, block(0), block(1))
+    arrived = one_shift(ring_comm, mpi, block(0, n=6), block(2, n=6))
+    assert [a.shape for a in arrived] == [(6,), (1,)]
+    assert all(np.array_equal(a, b) for a, b in zip(arrived, block(2, n=6)))
+
+
 def test_finish_waits_for_its_receives_only():
     """The neighbour has not taken the block sent (it computes): finish_shift
     returns what arrived all the same."""
