@@ -323,6 +323,28 @@ def test_neighbour_that_left_is_named():
         ring_comm.finish_shift(shift)
 
 
+def test_neighbour_that_left_after_its_last_transfer_fails_the_close():
+    """Every transfer with rank 1 done, then its notice: the ring call is
+    collective, so close() says rank 1 left rather than returning into a
+    collective that would wait for it for ever."""
+    ring_comm, mpi = scripted()
+    one_shift(ring_comm, mpi, block(0), block(1))
+    mpi.take()                                                  # rank 1 received what it was sent
+    mpi.notify(FROM_PREV, "RuntimeError: out of memory")       # (a 2-rank ring: its prev and next)
+    with pytest.raises(RingError, match=r"^rank 0: rank 1 left the ring \(RuntimeError: out of memory\) "
+                                        r"before its end here$"):
+        ring_comm.close()
+
+
+def test_a_block_that_is_not_contiguous_is_refused_before_anything_is_posted():
+    """MPI must read the caller's array itself: a strided view would be sent
+    from a copy that may be gone before the send completes."""
+    ring_comm, mpi = scripted()
+    with pytest.raises(ValueError, match=r"ring buffers must be C-contiguous, got an array of shape \(4,\)"):
+        ring_comm.start_shift((np.arange(8.0)[::2], np.zeros(1, np.int64)), 1)
+    assert not [r for r in mpi.log if r.startswith("post") and int(r.split()[-1]) >= 16], mpi.log
+
+
 def test_leaving_tells_the_neighbours_and_settles_what_is_in_flight():
     """An error ends the ring on this rank: both neighbours are told why,
     the receive in flight is cancelled and the send completed."""
