@@ -405,6 +405,25 @@ def test_the_returned_dtype_and_shape_are_checked():
         check_ring_attention(Edited(cut), CASE)
 
 
+def test_results_that_are_not_float_arrays_fail():
+    """lse is checked for floats only by kind (it may be float32 or float64):
+    the right values in an object array are still not an attention result."""
+    def objects(case, results):
+        results[1]["lse"] = results[1]["lse"].astype(object)
+    with pytest.raises(AssertionError, match="lse: rank 1 returned object values, expected floats"):
+        check_ring_attention(Edited(objects), CASE)
+
+
+def test_a_result_of_another_shape_is_not_broadcast():
+    """attention_mismatch compares shapes first: a (1, 3, 1, 1) result is not
+    spread over a (1, 3, 2, 2) expected value, even where the values agree."""
+    expected = np.zeros((1, 3, 2, 2))
+    msg = attention_mismatch(np.zeros((1, 3, 1, 1)), expected, 1.0, name="dq", rank=1)
+    assert msg == "dq on rank 1: shape (1, 3, 1, 1), expected (1, 3, 2, 2)", msg
+    with pytest.raises(AssertionError, match="shape"):
+        assert_attention_close(np.zeros((1, 3, 2, 1)), expected, 1.0)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")      # inf - inf in the ring's threads, as it should
 def test_an_infinity_of_the_wrong_sign_fails():
     """out is +inf where a visible value is +inf: -inf there is not the same result."""
