@@ -405,6 +405,15 @@ def test_the_returned_dtype_and_shape_are_checked():
         check_ring_attention(Edited(cut), CASE)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_every_rank_is_held_to_the_line(name):
+    """One output of the last rank off by a hundredth: it fails, naming that rank."""
+    def nudge(case, results):
+        results[-1][name] = (results[-1][name] + 0.01).astype(results[-1][name].dtype)
+    with pytest.raises(AssertionError, match=rf"{name}: .* first at rank 1, "):
+        check_ring_attention(Edited(nudge), CASE)
+
+
 def test_results_that_are_not_float_arrays_fail():
     """lse is checked for floats only by kind (it may be float32 or float64):
     the right values in an object array are still not an attention result."""
