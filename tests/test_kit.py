@@ -465,6 +465,18 @@ def test_float16_and_bfloat16_inputs_are_held_to_float32_sums():
     check_ring_attention(type("Sums16", (Edited,), dict(accumulate_dtype=lambda self, d: np.float16))(nudge), case)
 
 
+def test_lse_of_float16_inputs_is_held_as_float32():
+    """lse is returned in float32 for float16 inputs, and held to float32's
+    rounding: off by 2e-4 of itself fails, though float16's line would pass it."""
+    case = dataclasses.replace(CASE, dtype=np.float16, S=8, D=8)
+
+    def nudge(case, results):
+        for r in results:
+            r["lse"] = (r["lse"] * (1 + 2e-4)).astype(np.float32)
+    with pytest.raises(AssertionError, match="lse: .* out of tolerance"):
+        check_ring_attention(Edited(nudge), case)
+
+
 # -- the comparison ----------------------------------------------------------------
 
 def test_message_names_the_first_and_the_worst_element():
