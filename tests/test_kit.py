@@ -414,6 +414,18 @@ def test_every_rank_is_held_to_the_line(name):
         check_ring_attention(Edited(nudge), CASE)
 
 
+def test_positions_must_deal_every_token_once():
+    """An adapter's positions are a permutation of the padded tokens: one
+    token dealt twice (and another never) is the adapter's error, said first."""
+    class Twice(VirtualRingAdapter):
+        def positions(self, case):
+            pos = super().positions(case).copy()
+            pos[1, 0] = pos[0, 0]
+            return pos
+    with pytest.raises(AssertionError, match=r"positions must be a permutation of 0..3 as \(2, 2\)"):
+        check_ring_attention(Twice(), CASE)
+
+
 def test_results_that_are_not_float_arrays_fail():
     """lse is checked for floats only by kind (it may be float32 or float64):
     the right values in an object array are still not an attention result."""

@@ -270,6 +270,9 @@ def check_units_cover_the_plan(q_pos, k_pos, tile_size, mask, G):
         assert stop <= next_start                    # units own their rows
     for start, stop in units:                        # a unit is one tile, or stacks at most UNIT_ROWS rows
         assert (start, stop) in q_tiles or (stop - start) * G <= UNIT_ROWS
+        inside = sorted(t for t in q_tiles if start <= t[0] < stop)      # of neighbouring tiles of the plan
+        assert inside[0][0] == start and inside[-1][1] == stop and all(
+            a[1] == b[0] for a, b in zip(inside, inside[1:])), f"unit {start}..{stop} holds rows of no tile"
 
 
 @settings(max_examples=60, deadline=None)
