@@ -315,6 +315,41 @@ def test_progress_moves_transfers_during_the_step():
     assert ring_comm.transfers[0].arrived <= ring_comm.transfers[0].handed
 
 
+def test_all_arrived_says_whether_finish_would_wait():
+    ring_comm, mpi = scripted(waits_complete_sends=False)
+    assert ring_comm.all_arrived()                              # nothing in flight
+    shift = ring_comm.start_shift(block(0), 1)
+    ring_comm.progress()
+    assert not ring_comm.all_arrived()
+    mpi.deliver(1, block(1))
+    ring_comm._tested_at = float("-inf")                        # the next progress() tests again
+    ring_comm.progress()
+    assert ring_comm.all_arrived()
+    ring_comm.finish_shift(shift)
+
+
+def test_progress_tests_the_requests_at_most_once_an_interval(monkeypatch):
+    """A step calls progress() between tiles however small: within one
+    `progress_interval_s` it tests the requests once (a clock that stands still here)."""
+    import mpi_impl.comm as comm_module
+    ring_comm, mpi = scripted(waits_complete_sends=False)
+    ring_comm.start_shift(block(0), 1)
+    tests = []
+    for request in mpi.pending:
+        request.Test = lambda request=request: tests.append(request.tag) or request.done
+    now = [100.0]
+    monkeypatch.setattr(comm_module.time, "perf_counter", lambda: now[0])
+    ring_comm.progress()
+    first = len(tests)
+    assert first == 4                                           # 2 receives, 2 sends of tag 1
+    ring_comm.progress()
+    ring_comm.progress()
+    assert len(tests) == first
+    now[0] += ring_comm.progress_interval_s
+    ring_comm.progress()
+    assert len(tests) == 2 * first
+
+
 def test_neighbour_that_left_is_named():
     """A receive from a neighbour that sent word it left ends with its reason."""
     ring_comm, mpi = scripted()
