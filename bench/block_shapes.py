@@ -75,9 +75,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=4, help="heads H (default %(default)s)")
     ap.add_argument("--head-dim", type=int, default=64, help="head dim D (default %(default)s)")
     ap.add_argument("--tile-size", type=int, default=256, help="tile size (default %(default)s)")
-    ap.add_argument("--steps", nargs="+", default=["auto"], choices=steps.NAMES, metavar="STEP",
-                    help=f"step versions, taking turns (default: auto; any of {', '.join(steps.NAMES)})")
-    ap.add_argument("--step", dest="steps", nargs=1, choices=steps.NAMES, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", nargs="+", default=["auto"], choices=steps.names(), metavar="STEP",
+                    help=f"step versions, taking turns (default: auto; any of {', '.join(steps.names())})")
+    ap.add_argument("--step", dest="steps", nargs=1, choices=steps.names(), help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=5, help="least of (default %(default)s)")
     ap.add_argument("--as-set", action="store_true",
                     help="keep OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE where set (default: run again without them)")

@@ -363,7 +363,7 @@ def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="aut
 
 def numpy_steps():
     """The registered steps that compute with NumPy, in version order."""
-    return [name for name in steps.STEPS if name != "fused" and "numpy" in steps.get(name).array_modules]
+    return [name for name in steps.STEPS if "numpy" in steps.get(name).array_modules]
 
 
 def _make_step(name, threads):
@@ -467,7 +467,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.kernel", description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="more sizes and repeats")
     ap.add_argument("--results", default=str(RESULTS), help="folder for the plots (default: bench/results)")
-    ap.add_argument("--step", default="auto", choices=steps.NAMES,
+    ap.add_argument("--step", default="auto", choices=steps.names(),
                     help="the step measured at every point (default: %(default)s, the fastest for NumPy)")
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads of steps that take them (default: one per core)")

@@ -20,8 +20,9 @@ raises `GpuUnavailable` saying which is missing.
 
 from .api import ring_attention, ring_attention_backward
 from .device import GpuUnavailable, require_cupy, use_local_device
-from .fused import FusedStep
+from .fused import FusedStep            # importing the kernels registers them with reference.steps
+from .fused_v2 import TensorCoreStep
 from .transfer import TRANSFERS, choose_transfer, mpi_cuda_support
 
 __all__ = ["ring_attention", "ring_attention_backward", "use_local_device", "GpuUnavailable",
-           "require_cupy", "FusedStep", "TRANSFERS", "choose_transfer", "mpi_cuda_support"]
+           "require_cupy", "FusedStep", "TensorCoreStep", "TRANSFERS", "choose_transfer", "mpi_cuda_support"]

@@ -21,11 +21,11 @@ Shapes (this rank's shard, in the layout's local order): q (B, c, Hq, D), k, v
 """
 
 import functools
+from typing import NamedTuple
 
 import mpi_impl
 from mpi_impl import agree
 from mpi_impl.comm import RingComm
-from reference import steps
 
 from .device import CupyDevice, require_cupy, use_local_device
 from .transfer import choose_transfer, memory_for
@@ -40,7 +40,7 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     (float16: "fused_v2" where it takes the call, else "v1"), "v1", "fused",
     "fused_v2" or a `reference.step.Step`; `seq_len` and the mask
     options (window, cu_seqlens, segment_ids, dropout, seed) as in mpi_impl. Collective."""
-    device, make_ring = _gpu_ring(comm, (q, k, v), (), transfer=transfer, step=step, tile_size=tile_size)
+    device, make_ring = _gpu_ring(comm, (q, k, v), (), transfer=transfer)
     with device:
         return mpi_impl.ring_attention(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,
                                        tile_size=tile_size, step=step, trace=trace, make_ring=make_ring,
@@ -52,8 +52,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
                             seq_len=None, **mask_options):
     """Gradients (dq, dk, dv) of this rank's shard: `mpi_impl.ring_attention_backward`
     on CuPy arrays; options as `ring_attention` (a step with a backward). Collective."""
-    device, make_ring = _gpu_ring(comm, (q, k, v), (out, lse, dout), transfer=transfer, step=step,
-                                  tile_size=tile_size)
+    device, make_ring = _gpu_ring(comm, (q, k, v), (out, lse, dout), transfer=transfer)
     with device:
         return mpi_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=comm, layout=layout,
                                                 causal=causal, scale=scale, tile_size=tile_size, step=step,
@@ -61,22 +60,28 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
                                                 **mask_options)
 
 
-def _gpu_ring(comm, qkv, grads, *, transfer, step, tile_size):
+class GpuPath(NamedTuple):
+    """What a rank found of its GPU: CuPy, and the transfer path every rank must agree on."""
+    cupy: object
+    path: str
+
+    def describe(self):
+        return dict(transfer=self.path)
+
+
+def _gpu_ring(comm, qkv, grads, *, transfer):
     """The GPU's checks on every rank, agreed collectively (`mpi_impl.agree`:
     the same clear error everywhere, never a hang); returns (CupyDevice of q,
-    the RingComm factory with that path's memory object)."""
-    found = {}
-
-    def describe():
-        cupy = found["cupy"] = require_cupy()
+    the RingComm factory with that path's memory object). The call itself
+    (shapes, step, mask) is mpi_impl's to check."""
+    def check():
+        cupy = require_cupy()
         _check_arrays(cupy, qkv + grads)
-        found["path"], _ = choose_transfer(transfer)
-        steps.check_step(step, cupy, backward=bool(grads), call=steps.call_of(qkv[0], qkv[1], tile_size))
-        return dict(transfer=found["path"])
+        return GpuPath(cupy, choose_transfer(transfer)[0])
 
-    agree(comm, describe)
-    device = CupyDevice(found["cupy"], qkv[0].device.id)
-    return device, functools.partial(RingComm.on, memory=memory_for(found["path"], device))
+    gpu = agree(comm, check)
+    device = CupyDevice(gpu.cupy, qkv[0].device.id)
+    return device, functools.partial(RingComm.on, memory=memory_for(gpu.path, device))
 
 
 def _check_arrays(cupy, arrays):

@@ -10,7 +10,7 @@ step (tests/test_gpu.py: on the GPU, and without one by compiling the same
 source for the CPU) before it is timed (bench/gpu_bench.py).
 
     gpu_impl.ring_attention(q, k, v, comm=comm, step="fused")
-    reference.steps.get("fused").forward(acc, queries, block, causal=True, tile_size=None)
+    reference.steps.get("fused").forward(acc, queries, block, causal=True, tile_size=None)   # after import gpu_impl
 
 The kernel skips the tiles no query can see by itself, from positions on the
 GPU; the counts the trace records are the plan's (`reference.step.Step`), for
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.masks import resolve
-from reference.step import Step
-from reference.tiles import tile_shape
+from reference.step import Step, no_progress
+from reference.steps import register
+from reference.tiles import plan_tile, tile_shape
 
 VERSION = 1
 SOURCE = Path(__file__).resolve().parent / "kernels" / f"attend_block_v{VERSION}.cu"
@@ -144,22 +144,17 @@ class FusedStep(Step):
             return str(e)
         return None
 
-    def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
-        """Plan and count as every step does (the kernel skips the same tiles by
-        itself), then launch the kernel over the whole block. The kernel knows
-        the causal flag only: other masks (`reference.masks`) take step 'v1'."""
-        mask = resolve(mask, causal)
-        if not mask.plain:
-            raise ValueError(f"step 'fused' knows only causal=True/False, got {mask}; use step='v1'")
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
+        """Every tile of the plan in one launch: the kernel finds the plan's
+        tiles by itself, from positions on the GPU, and skips the others (it
+        knows the causal flag only: `reference.steps.check_step` keeps other
+        masks from it). Queued on the GPU: there is no wait between tiles to
+        call `progress` in."""
         check_launch(acc, queries, block)
-        counts = super().forward(acc, queries, block, mask=mask, tile_size=tile_size)
-        if counts.tiles_computed:
-            launch_kernel(acc, queries, block, self.tile(tile_size, queries.q.shape[-1]), mask.causal)
-        return counts
+        launch_kernel(acc, queries, block, plan_tile(plan), queries.mask.causal)
 
-    def forward_tiles(self, acc, queries, block, plan, progress=None):
-        """Nothing per tile: `forward` runs every tile of the plan in one launch
-        (queued on the GPU: there is no wait between tiles to call `progress` in)."""
+
+register(FusedStep)
 
 
 def check_launch(acc, queries, block):

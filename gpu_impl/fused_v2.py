@@ -39,6 +39,7 @@ import numpy as np
 
 from reference.masks import any_visible, count_visible_pairs
 from reference.step import Step, StepCounts
+from reference.steps import register
 from reference.tiles import SKIP, classify, tile_shape
 
 from . import fused
@@ -217,6 +218,9 @@ class TensorCoreStep(Step):
     @property
     def label(self):
         return self.name if self.kv_format is None else f"{self.name} ({self.kv_format})"
+
+
+register(TensorCoreStep, auto_for="cupy")       # "auto" on CuPy tries it first (float16 it takes)
 
 
 def check_launch(acc, queries, block, kv_format):

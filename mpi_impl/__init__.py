@@ -14,7 +14,7 @@ Modules: `comm` (the two verbs over MPI), `attention` (the public functions),
 `cli` (the command line, reusable by other backends).
 """
 
-from .attention import agree, describe_call, gather_trace, ring_attention, ring_attention_backward
+from .attention import agree, gather_trace, ring_attention, ring_attention_backward
 from .comm import RingComm
 
-__all__ = ["ring_attention", "ring_attention_backward", "RingComm", "agree", "describe_call", "gather_trace"]
+__all__ = ["ring_attention", "ring_attention_backward", "RingComm", "agree", "gather_trace"]

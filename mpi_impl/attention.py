@@ -4,11 +4,11 @@ Each rank is one device of the paper's Algorithm 1. The per-device loop is
 `reference.ring` (the same code the virtual devices run); this module only adds
 what real processes need around it:
 
-1. a collective agreement check: every rank validates its own inputs, then all
-   ranks exchange what must agree (shapes, dtypes, options) with one
-   ``allgather``, and every rank raises the same clear error if any rank's input
-   is bad or any two ranks differ. Every rank reaches the allgather, errors or
-   not, so the check itself cannot hang;
+1. a collective agreement check: every rank validates its own call
+   (`reference.call.check_call`), then all ranks exchange its description
+   (shapes, dtypes, options) with one ``allgather``, and every rank raises the
+   same clear error if any rank's input is bad or any two ranks differ. Every
+   rank reaches the allgather, errors or not, so the check itself cannot hang;
 2. a `RingComm` on a duplicate of the caller's communicator;
 3. the global positions of this rank's tokens, from the layout
    (`reference.layouts.positions`), since positions travel with the tokens.
@@ -28,10 +28,8 @@ Mask options (`reference.masks`, the same on every rank): ``window``,
 (``shard`` pads to N c tokens; None: S = N c, no padding).
 """
 
-from reference import checks, ring, steps
-from reference.layouts import array_module, check_layout, padded_length, positions
-from reference.masks import layout_mask
-from reference.tiles import tile_shape
+from reference import ring
+from reference.call import check_call
 from reference.trace import Trace
 
 from .comm import RingComm, communicator_name, named_rank
@@ -53,14 +51,13 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     times, for the trace). `seq_len` and
     `mask_options`: see the module docstring.
     Collective: every rank of `comm` must call it."""
-    found = {}
-    scale = agree(comm, lambda: describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,
-                                              tile_size=tile_size, step=step, trace=trace, kind="forward",
-                                              found=found, seq_len=seq_len, **mask_options))["scale"]
-    q_pos = this_rank_positions(q, comm, layout)
+    call = agree(comm, lambda: _check(q, k, v, comm, trace, layout=layout, causal=causal, scale=scale,
+                                      tile_size=tile_size, step=step, seq_len=seq_len, **mask_options),
+                 trace=trace)
+    q_pos = call.positions[comm.Get_rank()]
     with make_ring(comm) as ring_comm, named_rank(comm):     # freed however the ring ends
-        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, mask=found["mask"],
-                                          scale=scale, tile_size=tile_size, step=found["step"])
+        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, scale=call.scale,
+                                          tile_size=tile_size, step=call.step, mask=call.mask)
     log.add_transfers(ring_comm.transfers, ring.KV)         # when each block arrived, for the trace
     return (out, lse) + _trace_result(log, comm, trace)
 
@@ -72,76 +69,40 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
 
     K, V, dK, dV travel the ring; dQ stays home; dK, dV end on the rank that
     owns those keys. ``step``, ``trace`` and ``make_ring`` as in `ring_attention`. Collective."""
-    found = {}
-
-    def describe():
-        d = describe_call(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                          step=step, trace=trace, kind="backward", found=found, seq_len=seq_len, **mask_options)
-        checks.check_grads_inputs(q, out, lse, dout)
-        d.update(out=(tuple(out.shape), str(out.dtype)), lse=(tuple(lse.shape), str(lse.dtype)),
-                 dout=(tuple(dout.shape), str(dout.dtype)))
-        return d
-
-    scale = agree(comm, describe)["scale"]
-    q_pos = this_rank_positions(q, comm, layout)
+    call = agree(comm, lambda: _check(q, k, v, comm, trace, layout=layout, causal=causal, scale=scale,
+                                      tile_size=tile_size, step=step, grads=(out, lse, dout), seq_len=seq_len,
+                                      **mask_options),
+                 trace=trace)
+    q_pos = call.positions[comm.Get_rank()]
     with make_ring(comm) as ring_comm, named_rank(comm):
-        dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm,
-                                             mask=found["mask"], scale=scale, tile_size=tile_size,
-                                             step=found["step"])
+        dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm, scale=call.scale,
+                                             tile_size=tile_size, step=call.step, mask=call.mask)
     log.add_transfers(ring_comm.transfers, ring.KV)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
 
 
-def this_rank_positions(q, comm, layout):
-    """Global positions of this rank's c tokens (NumPy int64, (c,)): S = c * N."""
-    n = comm.Get_size()
-    return positions(q.shape[1] * n, n, layout)[comm.Get_rank()]
-
-
-def describe_call(q, k, v, *, comm, layout, causal, scale, tile_size, step="auto", trace=False,
-                  kind="forward", found=None, seq_len=None, **mask_options):
-    """Validate this rank's inputs (raising the reference's clear errors) and
-    return what every rank must agree on; pass it to `agree`. The Step chosen
-    is put in ``found["step"]``, the Mask in ``found["mask"]``."""
+def _check(q, k, v, comm, trace, **options):
+    """This rank's call, checked (`reference.call.check_call`: this rank's
+    shard, the real `seq_len` inside the options), and its `trace` option."""
     if trace not in TRACE_CHOICES or isinstance(trace, int) and not isinstance(trace, bool):
         raise ValueError(f"trace must be one of {TRACE_CHOICES}, got {trace!r}")
-    B, c, Hq, Hkv, D = checks.check_qkv(q, k, v, seq_axis_name="c")
-    n = comm.Get_size()
-    check_layout(layout, c * n, n)
-    scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size,
-                                 head_dim=D)
-    mask = shard_mask(c, n, layout, causal, seq_len, mask_options)
-    chosen = steps.check_step(step, array_module(q), backward=kind == "backward", dropout=mask.dropout,
-                              call=steps.call_of(q, k, tile_size),
-                              plain_mask=mask.causal_only)
-    if found is not None:
-        found["step"], found["mask"] = chosen, mask
-    return dict(kind=kind, q=tuple(q.shape), k=tuple(k.shape), v=tuple(v.shape), dtype=str(q.dtype),
-                layout=layout, causal=bool(causal), scale=scale, tile_size=tile_shape(tile_size),
-                step=chosen.name, trace=trace, mask=mask.describe())
+    return check_call(q, k, v, n_devices=comm.Get_size(), per_device=True, **options)
 
 
-def shard_mask(c, n, layout, causal, seq_len, mask_options):
-    """The Mask for shards of c tokens on n ranks: S = N c, or `seq_len` padded to N c."""
-    if seq_len is None:
-        seq_len = c * n
-    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 \
-            or padded_length(seq_len, n, layout) != c * n:
-        raise ValueError(f"seq_len must be the real sequence length, which layout {layout!r} pads to the "
-                         f"{n} x {c} tokens of the shards, got {seq_len!r}")
-    return layout_mask(seq_len, n, layout, causal=causal, **mask_options)
-
-
-def agree(comm, describe):
-    """Collective check: run ``describe()`` on this rank (a dict of what must
-    agree, or an exception), allgather, and raise the same clear error on every
-    rank if any rank failed or two ranks disagree. Returns this rank's dict."""
+def agree(comm, check, **also):
+    """Collective check: run ``check()`` on this rank (an object whose
+    ``describe()`` is a dict of what must agree, such as a
+    `reference.call.RingCall`, or an exception), allgather its description
+    (with `also`, more values that must agree), and raise the same clear
+    error on every rank if any rank failed or two ranks disagree. Returns
+    what ``check()`` returned."""
     if not all(hasattr(comm, name) for name in ("allgather", "Get_rank", "Get_size", "Dup")):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
     try:
-        mine, error = describe(), None
+        checked, error = check(), None
+        mine = {**checked.describe(), **also}
     except Exception as e:      # noqa: BLE001 - reported to every rank, re-raised below
-        mine, error = None, e
+        checked, mine, error = None, None, e
     everyone = comm.allgather((mine, _describe_error(error)))    # every rank gets here
     failed = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
     if failed:
@@ -155,7 +116,7 @@ def agree(comm, describe):
         if any(x != value for x in values):
             raise ValueError(f"ranks{communicator_name(comm)} disagree on {key}: "
                              + ", ".join(f"rank {r} {x!r}" for r, x in enumerate(values)))
-    return mine
+    return checked
 
 
 _ERRORS = {"ValueError": ValueError, "TypeError": TypeError}

@@ -55,17 +55,23 @@ from reference import LAYOUTS, attention, attention_backward, cores, cost, posit
 from reference import ring_attention as reference_ring
 from reference import ring_attention_backward as reference_ring_backward
 from reference.inputs import make_shard
-from reference.masks import cu_seqlens_from_lengths, make_mask
+from reference.masks import cu_seqlens_from_lengths, layout_mask, make_mask
 from reference.plot import plot_timeline
+from reference.testing.compare import TOL
 from reference.trace import write_trace
 
 from .attention import gather_trace, ring_attention, ring_attention_backward
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-# --check fails above these (errors scaled by max(1, |reference|)); what the
-# tests measure is far below: float64 1e-15, float32 1e-6
 DENSE_MAX_SEQ = 2048     # --check uses the dense S x S formula up to here
-CHECK_TOL = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def check_tolerance(dtype):
+    """--check fails above this error, scaled by max(1, |reference|): the
+    project's tolerance table (`reference.testing.TOL`) allows |actual -
+    expected| <= atol max(1, |expected|) + rtol |expected|, so atol + rtol."""
+    tol = TOL[np.dtype(dtype)]
+    return tol.atol + tol.rtol
 
 
 def _same(x):
@@ -121,7 +127,7 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--tile-size", type=tile_arg, default=128,
                     help="tile side T (T queries by T keys), or TQxTK for a rectangle")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
-    ap.add_argument("--step", choices=steps.NAMES, default="auto",
+    ap.add_argument("--step", choices=steps.names(), default="auto",
                     help="block step version (reference.steps): auto is the fastest validated one for the arrays")
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads per rank, for steps that take them (v3, v4) (default: the rank's share "
@@ -194,7 +200,7 @@ def main(argv=None, backend=NUMPY, parser=None):
     comm = MPI.COMM_WORLD
     if not isinstance(backend, Backend):
         backend = backend(args)
-    problem = check_args(args, comm.Get_size()) or backend_problem(args, backend)
+    problem = backend_problem(args, backend) or check_args(args, comm.Get_size(), backend)
     if problem:                 # every rank finds the same problem; one of them says it
         if comm.Get_rank() == 0:
             parser.print_usage(sys.stderr)
@@ -220,7 +226,7 @@ def hold_share(args, backend, comm):
     here = comm.Split_type(MPI.COMM_TYPE_SHARED)
     ranks_here = here.Get_size()
     here.Free()
-    step = make_steps(args, backend)[0]
+    step = make_steps(args, backend, comm.Get_size())[0]
     share = cores.share(ranks_here, takes_workers=step.takes_workers, threads=args.threads,
                         blas_threads=args.blas_threads)
     args.threads, args.blas_threads = share.workers, share.blas
@@ -236,7 +242,7 @@ def report(rows, args, comm, backend):
     if args.plot:
         plot_timeline(args.plot, {r.layout: r.traces for r in rows},
                       f"S={args.seq_len}, N={comm.Get_size()}, tile={args.tile_size}")
-    tol = CHECK_TOL[args.dtype]
+    tol = check_tolerance(args.dtype)
     failed = [r for r in rows if args.check and not r.error <= tol]     # NaN is not <= tol: it fails
     if failed:
         print("CHECK FAILED: " + ", ".join(
@@ -257,8 +263,8 @@ def abort_job(comm):
     comm.Abort(1)
 
 
-def check_args(args, n_ranks):
-    """A message for options that cannot run on n_ranks, or None."""
+def check_args(args, n_ranks, backend=NUMPY):
+    """A message for options that cannot run on n_ranks of `backend`, or None."""
     for name in ("seq_len", "batch", "heads", "head_dim", "repeat", "threads", "blas_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
@@ -272,10 +278,10 @@ def check_args(args, n_ranks):
         for name in ("window", "cu_seqlens", "dropout"):
             e = str(e).replace(f"{name} must", f"--{name.replace('_', '-')} must")
         return str(e)
-    if mask.dropout and args.step not in ("auto", "v1", "readable"):
-        return f"--dropout needs --step v1 (or auto): step {args.step!r} has no dropout"
-    if args.dtype == "bfloat16" and args.step == "fused":
-        return "--dtype bfloat16 needs a NumPy step; step 'fused' takes float16 or float32"
+    try:                                          # the library's step rules, for this call
+        make_steps(args, backend, n_ranks)
+    except ValueError as e:
+        return f"--step {args.step}: {e}"
     return None
 
 
@@ -294,18 +300,21 @@ def tile_arg(text):
     return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
-def make_steps(args, backend):
-    """(forward Step, backward Step) for --step and --threads: a step without a
-    backward (the fused kernel) leaves the backward to "auto"."""
+def make_steps(args, backend, n_ranks):
+    """(forward Step, backward Step) for --step and --threads, as
+    `reference.steps.check_step` finds them for this call (its ValueError
+    where the step cannot take it): "auto" from what the call is (float16 on
+    CuPy: the tensor-core kernel where it takes the call); a step without a
+    backward (the fused kernels) leaves the backward to "auto"."""
     xp = backend.array_module
     call = steps.Call(args.dtype, args.head_dim, args.heads // (args.kv_heads or args.heads), args.tile_size)
-    # "auto" from what the call is (float16 on CuPy: the tensor-core kernel where it takes the call);
-    # a named step as it is (the library's checks say what it cannot take)
-    forward = (steps.check_step("auto", xp, dropout=bool(args.dropout), call=call) if args.step == "auto"
-               else steps.get(args.step, xp=xp))
+    masks = [layout_mask(args.seq_len, n_ranks, layout, causal=args.causal, **mask_options(args))
+             for layout in _layouts(args)]
+    rules = dict(dropout=bool(args.dropout), plain_mask=all(m.causal_only for m in masks), call=call)
+    forward = steps.check_step(args.step, xp, **rules)
     if args.threads and args.threads > 1 and forward.takes_workers:
         forward = steps.get(forward.name, workers=args.threads)
-    backward = forward if forward.has_backward else steps.check_step("auto", xp, backward=True, call=call)
+    backward = forward if forward.has_backward else steps.check_step("auto", xp, backward=True, **rules)
     return forward, backward
 
 
@@ -352,7 +361,7 @@ def time_passes(args, layout, backend, comm):
     q, k, v, dout = (backend.to_device(x) for x in inputs(args, pos))
     opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size, seq_len=args.seq_len,
                 **mask_options(args))
-    fwd_step, bwd_step = make_steps(args, backend)
+    fwd_step, bwd_step = make_steps(args, backend, n)
     comm.Barrier()
     start = time.perf_counter()
     out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", step=fwd_step, **opts)

@@ -45,7 +45,8 @@ import numpy as np
 import inspect
 
 from reference import LAYOUTS, Trace, attention, cost, lockstep, positions, ring_attention, shard, unshard
-from reference import ring
+from reference import ring, steps
+from reference.masks import CAUSAL
 from reference.virtual import run_devices
 
 S, N, T = 32, 4, 2            # 4 devices of c = 8 tokens, tiles of 2 x 2: 4 x 4 tiles per block
@@ -124,7 +125,7 @@ for layout in ("contiguous", "striped"):
 
     def device(j, comm):
         return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], WatchedRing(comm, sent),
-                                 causal=True, scale=D ** -0.5, tile_size=T)
+                                 scale=D ** -0.5, tile_size=T, step=steps.get("v1"), mask=CAUSAL)
 
     outs, lses, logs = zip(*run_devices(N, device))
     trace = Trace.from_logs(logs)                              # arrays [t, j]

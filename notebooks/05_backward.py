@@ -45,8 +45,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from reference import LAYOUTS, attention, attention_backward, positions, ring, ring_attention, ring_attention_backward
-from reference import shard, step, unshard
+from reference import shard, step, steps, unshard
 from reference.heads import kv_from_heads
+from reference.masks import CAUSAL
 from reference.virtual import run_devices
 
 n_seq, N, T = 16, 4, 2                 # 16 tokens: 4 devices of 4 tokens, tiles of 2
@@ -232,8 +233,8 @@ sent_dk = np.zeros((N, N, c, D))                              # [t, j]: the dK d
 
 def device(j, comm):
     return ring.ring_backward(q_s[j], k_s[j], v_s[j], out_s[j], lse_s[j], dout_s[j], pos[j], pos[j],
-                              WatchedGrads(comm, sent_dk), causal=True, scale=D ** -0.5, tile_size=T,
-                              step="v1")          # the step shown above, as ring_attention_backward uses
+                              WatchedGrads(comm, sent_dk), scale=D ** -0.5, tile_size=T,
+                              step=steps.get("v1"), mask=CAUSAL)   # the step shown above, as ring_attention_backward uses
 
 
 dq_w, dk_w, dv_w, _ = zip(*run_devices(N, device))

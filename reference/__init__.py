@@ -8,7 +8,8 @@ Modules, in reading order: `dense` (the formula, and `merge`), `layouts` (who
 holds which token), `masks` (which keys a query sees: causal, windows, packed
 documents, padding, dropout), `tiles` (which tiles to skip), `heads` (the compute
 layout), `step` (one device, one block: the readable version 1 and the
-contract), `ring` (one device's rounds, shared by every backend), `virtual` (N
+contract), `call` (a ring call checked once, at the door), `ring` (one
+device's rounds, shared by every backend), `virtual` (N
 devices as threads), `lockstep` (the same rounds in one loop), `steps` (the
 numbered step versions: `step_v2`, `step_v3`), `trace` (and its files), `plot`,
 `inputs` (random shards a device makes alone), `cost`, `tms`.

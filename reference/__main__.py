@@ -28,7 +28,7 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=2, help="query heads (default %(default)s)")
     ap.add_argument("--head-dim", type=int, default=16, help="head dim D (default %(default)s)")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
-    ap.add_argument("--step", choices=steps.NAMES, default=steps.DEFAULT, help="block step (default %(default)s)")
+    ap.add_argument("--step", choices=steps.names(), default=steps.DEFAULT, help="block step (default %(default)s)")
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads per device, for steps that take them (default: the devices' share of "
                          "the cores, reference.cores)")

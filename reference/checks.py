@@ -106,7 +106,7 @@ def check_options(*, layout, causal, scale, tile_size, head_dim):
     return float(scale)
 
 
-# -- bfloat16 and the mask options ----------------------------------------
+# -- bfloat16 ------------------------------------------------------------
 #
 # bfloat16 is NumPy's through `ml_dtypes` (the type JAX uses): stored and sent
 # as it is, accumulated in float32 like float16. Without ml_dtypes installed
@@ -118,13 +118,3 @@ try:
 except ImportError:         # pragma: no cover - ml_dtypes is a dependency
     BFLOAT16 = None
 
-
-def check_mask_options(*, causal, seq_len=None, **mask_options):
-    """The Mask of `reference.masks.make_mask`, or its clear error; a wrong
-    option name is a TypeError naming the options there are."""
-    from .masks import make_mask
-    names = ("window", "cu_seqlens", "segment_ids", "dropout", "seed")
-    unknown = sorted(set(mask_options) - set(names))
-    if unknown:
-        raise TypeError(f"unknown mask option(s) {unknown}; the options are {list(names)}")
-    return make_mask(causal=causal, seq_len=seq_len, **mask_options)

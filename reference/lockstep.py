@@ -17,18 +17,19 @@ import numpy as np
 
 from . import steps
 from .heads import kv_from_heads, q_from_heads, rows_from_heads
-from .layouts import positions, shard, unshard
+from .call import check_call
+from .layouts import shard, unshard
 from .ring import as_dtype, new_kv_grads, own_block
 from .step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
-from .virtual import _validate
 
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
                    tile_size=None, step=steps.DEFAULT, **mask_options):
     """Exact attention over N devices in lockstep. Returns (out, lse).
     `mask_options`: those of `reference.ring_attention` (window, documents, dropout)."""
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options)
-    n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
+    call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                      step=step, **mask_options)
+    n, Hkv, pos, scale, step, mask = n_devices, k.shape[2], call.positions, call.scale, call.step, call.mask
     qs, ks, vs = (shard(x, n, layout) for x in (q, k, v))
     queries = [Queries.prepare(qs[j], Hkv, pos[j], scale) for j in range(n)]     # Q_j
     blocks = [own_block(ks[j], vs[j], pos[j], j) for j in range(n)]              # K_j, V_j
@@ -36,7 +37,7 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
     for t in range(n):                          # rounds
         for j in range(n):                      # devices, "in parallel"
             src = (j - t) % n                   # the block device j holds in round t
-            step.forward(accs[j], queries[j], as_dtype(blocks[src], queries[j].q.dtype),
+            step.forward(accs[j], queries[j], as_dtype(blocks[src], queries[j].q.dtype, step),
                          mask=mask, tile_size=tile_size)
     outs, lses = zip(*(finish_forward(acc) for acc in accs))
     out = [q_from_heads(o).astype(q.dtype, copy=False) for o in outs]
@@ -50,9 +51,9 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
     """Gradients (dq, dk, dv) over N devices in lockstep: dQ_j stays with
     device j; block src's dK, dV collect every device's share as the block
     passes, and are home after the last round."""
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options,
-                                  backward=True)
-    n, Hkv, pos = n_devices, k.shape[2], positions(q.shape[1], n_devices, layout)
+    call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                      step=step, grads=(out, lse, dout), **mask_options)
+    n, Hkv, pos, scale, step, mask = n_devices, k.shape[2], call.positions, call.scale, call.step, call.mask
     qs, ks, vs, outs, douts = (shard(x, n, layout) for x in (q, k, v, out, dout))
     lses = shard(lse, n, layout, axis=2)
     queries = [Queries.prepare(qs[j], Hkv, pos[j], scale) for j in range(n)]
@@ -65,7 +66,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
         for j in range(n):
             src = (j - t) % n
             grads = Grads(dq[j], *new_kv_grads(blocks[src], acc))
-            step.backward(grads, queries[j], rows[j], as_dtype(blocks[src], acc),
+            step.backward(grads, queries[j], rows[j], as_dtype(blocks[src], acc, step),
                           mask=mask, tile_size=tile_size)
             if dkv[src] is not None:            # what the devices before j added (the ring's order)
                 grads.dk += dkv[src][0]

@@ -146,10 +146,21 @@ def make_mask(*, causal=True, window=None, cu_seqlens=None, segment_ids=None, dr
                 spans=None if segments is None else runs(segments))
 
 
+MASK_OPTIONS = ("window", "cu_seqlens", "segment_ids", "dropout", "seed")
+
+
+def check_mask_options(*, causal, seq_len=None, **mask_options):
+    """The Mask of `make_mask`, or its clear error; a wrong option name is a
+    TypeError naming the options there are."""
+    unknown = sorted(set(mask_options) - set(MASK_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown mask option(s) {unknown}; the options are {list(MASK_OPTIONS)}")
+    return make_mask(causal=causal, seq_len=seq_len, **mask_options)
+
+
 def layout_mask(seq_len, n_devices, layout, *, causal=True, **mask_options):
     """The Mask of a ring run of `seq_len` real tokens: the options, with the
     padding rule when the layout pads `seq_len` (or documents cover it)."""
-    from .checks import check_mask_options
     padded = padded_length(seq_len, n_devices, layout) > seq_len
     documents = mask_options.get("cu_seqlens") is not None or mask_options.get("segment_ids") is not None
     return check_mask_options(causal=causal, seq_len=seq_len if padded or documents else None, **mask_options)

@@ -24,28 +24,27 @@ times the step on the device instead of the host's clocks.
 
 Shapes are the user layout (flash-attn): q (B, c, Hq, D), k, v (B, c, Hkv, D),
 lse (B, Hq, c), with ``c`` this device's tokens and ``q_pos``, ``k_pos`` their
-global positions (NumPy int64, shape (c,)). `mask` (`reference.masks.Mask`, or
-the bool `causal`) says which keys each query sees, from positions alone, so
-it is the same object on every device.
+global positions (NumPy int64, shape (c,)). `mask` (`reference.masks.Mask`)
+says which keys each query sees, from positions alone, so it is the same
+object on every device; it and the `step` come checked from the entry point
+(`reference.call`), and nothing here checks them again.
 """
 
 import numpy as np
 
-from . import steps
 from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
 from .layouts import array_module
-from .masks import resolve
 from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward
 from .trace import RoundLog
 
 KV, DKV = 1, 2            # tags of the two kinds of message in flight
 
 
-def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step=None, mask=None, causal=None):
+def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
     """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
-    `step`: a `reference.step.Step` or a name of `reference.steps` (None: "auto")."""
-    mask = resolve(mask, causal)
-    step, n = _step(step, q, k, tile_size, dropout=mask.dropout), comm.size
+    `step` (a `reference.step.Step`) and `mask` (a `reference.masks.Mask`) as
+    the entry point checked them (`reference.call.check_call`)."""
+    n = comm.size
     log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
@@ -69,14 +68,12 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step=None, ma
     return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
 
 
-def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step=None, mask=None,
-                  causal=None):
+def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
     """Backward on this device. K, V and their gradients dK, dV travel the ring;
     dQ stays home. After the last round one more hop brings every dK, dV back
     to the device that owns those keys. Returns (dq, dk, dv) in the user
-    layout, and a RoundLog."""
-    mask = resolve(mask, causal)
-    step, n = _step(step, q, k, tile_size, backward=True, dropout=mask.dropout), comm.size
+    layout, and a RoundLog. `step` (with a backward) and `mask` as for `ring_forward`."""
+    n = comm.size
     log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     acc = queries.q.dtype
@@ -112,12 +109,6 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
 
 # -- pieces of the loops ---------------------------------------------------
 
-def _step(step, q, k, tile_size, backward=False, dropout=False):
-    return steps.check_step("auto" if step is None else step, array_module(q), call=steps.call_of(q, k, tile_size),
-                            backward=backward,
-                            dropout=dropout)
-
-
 def own_block(k, v, k_pos, rank):
     """This device's own K, V (compute layout, as they came: blocks travel in
     the input dtype), with their positions and owner, as the block that travels.
@@ -131,7 +122,7 @@ def as_dtype(block, dtype, step=None):
     """The block with K, V in the accumulation dtype (float16 blocks travel as
     float16); left as it is for a step that reads float16 itself
     (``step.reads_float16``, the fused kernel)."""
-    if getattr(step, "reads_float16", False) and block.k.dtype == np.float16:
+    if step is not None and step.reads_float16 and block.k.dtype == np.float16:
         return block
     return block._replace(k=block.k.astype(dtype, copy=False), v=block.v.astype(dtype, copy=False))
 

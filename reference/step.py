@@ -34,7 +34,7 @@ a key, count the work for the trace. The tiles read the mask from
 queries.mask)``); a version that applies dropout (``has_dropout``) weighs P V
 by `masks.keep_weights`, as version 1 does.
 Faster versions sit beside this one (`step_v2`, `step_v3`, `step_v4`, each
-built from the pieces of `step_parts`; `gpu_impl.fused`), each checked
+built from the pieces of `step_parts` and `step_units`; `gpu_impl.fused`), each checked
 against it (tests/test_step.py).
 
 Rows without a visible key and NaN (DESIGN.md):
@@ -62,6 +62,7 @@ import numpy as np
 from .heads import accumulate_dtype, q_to_heads, rows_to_heads
 from .layouts import array_module, to_host
 from .masks import CAUSAL, any_visible, count_visible_pairs, keep_weights, resolve, visible
+from .nonfinite import all_finite, mask_rows, masked_product
 from .tiles import MASKED, tile_plan, tile_shape
 
 
@@ -176,6 +177,8 @@ class Step:
     takes_workers = False                # True: its constructor takes `workers` threads
     takes_masks = True                   # False: causal=True/False only (reference.masks' plain)
     dtypes = ()                          # the input dtypes "auto" may pick it for (empty: any)
+    reads_float16 = False                # True: takes float16 K, V as they travel (the ring does not
+                                         # cast them to the accumulation dtype: the fused kernels)
 
     def refuses(self, call):
         """Why this version cannot take a call (`reference.steps.Call`: dtype,
@@ -207,10 +210,10 @@ class Step:
         return _count(plan, skipped, queries.pos, block.pos, mask)
 
     def _with_mask(self, queries, block, mask, causal):
-        """The queries carrying the mask (the tiles read it there), the block's positions on the host."""
+        """The queries carrying the mask (the tiles read it there), the block's
+        positions on the host. Whether this version takes the mask was asked at
+        the door (`reference.steps.check_step`)."""
         mask = resolve(mask, causal)
-        if mask.dropout and not self.has_dropout:
-            raise ValueError(f"step {self.name!r} has no dropout; use step='v1'")
         return replace(queries, mask=mask), block._replace(pos=to_host(block.pos)), mask
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
@@ -378,41 +381,3 @@ def apply_mask(s, mask):
     R, tk = s.shape[-2:]
     s5 = s.reshape(s.shape[:-2] + (mask.shape[0], R // mask.shape[0], tk))
     xp.copyto(s5, -np.inf, where=~xp.asarray(mask)[:, None, :])
-
-
-def mask_rows(mask, R, xp):
-    """A tile's mask (tq, tk) as rows (R, tk), R = tq*G query-major, on xp's device; None stays None."""
-    if mask is None:
-        return None
-    return xp.asarray(np.repeat(mask, R // mask.shape[0], axis=0))
-
-
-def all_finite(xp, *arrays):
-    """True when no array holds a NaN or inf: one pass per array (a block, not a tile)."""
-    return all(bool(xp.isfinite(x).all()) for x in arrays)
-
-
-def masked_product(w, x, vis):
-    """w @ x over the visible pairs only: w (..., M, T) is 0 at the masked pairs,
-    x (..., T, E), vis (M, T) bool (None: a plain product, for a tile with no
-    masked pair or a block with finite inputs).
-
-    Hazard: 0 x NaN = NaN (and 0 x inf): a masked weight does not stop a
-    non-finite value, so in w @ x a NaN in row t of x reaches every row of w,
-    also those that cannot see t. The rows of x that are not finite are left
-    out of the product and their terms added back only where visible. Only
-    blocks whose inputs hold a NaN or inf get a `vis` (callers check once per
-    block with `all_finite`).
-    """
-    if vis is None:
-        return w @ x
-    xp = array_module(w)
-    zero = x.dtype.type(0)
-    bad = ~xp.isfinite(x).all(axis=-1)                   # (..., T) rows of x with a NaN or inf
-    out = w @ xp.where(bad[..., None], zero, x)          # every finite term   (..., M, E)
-    cols = to_host(bad.reshape(-1, bad.shape[-1]).any(axis=0))   # (T,) t with a bad row in some head
-    with np.errstate(invalid="ignore"):                  # 0 x inf at a masked pair: dropped below
-        for t in np.flatnonzero(cols):
-            xt = xp.where(bad[..., t, None], x[..., t, :], zero)     # (..., E) the bad rows t only
-            out += xp.where(vis[:, t, None], w[..., :, t, None] * xt[..., None, :], zero)
-    return out

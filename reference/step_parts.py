@@ -15,7 +15,9 @@ module open. What the pieces do is version 1's arithmetic (the formulas of
 - one (batch, head) at a time, on contiguous 2-D matrices;
 - the lazy shift (`lazy_tile`): a tile first tried with the current shift,
   redone exactly (`exact_tile`) only if a row sum could overflow;
-- taller products (`forward_units`) and worker threads (`run_units`).
+- the forward in stacks of query tiles and the backward by head, on worker
+  threads (`threaded_forward`, `threaded_backward`), with the units and
+  threads of `reference.step_units`.
 
 A forward runs over a *run* of query rows of one head (`QueryRun`), in base 2
 (`Base2Rows`), tile by tile through a tile function ``update(st, s, head, ks,
@@ -27,22 +29,20 @@ Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a run;
 ``[X, y]`` is X with the column y appended (D + 1 columns).
 """
 
-import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from .cores import blas_limit
 from .masks import visible
-from .step import all_finite, mask_rows, masked_product, no_progress
-from .tiles import FULL, MASKED
+from .nonfinite import all_finite, mask_rows, masked_product
+from .step import no_progress
+from .step_units import forward_units, on_this_thread, run_units, scratch
+from .tiles import MASKED, by_tile
 
 LOG2E = float(np.log2(np.e))
 SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
 V_LIMIT = 2.0 ** 64     # above this |V|, O could overflow under a lazy shift: stay exact
-UNIT_ROWS = 512         # the forward stacks query tiles up to this many rows: taller products run faster
-PROGRESS_S = 0.002      # while its workers compute, the calling thread calls `progress` this often
 
 
 # -- what a forward tile reads and updates -------------------------------------------
@@ -297,16 +297,6 @@ def augment(x, column, out=None):
     return out
 
 
-def by_tile(plan, which):
-    """Group the plan by its query tiles (which=0) or key tiles (which=1):
-    a list of (slice, [(other slice, kind), ...]) in plan order."""
-    groups = {}
-    for entry in plan:
-        own = entry[which]
-        groups.setdefault((own.start, own.stop), (own, []))[1].append((entry[1 - which], entry[2]))
-    return list(groups.values())
-
-
 def set_shift(q2, m2):
     """Last column of [Q log2(e), -m2] := -m2, or 0 where no key has been seen (m2 = -inf)."""
     q2[:, -1] = np.where(np.isfinite(m2), -m2, 0.0)
@@ -332,65 +322,7 @@ def exp2_visible(s, hidden):
         np.copyto(s.reshape(tq, -1, tk), 0, where=hidden[:, None, :])
 
 
-_SCRATCH = threading.local()
-
-
-def scratch(key, shape, dtype):
-    """An uninitialised array of `shape` for this thread, under `key`: the same
-    memory from call to call, grown when too small. A fresh array of a block's
-    size pays its page faults on every call (measured: a fifth of the CPU time
-    of a forward of a block of 1024 tokens). It is this thread's until it asks
-    for `key` again, so a key names one use that ends before the next begins."""
-    bufs = getattr(_SCRATCH, "bufs", None)
-    if bufs is None:
-        bufs = _SCRATCH.bufs = {}
-    n, dtype = int(np.prod(shape)), np.dtype(dtype)
-    buf = bufs.get((key, dtype))
-    if buf is None or buf.size < n:
-        buf = bufs[key, dtype] = np.empty(n, dtype)
-    return buf[:n].reshape(shape)
-
-
-# -- taller products --------------------------------------------------------------
-
-def forward_units(plan, c, G):
-    """Consecutive query tiles stacked into groups of up to UNIT_ROWS rows.
-    Returns [(query slice of the group, blocks)], blocks being the group's tiles
-    as (query slice within the group, key slice, kind): a key tile shared by
-    neighbouring query tiles of the group is one block, one product. Blocks
-    cover exactly the plan's tiles."""
-    groups = []
-    for qs, tiles in by_tile(plan, 0):
-        stop = min(qs.stop, c)
-        last = groups[-1] if groups else None
-        if last and last[-1][0].stop == qs.start and (stop - last[0][0].start) * G <= UNIT_ROWS:
-            last.append((slice(qs.start, stop), tiles))
-        else:
-            groups.append([(slice(qs.start, stop), tiles)])
-    return [(slice(g[0][0].start, g[-1][0].stop), _blocks(g)) for g in groups]
-
-
-def _blocks(group):
-    """The blocks of one group of query tiles (see `forward_units`)."""
-    first = group[0][0].start
-    users = {}                                           # key tile -> [(member, kind)]
-    for i, (qs, tiles) in enumerate(group):
-        for ks, kind in tiles:
-            users.setdefault((ks.start, ks.stop), (ks, []))[1].append((i, kind))
-    blocks = []
-    for ks, members in users.values():
-        run = [members[0]]
-        for member in members[1:] + [None]:              # runs of neighbouring query tiles
-            if member is not None and member[0] == run[-1][0] + 1:
-                run.append(member)
-                continue
-            rows = slice(group[run[0][0]][0].start - first, group[run[-1][0]][0].stop - first)
-            blocks.append((rows, ks, MASKED if any(kind == MASKED for _, kind in run) else FULL))
-            run = [member]
-    return blocks
-
-
-# -- worker threads ---------------------------------------------------------------
+# -- on worker threads (reference.step_units) --------------------------------------
 
 def threaded_forward(acc, queries, block, plan, update, workers, progress=no_progress):
     """A forward in units of stacked query tiles of one head (`forward_units`)
@@ -421,62 +353,3 @@ def threaded_backward(grads, queries, rows, block, plan, cols, workers, progress
     def unit(b, h):
         backward_head(grads, queries, rows, block, (b, h), columns, cols, tick)
     run_units(unit, [(b, h) for b in range(B) for h in range(Hkv)], workers, progress)
-
-
-
-def check_workers(workers):
-    if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
-    return int(workers)
-
-
-def workers_label(name, workers):
-    return f"{name}, {workers} worker{'s' if workers > 1 else ''}"
-
-
-def on_this_thread(progress):
-    """`progress` when called from the thread that made it, nothing on others
-    (a worker's tile loop calls it; only the calling thread may progress a transfer)."""
-    me = threading.get_ident()
-
-    def tick():
-        if threading.get_ident() == me:
-            progress()
-    return tick
-
-
-def run_units(fn, units, workers, progress=no_progress):
-    """fn(*unit) for every unit, taken in order by `workers` threads (this one
-    included), with BLAS held to one thread meanwhile (two levels of threads
-    on the same cores oversubscribe them: measured several times slower). A
-    unit owns the rows it writes, so results do not depend on `workers`, bit
-    for bit. This thread calls `progress` every PROGRESS_S while it waits for
-    the others. The first exception is raised here, after all stop."""
-    if workers <= 1 or len(units) <= 1:
-        for u in units:
-            fn(*u)
-        return
-    pending, lock, errors = iter(units), threading.Lock(), []
-
-    def work():
-        while not errors:
-            with lock:
-                u = next(pending, None)
-            if u is None:
-                return
-            try:
-                fn(*u)
-            except BaseException as e:   # re-raised by the caller below
-                errors.append(e)
-
-    with blas_limit(1):
-        threads = [threading.Thread(target=work, daemon=True) for _ in range(1, workers)]
-        for t in threads:
-            t.start()
-        work()
-        for t in threads:
-            while t.is_alive():
-                t.join(PROGRESS_S)
-                progress()
-    if errors:
-        raise errors[0]

@@ -1,7 +1,7 @@
 """Step version 3 (NumPy): version 2 with a lazy max, taller products and worker threads.
 
 What it changes from version 2 (`reference.step_v2`), and why (the pieces
-are in `reference.step_parts`):
+are in `reference.step_parts`, the units and threads in `reference.step_units`):
 
 - a lazy max (`lazy_tile`): the running shift ``m`` is raised only when a
   tile would overflow. Any shift gives the same ``O / l`` and ``m + log(l)``;
@@ -33,7 +33,8 @@ Shapes as in version 2; ``W`` workers.
 """
 
 from .step import Step, no_progress
-from .step_parts import backward_cols, check_workers, lazy_tile, threaded_backward, threaded_forward, workers_label
+from .step_parts import backward_cols, lazy_tile, threaded_backward, threaded_forward
+from .step_units import check_workers, workers_label
 
 
 class LazyThreadedStep(Step):

@@ -34,8 +34,8 @@ import numpy as np
 
 from .masks import visible
 from .step import Step, no_progress
-from .step_parts import (SUM_LIMIT, backward_cols, check_workers, exact_update, lazy_tile, threaded_backward,
-                         threaded_forward, workers_label)
+from .step_parts import SUM_LIMIT, backward_cols, exact_update, lazy_tile, threaded_backward, threaded_forward
+from .step_units import check_workers, workers_label
 from .tiles import FULL, SKIP, classify
 
 SUB = 64          # the side of a sub-tile: masked tiles are computed SUB x SUB at a time

@@ -15,32 +15,48 @@ Adding a version adds one line to `STEPS`.
 | ``v2`` | reference/step_v2.py | NumPy: base 2, folded columns, mask after exp2, one head at a time |
 | ``v3`` | reference/step_v3.py | NumPy: lazy max, taller products, worker threads |
 | ``v4`` | reference/step_v4.py | NumPy: masked tiles in sub-tiles (a diagonal tile costs a full one) |
-| ``fused`` | gpu_impl/fused.py | CuPy: the forward as one CUDA kernel (forward only) |
-| ``fused_v2`` | gpu_impl/fused_v2.py | CuPy: the forward on the tensor cores, float16 (forward only) |
+
+A backend adds its own versions with `register` when it is imported: the GPU
+package registers its CUDA kernels (``fused``, ``fused_v2``) beside these, and
+"auto" takes them first for its arrays. The reference never imports a backend.
 """
 
-import importlib
 from typing import NamedTuple
 
 import numpy as np
 
 from .step import ReadableStep, Step
+from .step_v2 import ExactBase2Step
+from .step_v3 import LazyThreadedStep
+from .step_v4 import SubTiledStep
 
-# name -> "module:class"; imported when first asked for (the fused kernel needs CuPy)
-STEPS = {
-    "v1": "reference.step:ReadableStep",
-    "v2": "reference.step_v2:ExactBase2Step",
-    "v3": "reference.step_v3:LazyThreadedStep",
-    "v4": "reference.step_v4:SubTiledStep",
-    "fused": "gpu_impl.fused:FusedStep",
-    "fused_v2": "gpu_impl.fused_v2:TensorCoreStep",
-}
+# name -> Step class; `register` adds a backend's
+STEPS = {"v1": ReadableStep, "v2": ExactBase2Step, "v3": LazyThreadedStep, "v4": SubTiledStep}
 ALIASES = {"readable": "v1"}
 # per array module, the fastest validated steps first: "auto" takes the first
 # that takes the call (`check_step`), else the readable one
-AUTO = {"numpy": ("v3",), "cupy": ("fused_v2", "v1")}
-NAMES = tuple(STEPS) + tuple(ALIASES) + ("auto",)
+AUTO = {"numpy": ["v3"]}
 DEFAULT = "v1"
+
+
+def register(cls, *, auto_for=None):
+    """Add a Step class under its `name`; with `auto_for` (an array module's
+    name, "cupy"), "auto" tries it first for those arrays. Registering a name
+    again replaces it (a module imported twice)."""
+    if not (isinstance(cls, type) and issubclass(cls, Step)):
+        raise TypeError(f"register takes a subclass of reference.step.Step, got {cls!r}")
+    STEPS[cls.name] = cls
+    if auto_for is not None:
+        order = AUTO.setdefault(auto_for, [])
+        if cls.name in order:
+            order.remove(cls.name)
+        order.insert(0, cls.name)
+    return cls
+
+
+def names():
+    """Every name `get` takes: the registered versions, their aliases and "auto"."""
+    return tuple(STEPS) + tuple(ALIASES) + ("auto",)
 
 
 def get(step=DEFAULT, *, xp=None, workers=None):
@@ -48,17 +64,16 @@ def get(step=DEFAULT, *, xp=None, workers=None):
     array module `xp`; `workers` goes to versions that take it (v3)."""
     if isinstance(step, Step):
         return step
-    if not isinstance(step, str) or step not in NAMES:
-        raise ValueError(f"step must be one of {NAMES} or a reference.step.Step, got {step!r}")
+    if not isinstance(step, str) or step not in names():
+        raise ValueError(f"step must be one of {names()} or a reference.step.Step, got {step!r}")
     if step == "auto":
         step = check_step("auto", xp).name
-    module, cls = STEPS[ALIASES.get(step, step)].split(":")
-    cls = getattr(importlib.import_module(module), cls)
+    cls = STEPS[ALIASES.get(step, step)]
     if workers is None or workers == 1:
         return cls()
     if not cls.takes_workers:
         raise ValueError(f"step {cls.name!r} runs on the calling thread; workers={workers!r} applies to "
-                         f"{[n for n in STEPS if 'cupy' not in get(n).array_modules and get(n).takes_workers]}")
+                         f"{[n for n, c in STEPS.items() if c.takes_workers]}")
     return cls(workers=workers)
 
 
@@ -87,7 +102,7 @@ def check_step(step, xp, *, backward=False, dropout=False, plain_mask=True, call
     these checks (one with `dtypes` only for a dtype it lists), else the
     readable step: with dropout, a backward, float32 on CuPy, the readable step."""
     if step == "auto":
-        for name in AUTO.get(module_name(xp), ()):
+        for name in tuple(AUTO.get(module_name(xp), ())):
             candidate = get(name)
             if candidate.dtypes and (call is None or call.dtype not in candidate.dtypes):
                 continue
@@ -114,4 +129,4 @@ def check_step(step, xp, *, backward=False, dropout=False, plain_mask=True, call
     return step
 
 
-__all__ = ["STEPS", "NAMES", "DEFAULT", "Call", "call_of", "get", "check_step", "ReadableStep", "Step"]
+__all__ = ["STEPS", "DEFAULT", "register", "names", "Call", "call_of", "get", "check_step", "ReadableStep", "Step"]

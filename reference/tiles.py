@@ -42,6 +42,23 @@ def _is_int(x):
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def plan_tile(plan):
+    """The (tq, tk) a non-empty `tile_plan` was cut with: its slices are
+    ``slice(i, i + tq)`` and ``slice(j, j + tk)``, the last ones included."""
+    qs, ks, _ = plan[0]
+    return qs.stop - qs.start, ks.stop - ks.start
+
+
+def by_tile(plan, which):
+    """Group the plan by its query tiles (which=0) or key tiles (which=1):
+    a list of (slice, [(other slice, kind), ...]) in plan order."""
+    groups = {}
+    for entry in plan:
+        own = entry[which]
+        groups.setdefault((own.start, own.stop), (own, []))[1].append((entry[1 - which], entry[2]))
+    return list(groups.values())
+
+
 def tile_edges(n, t):
     """Start of each tile of length `t` over `n` items (the last may be shorter)."""
     return np.arange(0, n, t)

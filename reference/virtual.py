@@ -16,9 +16,9 @@ Shapes: q (B, S, Hq, D), k and v (B, S, Hkv, D), lse (B, Hq, S).
 import queue
 import threading
 
-from . import checks, cores, ring, steps
-from .layouts import array_module, check_layout, positions, shard, unshard
-from .masks import layout_mask
+from . import cores, ring, steps
+from .call import check_call
+from .layouts import shard, unshard
 from .trace import Trace
 
 POLL_S = 0.05
@@ -77,16 +77,6 @@ def _secondary(e):
     return isinstance(e, RuntimeError) and str(e) == "another virtual device failed"
 
 
-def _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options, backward=False):
-    """Check every argument before any work; returns (scale, Step, Mask)."""
-    B, S, Hq, Hkv, D = checks.check_qkv(q, k, v)
-    check_layout(layout, S, n_devices)
-    scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
-    mask = layout_mask(S, n_devices, layout, causal=causal, **mask_options)
-    return scale, steps.check_step(step, array_module(q), backward=backward, dropout=mask.dropout,
-                                   call=steps.call_of(q, k, tile_size)), mask
-
-
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
                    tile_size=None, step=steps.DEFAULT, trace=False, window=None, cu_seqlens=None,
                    segment_ids=None, dropout=0.0, seed=0, threads=None, blas_threads=None):
@@ -98,16 +88,16 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
     `threads` (workers per device, for steps that take them) and
     `blas_threads` (per product): the devices' share of the cores by default
     (`reference.cores`); the trace says what ran (``Trace.threads``)."""
-    mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options)
-    step, share = cores.for_devices(step, n_devices, threads=threads, blas_threads=blas_threads)
-    S = q.shape[1]
-    pos = positions(S, n_devices, layout)                              # (N, c), padded
+    call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                      step=step, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout,
+                      seed=seed)
+    step, share = cores.for_devices(call.step, n_devices, threads=threads, blas_threads=blas_threads)
+    S, pos = q.shape[1], call.positions                               # (N, c), padded
     qs, ks, vs = (shard(x, n_devices, layout) for x in (q, k, v))
 
     def device(j, comm):
         return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm,
-                                 mask=mask, scale=scale, tile_size=tile_size, step=step)
+                                 scale=call.scale, tile_size=tile_size, step=step, mask=call.mask)
 
     with share.held():
         outs, lses, logs = zip(*run_devices(n_devices, device))
@@ -121,19 +111,17 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
                             blas_threads=None):
     """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace);
     mask and thread options as `ring_attention` (dropout drops the forward's pairs again)."""
-    mask_options = dict(window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout, seed=seed)
-    scale, step, mask = _validate(q, k, v, n_devices, layout, causal, scale, tile_size, step, mask_options,
-                                  backward=True)
-    step, share = cores.for_devices(step, n_devices, threads=threads, blas_threads=blas_threads)
-    checks.check_grads_inputs(q, out, lse, dout)
-    S = q.shape[1]
-    pos = positions(S, n_devices, layout)
+    call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
+                      step=step, grads=(out, lse, dout), window=window, cu_seqlens=cu_seqlens,
+                      segment_ids=segment_ids, dropout=dropout, seed=seed)
+    step, share = cores.for_devices(call.step, n_devices, threads=threads, blas_threads=blas_threads)
+    S, pos = q.shape[1], call.positions
     qs, ks, vs, outs, douts = (shard(x, n_devices, layout) for x in (q, k, v, out, dout))
     lses = shard(lse, n_devices, layout, axis=2)
 
     def device(j, comm):
-        return ring.ring_backward(qs[j], ks[j], vs[j], outs[j], lses[j], douts[j], pos[j], pos[j],
-                                  comm, mask=mask, scale=scale, tile_size=tile_size, step=step)
+        return ring.ring_backward(qs[j], ks[j], vs[j], outs[j], lses[j], douts[j], pos[j], pos[j], comm,
+                                  scale=call.scale, tile_size=tile_size, step=step, mask=call.mask)
 
     with share.held():
         dqs, dks, dvs, logs = zip(*run_devices(n_devices, device))

@@ -119,6 +119,8 @@ MPI_IMPL = [
     ("mpi backward dout None", mpi_backward(dout=None), TypeError, "dout", "NoneType"),
     ("mpi backward out shape", mpi_backward(out=np.zeros((B, S, Hq, D + 1), np.float32)), ValueError, "out",
      "q's shape"),
+    ("mpi zigzag odd shard", mpi_forward(**dict(zip("qkv", (x[:, :3] for x in arrays()))), layout="zigzag"),
+     ValueError, "layout", "even number of tokens per rank (each holds two chunks of S // 2N), got 3 tokens per rank"),
 ]
 
 
@@ -163,6 +165,9 @@ GPU_IMPL = [
     ("gpu trace", gpu_forward(trace=2), ValueError, "trace", "one of"),
     ("gpu backward lse numpy", gpu_backward(lse=np.zeros((B, Hq, S), np.float32)), TypeError, "lse",
      "must be a CuPy array"),
+    ("gpu zigzag odd shard", lambda: gpu_impl.ring_attention(
+        *(sys.modules["cupy"].asarray(x[:, :3]) for x in arrays()), comm=OneRank(), layout="zigzag"),
+     ValueError, "layout", "even number of tokens per rank (each holds two chunks of S // 2N), got 3 tokens per rank"),
 ]
 
 

@@ -56,6 +56,7 @@ from reference.ring import own_block
 from reference.step import ForwardAcc, Queries, ReadableStep, finish_forward
 from reference.tiles import any_visible
 from reference.layouts import positions, shard, unshard
+from reference.masks import CAUSAL, as_mask
 from reference.virtual import run_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -296,7 +297,7 @@ def queued_ring_results(case, transfer, policy, step_name="v1"):
     pos = positions(case.S, case.n_devices, case.layout)
     shards = [shard(x, case.n_devices, case.layout) for x in (q, k, v, dout)]
     scale = case.scale if case.scale is not None else case.D ** -0.5
-    kw = dict(causal=case.causal, scale=scale, tile_size=case.tile_size)
+    kw = dict(mask=as_mask(case.causal), scale=scale, tile_size=case.tile_size)
 
     def device(j, ring_comm, gpu):
         qj, kj, vj, dj = (gpu.asarray(s[j]) for s in shards)
@@ -361,7 +362,7 @@ def test_transfers_overlap_the_step(transfer, fake_mpi):
             return finish(shift)
         ring_comm.finish_shift = watched_finish
         qj, kj, vj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v))
-        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, causal=True, scale=0.5,
+        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, mask=CAUSAL, scale=0.5,
                                           tile_size=4, step=QueuedStep(gpu))
         return log
 

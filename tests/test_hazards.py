@@ -37,7 +37,8 @@ from hypothesis import HealthCheck, given, settings
 
 from conftest import Case, assert_close, cases
 from mpi_impl.comm import FROM_PREV, RingComm, RingError, ShiftOrderError
-from reference import attention, attention_backward, positions, ring, shard, unshard
+from reference import attention, attention_backward, positions, ring, shard, steps, unshard
+from reference.masks import as_mask
 from strict_comm import CheckingMPI, HazardError, ScriptedMPI, StrictRing, run_threads
 
 # -- the ring on a communication object, on threads ----------------------------------
@@ -56,7 +57,7 @@ def run_ring(case, make_comm, check_done):
     qs, ks, vs, outs, douts = (shard(x, n, layout) for x in (q, k, v, out, dout))
     lses = shard(lse, n, layout, axis=2)
     scale = case.scale if case.scale is not None else case.D ** -0.5
-    ring_opts = dict(causal=case.causal, scale=scale, tile_size=case.tile_size)
+    ring_opts = dict(mask=as_mask(case.causal), scale=scale, tile_size=case.tile_size, step=steps.get("auto", xp=np))
 
     def device(j, world):
         comm = make_comm(j, world)

@@ -33,7 +33,7 @@ from conftest import BFLOAT16, MAX_HEAD_DIM, Case, assert_close, make_qkv, tile_
 from reference.step_v4 import SubTiledStep
 from test_gpu import fake_mpi  # noqa: F401 (a fixture)
 from reference import (LAYOUTS, attention, attention_backward, cost, lockstep, positions, ring,
-                       ring_attention, ring_attention_backward, shard, unshard)
+                       ring_attention, ring_attention_backward, shard, steps, unshard)
 from reference.layouts import padded_length
 from reference.masks import (any_visible, count_visible_pairs, keep_weights, make_mask, visible,
                              visible_counts)
@@ -315,7 +315,7 @@ def test_padding_changes_no_real_token_whatever_it_holds(layout, causal):
 
         def device(j, comm):
             qj, kj, vj, dj, oj, lj = (a[j] for a in arrays)
-            kw = dict(mask=mask, scale=None or 0.5, tile_size=2, step="v1")
+            kw = dict(mask=mask, scale=None or 0.5, tile_size=2, step=steps.get("v1"))
             fo, fl, _ = ring.ring_forward(qj, kj, vj, pos[j], pos[j], comm, **kw)
             return (fo, fl) + ring.ring_backward(qj, kj, vj, oj, lj, dj, pos[j], pos[j], comm, **kw)[:3]
 
@@ -569,7 +569,7 @@ def cli_problem(*argv, ranks=4):
     (("--dropout", "1.5"), r"--dropout must be a probability in [0, 1), got 1.5"),
     (("--seq-len", "100", "--cu-seqlens", "0,50,90"), "--cu-seqlens must rise strictly from 0 to the sequence length 100"),
     (("--seq-len", "100", "--doc-lengths", "60,20x3"), "--doc-lengths add up to 120 tokens, not --seq-len 100"),
-    (("--dropout", "0.1", "--step", "v3"), "--dropout needs --step v1 (or auto): step 'v3' has no dropout"),
+    (("--dropout", "0.1", "--step", "v3"), "--step v3: step 'v3' has no dropout; use step='v1' or 'auto'"),
 ])
 def test_command_line_refuses_bad_mask_options(argv, message):
     problem = cli_problem(*argv)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from conftest import Case, assert_close, assert_finite, cases
 from reference import (LAYOUTS, attention, attention_backward, lockstep, positions, ring, ring_attention,
-                       ring_attention_backward, shard, unshard)
+                       ring_attention_backward, shard, steps, unshard)
+from reference.masks import CAUSAL, as_mask
 from reference.tiles import visible
 from reference.virtual import run_devices
 
@@ -449,7 +450,7 @@ def run_ring(q_shards, k_shards, v_shards, q_pos, k_pos, *, causal=True, scale=N
     scale = q_shards[0].shape[-1] ** -0.5 if scale is None else scale
     # copies: ring_forward may scale its q in place (test_ring_leaves_its_inputs_alone)
     q_shards = [x.copy() for x in q_shards]
-    opts = dict(causal=causal, scale=scale, tile_size=tile_size)
+    opts = dict(mask=as_mask(causal), scale=scale, tile_size=tile_size, step=steps.get("auto", xp=np))
 
     def device(j, comm):
         if backward_inputs is None:
@@ -560,7 +561,7 @@ def test_ring_leaves_its_inputs_alone(Hq, Hkv, S, N, backward):
     qs, ks, vs, os_, dos, lses = inputs
 
     def device(j, comm):
-        opts = dict(causal=True, scale=0.5, tile_size=None)
+        opts = dict(mask=CAUSAL, scale=0.5, tile_size=None, step=steps.get("auto", xp=np))
         if backward:
             return ring.ring_backward(qs[j], ks[j], vs[j], os_[j], lses[j], dos[j], pos[j], pos[j], comm, **opts)
         return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm, **opts)

@@ -361,3 +361,35 @@ def test_progress_is_called_between_tiles_on_the_calling_thread(step):
         if getattr(step, "workers", 1) == 1:            # with workers, the calling thread may do no tile
             # (waiting for workers: tests/test_step_v3.py)
             assert len(calls) >= 2, f"{kind}: progress called {len(calls)} times over {counts.tiles_computed} tiles"
+
+
+# -- the registry -----------------------------------------------------------------
+
+def test_the_registry_imports_no_backend():
+    """Every name the reference registers is its own: asking for each (and for
+    "auto" on every array module it knows) imports neither gpu_impl nor mpi_impl."""
+    import subprocess
+    import sys
+    code = ("import sys, numpy as np\n"
+            "from reference import steps\n"
+            "[steps.get(name, xp=np) for name in steps.names()]\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('gpu_impl', 'mpi_impl', 'mpi4py')], "
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('gpu_impl', 'mpi_impl', 'mpi4py'))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_registered_step_is_tried_first_by_auto_for_its_arrays(monkeypatch):
+    class Mine(steps.Step):
+        name = "mine"
+        array_modules = ("numpy",)
+        has_backward = False
+
+    monkeypatch.setattr(steps, "STEPS", dict(steps.STEPS))
+    monkeypatch.setattr(steps, "AUTO", {k: list(v) for k, v in steps.AUTO.items()})
+    steps.register(Mine, auto_for="numpy")
+    assert "mine" in steps.names()
+    assert steps.check_step("auto", np).name == "mine"
+    assert steps.check_step("auto", np, backward=True).name == "v3"      # it has no backward
+    with pytest.raises(TypeError, match="subclass of reference.step.Step"):
+        steps.register(object)

@@ -29,6 +29,11 @@ One room per job, in reading order:
                  `assert_close`) for one backend against another
     adapter.py   the `Adapter` protocol, `check_ring_attention`, `VirtualRingAdapter`
     group.py     `ProcessGroup`: a multi-process implementation served one example at a time
+    harness/     rings written in a framework: `harness.jax` (N CPU devices, shard_map),
+                 `harness.torch` (a gloo world per world size); each imports its framework
+                 only when used
+    check.py     `python -m reference.testing check MODULE:ADAPTER`: hypothesis draws,
+                 shrinks, and prints the smallest disagreement with a command that replays it
     measure.py   how much of the line correct implementations use (`python -m
                  reference.testing measure`)
 

@@ -30,6 +30,7 @@ from gpu_impl.transfer import memory_for
 from mpi_impl.comm import RingComm
 from reference import ring, shard, unshard
 from reference.layouts import positions
+from reference.masks import as_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from queued_device import POLICIES, QueuedDevice, QueuedStep  # noqa: E402
@@ -40,7 +41,7 @@ AXES = dict(out=1, lse=2, dq=1, dk=1, dv=1)
 def run_queued(q, k, v, dout, opts, comm, transfer):
     n, rank = comm.Get_size(), comm.Get_rank()
     pos = positions(q.shape[1] * n, n, opts["layout"])[rank]
-    kw = dict(causal=opts["causal"], scale=opts["scale"] or q.shape[-1] ** -0.5, tile_size=opts["tile_size"])
+    kw = dict(mask=as_mask(opts["causal"]), scale=opts["scale"] or q.shape[-1] ** -0.5, tile_size=opts["tile_size"])
     gpu = QueuedDevice(POLICIES[rank % 2])
     with gpu.installed():
         ring_comm = RingComm.on(comm, memory_for(transfer, gpu))
