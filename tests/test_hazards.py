@@ -401,6 +401,18 @@ def test_the_communicator_on_duplicated_is_freed_however_the_ring_ends(ends):
     assert mpi.freed == 1
 
 
+def test_a_rank_leaves_the_ring_once():
+    """leave() after the ring ended (a second error, or after close) tells
+    the neighbours nothing more: one notice each, from the first."""
+    ring_comm, mpi = scripted()
+    ring_comm.start_shift(block(0), 1)
+    ring_comm.leave(ValueError("the step failed"))
+    ring_comm.leave(RuntimeError("and again"))
+    ring_comm.close()
+    assert [r for r in mpi.log if r.startswith("post send") and int(r.split()[-1]) < 16] == \
+        ["post send 0", "post send 1"], mpi.log
+
+
 def test_a_block_that_is_not_contiguous_is_refused_before_anything_is_posted():
     """MPI must read the caller's array itself: a strided view would be sent
     from a copy that may be gone before the send completes."""
