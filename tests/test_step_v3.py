@@ -103,6 +103,19 @@ def test_lazy_shift_is_off_for_huge_values(exact_tiles):
     assert_close(lse, ref_lse, np.float32, "lse")
 
 
+def test_nan_in_v_turns_the_lazy_shift_off(exact_tiles):
+    # a NaN value at key 5: rows 0..4 do not see it and stay finite. A lazy
+    # tile multiplies P = 0 by V at masked pairs (0 x NaN = NaN), so a head
+    # whose V holds a NaN is exact, with the guard, like a huge one
+    S, H = 16, 1
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=4)
+    v[0, 5, 0, 0] = np.nan
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=4)
+    ref_out, _ = attention(q, k, v)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    assert np.isfinite(out[:, :5]).all() and len(exact_tiles) == n_blocks(S, 4, H)
+
+
 def test_results_do_not_depend_on_the_worker_count():
     # a unit owns the rows it writes, so 1, 2 or 3 workers give the same bits
     q, k, v, dout = problem(B=2, S=96, Hq=6, Hkv=3, D=8, seed=5)
@@ -270,6 +283,9 @@ def check_units_cover_the_plan(q_pos, k_pos, tile_size, mask, G):
         assert stop <= next_start                    # units own their rows
     for start, stop in units:                        # a unit is one tile, or stacks at most UNIT_ROWS rows
         assert (start, stop) in q_tiles or (stop - start) * G <= UNIT_ROWS
+        inside = sorted(t for t in q_tiles if start <= t[0] < stop)      # of neighbouring tiles of the plan
+        assert inside[0][0] == start and inside[-1][1] == stop and all(
+            a[1] == b[0] for a, b in zip(inside, inside[1:])), f"unit {start}..{stop} holds rows of no tile"
 
 
 @settings(max_examples=60, deadline=None)
