@@ -19,6 +19,7 @@ them) and names the kernels that ran.
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -36,12 +37,19 @@ def block_pairs(seq_len, n_devices):
     return dict(zip(SHAPES, ((contiguous[1], contiguous[0]), (striped[1], striped[0]), (striped[0], striped[1]))))
 
 
-def timed_block(step, q_pos, k_pos, x, tile_size, backward=False):
-    """CPU seconds of one step on the block (after the device's own block), and its tiles."""
+def timed_block(step, q_pos, k_pos, x, tile_size, backward=False, around=nullcontext):
+    """CPU seconds of one step on the block (after the device's own block), and its tiles;
+    the step runs inside ``around()`` (`bench.tile_parts` times its passes there)."""
     queries = Queries.prepare(x, x.shape[2], q_pos, x.shape[-1] ** -0.5)
     own, other = own_block(x, x, q_pos, 0), own_block(x, x, k_pos, 1)
     acc = ForwardAcc.zeros(queries.q)
     step.forward(acc, queries, own, causal=True, tile_size=tile_size)           # own block first
+    with around():
+        seconds, counts = _step(step, queries, acc, other, tile_size, backward)
+    return seconds, counts.tiles_computed
+
+
+def _step(step, queries, acc, other, tile_size, backward):
     start = time.thread_time()
     if backward:
         zeros = np.zeros(queries.q.shape[:-1], np.float32)
@@ -51,7 +59,7 @@ def timed_block(step, q_pos, k_pos, x, tile_size, backward=False):
             counts = step.backward(grads, queries, rows, other, causal=True, tile_size=tile_size)
     else:
         counts = step.forward(acc, queries, other, causal=True, tile_size=tile_size)
-    return time.thread_time() - start, counts.tiles_computed
+    return time.thread_time() - start, counts
 
 
 def measure(step_names, seq_len, n_devices, heads, head_dim, tile_size, repeats=5, backward=False):
