@@ -81,6 +81,24 @@ def test_a_sum_that_overflows_is_redone(exact_tiles):
     assert len(exact_tiles) == 2 * H
 
 
+def test_a_masked_pair_that_overflows_is_redone(exact_tiles):
+    # version 3 clears masked pairs by a product with 0 (`step_parts.weigh`): a
+    # masked score that overflows exp2 gives inf x 0 = NaN, which must send the
+    # tile to the exact path, not into O. Keys 24..31 score 700 for queries
+    # 0..23, which cannot see them (causal), and 0 for queries 24..31, which can
+    S, H, D = 32, 2, 8
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=6)
+    q[..., 0] = np.where(np.arange(S) < 24, 1.0, 0.0)[None, :, None]
+    k[..., 0] = np.where(np.arange(S) < 24, 0.0, 700.0 * D ** 0.5)[None, :, None]
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(16), np.arange(16, S)], tile_size=32)
+    ref_out, ref_lse = attention(q, k, v)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert_close(out, ref_out, np.float32, "out")
+    assert_close(lse, ref_lse, np.float32, "lse")
+    assert len(exact_tiles) == 2 * H              # each head's first tile (no shift yet) and the redone one
+
+
 def test_lazy_shift_is_off_for_huge_values(exact_tiles):
     # |V| of 1e25: O under a lazy shift could overflow, so every block is exact
     S, H = 64, 2
