@@ -47,16 +47,38 @@ def test_lazy_max_is_raised_when_scores_grow(dtype, exact_tiles):
     H = 2
     q, k, v, dout = growing_scores(dtype, H=H)
     check_against_dense(steps.get("v3"), q, k, v, dout, [np.arange(256)], tile_size=32, large_logits=True)
-    assert len(exact_tiles) > 2 * H                    # more than the first tile of each unit
+    assert len(exact_tiles) > 2 * H                    # most key tiles after the first (seeded)
 
 
 def test_lazy_max_is_kept_for_gaussian_scores(exact_tiles):
-    # the counterpart: ordinary scores never come near SUM_LIMIT, so only a
-    # row's first tile (no shift yet) is exact; all others are lazy
+    # the counterpart: ordinary scores never come near SUM_LIMIT, and a row's
+    # first tile (no shift yet) is seeded (`step_parts.seeded_tile`): none is exact
     S, H = 256, 2
     q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, dtype=np.float32)
-    step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
-    assert len(exact_tiles) == H < n_blocks(S, 32, H)  # one unit of 256 rows per head
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
+    assert len(exact_tiles) == 0 < n_blocks(S, 32, H)
+    ref_out, ref_lse = attention(q, k, v)
+    assert_close(out, ref_out, np.float32, "out")
+    assert_close(lse, ref_lse, np.float32, "lse")
+
+
+def test_a_seed_under_which_every_visible_score_underflows_is_redone(exact_tiles):
+    # a fresh row's shift is seeded from a sample of its scores, masked ones
+    # too: keys 24..31 (every 8th, key 24, is in the sample) score 100 for
+    # queries 0..23, which cannot see them; under that seed their visible
+    # scores give P ~ 2**-144, the row sums fall below SUM_FLOOR, and the
+    # first tile is redone exactly: the answer is dense's
+    S, H, D = 32, 2, 8
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=7)
+    q[..., 0] = np.where(np.arange(S) < 24, 1.0, 0.0)[None, :, None]
+    k[..., 0] = np.where(np.arange(S) < 24, 0.0, 100.0 * D ** 0.5)[None, :, None]
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
+    ref_out, ref_lse = attention(q, k, v)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert_close(out, ref_out, np.float32, "out")
+    assert_close(lse, ref_lse, np.float32, "lse")
+    assert len(exact_tiles) == H
 
 
 def test_a_sum_that_overflows_is_redone(exact_tiles):
@@ -76,9 +98,9 @@ def test_a_sum_that_overflows_is_redone(exact_tiles):
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert_close(out, ref_out, np.float32, "out", LARGE_LOGITS_FACTOR)
     assert_close(lse, ref_lse, np.float32, "lse", LARGE_LOGITS_FACTOR)
-    # two exact tiles a head: the first (no shift yet) and the overflowing one;
-    # scores like the first block's would give one (the gaussian test above)
-    assert len(exact_tiles) == 2 * H
+    # one exact tile a head, the overflowing one (the first is seeded);
+    # scores like the first block's would give none (the gaussian test above)
+    assert len(exact_tiles) == H
 
 
 def test_a_masked_pair_that_overflows_is_redone(exact_tiles):
@@ -96,7 +118,7 @@ def test_a_masked_pair_that_overflows_is_redone(exact_tiles):
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert_close(out, ref_out, np.float32, "out")
     assert_close(lse, ref_lse, np.float32, "lse")
-    assert len(exact_tiles) == 2 * H              # each head's first tile (no shift yet) and the redone one
+    assert len(exact_tiles) == H                  # the redone one; the first is seeded
 
 
 def test_lazy_shift_is_off_for_huge_values(exact_tiles):
