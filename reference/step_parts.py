@@ -113,6 +113,10 @@ class TilePos(NamedTuple):
     def mask(self):
         return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[0]     # (tq, tk) bool, True: visible
 
+    def rows(self, s):
+        """The rows of `part` of the block's s (R, tk), R = tq * G query-major: a view (tq of part, G, tk)."""
+        return s.reshape(len(self.q_pos), -1, s.shape[1])[self.part]
+
     def hidden(self):
         """(rows of `part`, tk) bool, True: masked."""
         return tile_masks(self.masks, self.q_pos[self.part], self.k_pos, self.rule)[1]
@@ -311,10 +315,9 @@ def backward_cols(hq, col, dq, tiles, guard, tick=no_progress):
         tq = len(hq.pos[qs])
         R = tq * G
         p, ds = buf_p[:R * tk].reshape(R, tk), buf_ds[:R * tk].reshape(R, tk)
-        where = TilePos(hq.pos[qs], col.pos, hq.mask, hq.masks) if kind == MASKED else None
-        mask = None if where is None else where.mask()
+        mask, hidden = tile_masks(hq.masks, hq.pos[qs], col.pos, hq.mask)[:2] if kind == MASKED else (None, None)
         shifted_scores(p, hq.q2[qs].reshape(R, D + 1), col.k1, None)    # S - lse, base 2
-        exp2_visible(p, where)                                   # P = exp(S - lse), 0 where masked
+        exp2_visible(p, hidden)                                  # P = exp(S - lse), 0 where masked
         vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None
         vis_t = None if vis is None else vis.T
         dv_t += masked_product(p.T, hq.do[qs].reshape(R, D), vis_t)   # dV += P^T dO
@@ -349,16 +352,18 @@ def shifted_scores(s, q2, kt, where):
     """s (R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, -inf at
     the masked pairs of `where` (a `TilePos`; None: none)."""
     np.matmul(q2, kt.T, out=s)
-    hide(s, where, -np.inf)
+    if where is not None:
+        hide(where.rows(s), where.hidden(), -np.inf)
 
 
-def exp2_visible(s, where):
-    """s := exp2(s), then 0 at the masked pairs of `where` (a `TilePos`; None:
-    none). A masked entry may overflow to inf or be NaN before it is cleared;
-    it contributes nothing either way."""
+def exp2_visible(s, hidden):
+    """s := exp2(s), then 0 at the masked pairs of `hidden` (tq, tk) (True:
+    masked; None: none). A masked entry may overflow to inf or be NaN before
+    it is cleared; it contributes nothing either way."""
     with np.errstate(over="ignore", invalid="ignore"):
         np.exp2(s, out=s)
-    hide(s, where, 0)
+    if hidden is not None:
+        hide(s.reshape(len(hidden), -1, s.shape[1]), hidden, 0)
 
 
 def weigh(s, where):
@@ -368,17 +373,13 @@ def weigh(s, where):
     of 128 x 128), but inf x 0 = NaN x 0 = NaN: only for a tile whose row sums
     are checked afterwards, and redone where one is not finite (`lazy_tile`)."""
     if where is not None:
-        tq, tk = len(where.q_pos), s.shape[1]
-        part = s.reshape(tq, -1, tk)[where.part]
-        np.multiply(part, where.weights(s.dtype)[:, None, :], out=part)
+        rows = where.rows(s)
+        np.multiply(rows, where.weights(s.dtype)[:, None, :], out=rows)
 
 
-def hide(s, where, value):
-    """s (R, tk) := `value` at the masked pairs of `where` (None: none), on
-    the rows of its masked tiles only (``where.part``): R = tq * G rows, query-major."""
-    if where is not None:
-        tq, tk = len(where.q_pos), s.shape[1]
-        np.copyto(s.reshape(tq, -1, tk)[where.part], value, where=where.hidden()[:, None, :])
+def hide(s, hidden, value):
+    """s (tq, G, tk) := `value` at the masked pairs of `hidden` (tq, tk) (True: masked)."""
+    np.copyto(s, value, where=hidden[:, None, :])
 
 
 # -- on worker threads (reference.step_units) --------------------------------------
