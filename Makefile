@@ -96,6 +96,7 @@ $(PEERS_VENV)/.installed: pyproject.toml
 conformance: $(PEERS_VENV)/.installed
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 2,4 --examples 20
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_jax_harness.py
 
 clean:
 	rm -rf .venv .venv-openmpi $(PEERS_VENV) .pytest_cache .hypothesis .gpu-venv

@@ -57,7 +57,8 @@ def _positions(name, pos, n, mask):
     if pos.shape != (n,) or pos.dtype.kind not in "iu":
         raise ValueError(f"{name} must be {n} integer positions, got {pos.dtype} array of shape {pos.shape}")
     if mask.segments is not None and len(pos) and not 0 <= pos.min() <= pos.max() < len(mask.segments):
-        raise ValueError(f"{name} must lie in 0..{len(mask.segments) - 1}, the positions the documents cover")
+        raise ValueError(f"{name} must lie in 0..{len(mask.segments) - 1}, the positions the documents of "
+                         f"cu_seqlens or segment_ids cover, got {int(pos.min())}..{int(pos.max())}")
     return pos
 
 

@@ -2,7 +2,8 @@
 # The package as a cluster user installs it: build the wheel, install it (not
 # editable) in a fresh venv outside the checkout, and run from there what needs
 # its package data: the paper's TMS table (reference/data/paper_tms.csv), a
-# virtual ring against dense attention, and the fused kernel's CUDA source.
+# virtual ring against dense attention, the fused kernel's CUDA source, and
+# the kit's command line and harnesses (subpackages the wheel must list).
 #
 #     bash scripts/wheel_check.sh          # make wheel-check
 set -euo pipefail
@@ -17,6 +18,8 @@ trap 'rm -rf "$tmp"' EXIT
 cd "$tmp"                                   # nothing of the checkout on the path
 "$tmp/venv/bin/python" -m reference.tms > tms.txt
 grep -q "largest |ours - paper|" tms.txt || { cat tms.txt; echo "wheel check: reference.tms printed no table" >&2; exit 1; }
+"$tmp/venv/bin/python" -m reference.testing check --help > check.txt
+grep -q "MODULE:ADAPTER" check.txt || { cat check.txt; echo "wheel check: the kit's command line has no check" >&2; exit 1; }
 "$tmp/venv/bin/python" - <<'PY'
 import numpy as np
 import reference
@@ -30,5 +33,6 @@ for step in ("v1", "v3"):
     want, _ = reference.attention(q, k, v)
     assert np.abs(out - want).max() < 1e-12, step
 assert "attend_block_v1" in fused.kernel_source()
-print("wheel check: reference.tms, the virtual ring and the CUDA source work from the installed wheel")
+import reference.testing.harness.jax     # the harnesses are in the wheel (jax itself is imported when used)
+print("wheel check: reference.tms, the virtual ring, the CUDA source and the kit's command line work from the installed wheel")
 PY

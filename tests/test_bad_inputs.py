@@ -249,3 +249,145 @@ def test_entry_points_never_modify_their_inputs(dtype, layout, hkv, strided):
                                      make_ring=one_rank_ring)
     for name, x, y in zip(("q", "k", "v", "dout"), inputs, before):
         np.testing.assert_array_equal(x, y, err_msg=f"{name} was modified")
+
+
+# -- every mask option on every entry point ------------------------------------------
+
+# (id, options, exception type, argument named, more text); S = 8 tokens
+BAD_MASK_OPTIONS = [
+    ("window 0", dict(window=0), ValueError, "window", "positive int"),
+    ("window -2", dict(window=-2), ValueError, "window", "positive int"),
+    ("window 2.5", dict(window=2.5), ValueError, "window", "got 2.5"),
+    ("window str", dict(window="3"), ValueError, "window", "got '3'"),
+    ("window bool", dict(window=True), ValueError, "window", "got True"),
+    ("cu_seqlens falls", dict(cu_seqlens=[0, 5, 4, 8]), ValueError, "cu_seqlens", "rise strictly from 0"),
+    ("cu_seqlens short", dict(cu_seqlens=[0, 7]), ValueError, "cu_seqlens", "7"),   # dense: positions 0..7
+    ("cu_seqlens from 1", dict(cu_seqlens=[1, 8]), ValueError, "cu_seqlens", "rise strictly from 0"),
+    ("cu_seqlens 2-d", dict(cu_seqlens=[[0, 8]]), ValueError, "cu_seqlens", "1-D array of ints"),
+    ("cu_seqlens floats", dict(cu_seqlens=[0.0, 8.0]), ValueError, "cu_seqlens", "1-D array of ints"),
+    ("segment_ids short", dict(segment_ids=[0, 1]), ValueError, "segment_ids", ""),
+    ("segment_ids floats", dict(segment_ids=np.zeros(8)), ValueError, "segment_ids", "1-D array of ints"),
+    ("both documents", dict(segment_ids=[0] * 8, cu_seqlens=[0, 8]), ValueError, "segment_ids", "not both"),
+    ("dropout 1", dict(dropout=1.0), ValueError, "dropout", "[0, 1)"),
+    ("dropout -0.1", dict(dropout=-0.1), ValueError, "dropout", "[0, 1)"),
+    ("dropout str", dict(dropout="0.1"), ValueError, "dropout", "got '0.1'"),
+    ("dropout bool", dict(dropout=True), ValueError, "dropout", "got True"),
+    ("dropout nan", dict(dropout=float("nan")), ValueError, "dropout", "got nan"),
+    ("seed -1", dict(dropout=0.1, seed=-1), ValueError, "seed", "[0, 2**63)"),
+    ("seed 2**63", dict(dropout=0.1, seed=2 ** 63), ValueError, "seed", "[0, 2**63)"),
+    ("seed 1.5", dict(dropout=0.1, seed=1.5), ValueError, "seed", "got 1.5"),
+    ("seed str", dict(seed="1"), ValueError, "seed", "got '1'"),
+]
+# seq_len: the shards' entry points only (mpi_impl, gpu_impl), one rank of 8 tokens
+BAD_SEQ_LEN = [
+    ("seq_len 0", dict(seq_len=0), ValueError, "seq_len", "got 0"),
+    ("seq_len 7.0", dict(seq_len=7.0), ValueError, "seq_len", "got 7.0"),
+    ("seq_len bool", dict(seq_len=True), ValueError, "seq_len", "got True"),
+    ("seq_len long", dict(seq_len=9), ValueError, "seq_len", "1 x 8 tokens of the shards"),
+    ("seq_len short", dict(seq_len=6), ValueError, "seq_len", "1 x 8 tokens of the shards"),
+]
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("work started before the options were checked")
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any ring work fails the test: the virtual ring's devices and shards, and
+    the communication objects mpi_impl and gpu_impl would build."""
+    import reference.virtual
+    from gpu_impl import api
+    monkeypatch.setattr(reference.virtual, "run_devices", _no_work)
+    monkeypatch.setattr(reference.virtual, "shard", _no_work)
+    monkeypatch.setattr(api, "RingComm", type("NoRing", (), dict(on=staticmethod(_no_work))))
+
+
+def mask_entry_points(options):
+    """(name, call) of every public entry point with the mask `options` (S = 8)."""
+    q, k, v, out, lse, dout = grads_inputs()
+    return [
+        ("reference.attention", lambda: attention(q, k, v, **options)),
+        ("reference.attention_backward", lambda: attention_backward(q, k, v, out, lse, dout, **options)),
+        ("reference.ring_attention", lambda: ring_attention(q, k, v, n_devices=2, **options)),
+        ("reference.ring_attention_backward",
+         lambda: ring_attention_backward(q, k, v, out, lse, dout, n_devices=2, **options)),
+    ] + shard_entry_points(options)
+
+
+def shard_entry_points(options):
+    q, k, v, out, lse, dout = grads_inputs()
+    return [
+        ("mpi_impl.ring_attention", lambda: mpi_impl.ring_attention(q, k, v, comm=OneRank(), make_ring=_no_work,
+                                                                    **options)),
+        ("mpi_impl.ring_attention_backward",
+         lambda: mpi_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=OneRank(), make_ring=_no_work,
+                                                  **options)),
+        ("gpu_impl.ring_attention", gpu_forward(**options)),
+        ("gpu_impl.ring_attention_backward", lambda: _gpu_backward_with(options)),
+    ]
+
+
+def _gpu_backward_with(options):
+    cupy = sys.modules["cupy"]
+    args = [cupy.asarray(x) for x in grads_inputs()]
+    return gpu_impl.ring_attention_backward(*args, comm=OneRank(), **options)
+
+
+@pytest.mark.parametrize("case", BAD_MASK_OPTIONS, ids=[c[0] for c in BAD_MASK_OPTIONS])
+def test_every_entry_point_refuses_a_bad_mask_option_before_any_work(case, no_work, fake_cupy):
+    refused_everywhere(mask_entry_points, *case[1:])
+
+
+@pytest.mark.parametrize("case", BAD_SEQ_LEN, ids=[c[0] for c in BAD_SEQ_LEN])
+def test_shard_entry_points_refuse_a_seq_len_that_does_not_fit(case, no_work, fake_cupy):
+    refused_everywhere(shard_entry_points, *case[1:])
+
+
+def refused_everywhere(entry_points, options, error, argument, text):
+    for name, call in entry_points(options):
+        try:
+            assert_refused(call, error, argument, text)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def test_an_unknown_mask_option_is_named_on_every_entry_point(no_work, fake_cupy):
+    for name, call in mask_entry_points(dict(windw=3)):
+        with pytest.raises(TypeError, match="windw") as caught:
+            call()
+        assert "window" in str(caught.value) or "unexpected keyword" in str(caught.value), name
+
+
+def test_bfloat16_where_a_backend_has_none_is_refused_before_any_work(no_work, fake_cupy):
+    """CuPy has no bfloat16: gpu_impl takes CuPy arrays only, and the CUDA
+    steps refuse NumPy arrays; a NumPy step takes bfloat16 (tests/test_masks.py)."""
+    import ml_dtypes
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in arrays())
+    assert_refused(gpu_forward(q=q, k=k, v=v), TypeError, "q", "must be a CuPy array")
+    for step in ("fused", "fused_v2"):
+        assert_refused(lambda: mpi_impl.ring_attention(q, k, v, comm=OneRank(), step=step, make_ring=_no_work),
+                       ValueError, "step", "computes with cupy arrays")
+        assert_refused(lambda: ring_attention(q, k, v, n_devices=2, step=step), ValueError, "step",
+                       "computes with cupy arrays")
+
+
+@pytest.mark.parametrize("options", [
+    dict(window=3, cu_seqlens=[0, 5, 12]),
+    dict(causal=False, segment_ids=[0, 1, 2] * 4, dropout=0.3, seed=2 ** 63 - 1),
+    dict(window=1, dropout=0.5, seed=4),
+], ids=["window, documents", "segments, dropout", "window 1, dropout"])
+def test_entry_points_with_mask_options_never_modify_their_inputs(options):
+    rng = np.random.default_rng(2)
+    inputs = frozen(*(rng.standard_normal(s) for s in ((B, 12, Hq, D), (B, 12, Hkv, D), (B, 12, Hkv, D),
+                                                        (B, 12, Hq, D))))
+    before = [x.copy() for x in inputs]
+    q, k, v, dout = inputs
+    out, lse = frozen(*attention(q, k, v, **options))
+    attention_backward(q, k, v, out, lse, dout, **options)
+    ring_attention(q, k, v, n_devices=3, layout="zigzag", tile_size=3, **options)
+    ring_attention_backward(q, k, v, out, lse, dout, n_devices=3, layout="zigzag", tile_size=3, **options)
+    mpi_impl.ring_attention(q, k, v, comm=OneRank(), make_ring=one_rank_ring, **options)
+    mpi_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=OneRank(), make_ring=one_rank_ring, **options)
+    for name, x, y in zip(("q", "k", "v", "dout"), inputs, before):
+        np.testing.assert_array_equal(x, y, err_msg=f"{name} was modified")

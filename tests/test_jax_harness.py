@@ -2,13 +2,13 @@
 
 The example ring, run under shard_map on N CPU devices with its gradients by
 jax.vjp, agrees with the oracle on every layout, GQA, float64 (64-bit JAX)
-and bfloat16; the same ring with K and V sent round the ring in bfloat16
+and bfloat16, windows, packed documents and padding; the same ring with K and V sent round the ring in bfloat16
 (half the bytes) fails: autodiff sends dK and dV back in bfloat16 too, and
 rounds their partial sums in every round. Too few devices is an error that
 says what to do. Skipped where JAX is not installed (`make test` has no JAX;
 the `peers` extra has):
 
-    .venv-jax/bin/python -m pytest tests/test_jax_harness.py -q
+    peers/.venv/bin/python -m pytest tests/test_jax_harness.py -q      # the venv make conformance makes
 """
 
 import os
@@ -35,24 +35,34 @@ class KVInBfloat16(JaxRing):
     name = "jax ring, K and V sent in bfloat16"
 
     def compute(self, case, shard):
-        out, lse = EXAMPLE["ring_attention"](shard.q, shard.k, shard.v, shard.positions, shard.positions,
-                                             axis=shard.axis, n=shard.world_size, causal=case.causal,
+        out, lse = EXAMPLE["ring_attention"](shard.q, shard.k, shard.v, shard.positions, axis=shard.axis,
+                                             n=shard.world_size, visible=EXAMPLE["visible_keys"](case),
                                              scale=case.scale_value, kv_dtype=BFLOAT16)
         return dict(out=out, lse=lse)
 
 
-# a few problems, each compiled once: N = 1 to 4, every layout, GQA, a negative scale, every dtype
+# a few problems, each compiled once: N = 1 to 4, every layout, GQA, a negative scale, every
+# dtype, a window, documents (cu_seqlens, segment ids in no order), padding
 AGREES = [
     Case("contiguous", 1, 1, 3, 1, 1, 2, None, True, None, np.float32, "gaussian", 0),
-    Case("striped", 4, 1, 8, 2, 1, 4, None, True, None, BFLOAT16, "gaussian", 1),
-    Case("zigzag", 3, 2, 12, 3, 3, 5, None, False, -0.7, np.float64, "large_logits", 2),
+    Case("striped", 4, 1, 8, 2, 1, 4, None, True, None, BFLOAT16, "gaussian", 1, window=3),
+    Case("zigzag", 3, 2, 12, 3, 3, 5, None, False, -0.7, np.float64, "large_logits", 2, cu_seqlens=(0, 5, 12)),
     Case("striped", 2, 1, 6, 4, 2, 3, None, True, 0.3, np.float16, "constant_keys", 3),
+    Case("zigzag", 2, 1, 7, 2, 1, 3, None, False, None, np.float32, "gaussian", 4, window=2,
+         segment_ids=(1, 0, 1, 1, 2, 0, 2)),
 ]
 
 
-@pytest.mark.parametrize("case", AGREES, ids=lambda c: f"{c.layout}-N{c.n_devices}-{np.dtype(c.dtype).name}")
+@pytest.mark.parametrize("case", AGREES, ids=lambda c: "-".join([c.layout, f"N{c.n_devices}", np.dtype(c.dtype).name,
+                                                                  *c.masks[1:]]))
 def test_the_example_jax_ring_agrees(case):
     check_ring_attention(JaxRing(), case)
+
+
+def test_a_forward_only_adapter_returns_out_and_lse():
+    ring = type("ForwardOnly", (JaxRing,), dict(backward=False))()
+    results = check_ring_attention(ring, AGREES[0])
+    assert set(results[0]) == {"out", "lse"}
 
 
 def test_kv_sent_in_bfloat16_rounds_the_gradients_and_is_caught():

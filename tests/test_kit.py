@@ -464,6 +464,23 @@ def test_nan_and_inf_rules():
     assert "global position 2" in attention_mismatch(np.array([[[1.0, -np.inf, 3.0]]]), lse, 1.0, name="lse")
 
 
+def test_the_line_is_the_tolerance_itself():
+    """Each element is held to its own tolerance, no looser: an error 1% over
+    it fails, whichever element and sign, and an error just under passes."""
+    rng = np.random.default_rng(0)
+    expected = rng.standard_normal((1, 4, 2, 3))
+    tol = 10.0 ** rng.uniform(-8, -2, expected.shape)                   # per element, six decades
+    for sign in (1, -1):
+        assert attention_mismatch(expected + sign * 0.99 * tol, expected, tol) is None
+        for index in np.ndindex(expected.shape):
+            actual = expected.copy()
+            actual[index] += sign * 1.01 * tol[index]
+            msg = attention_mismatch(actual, expected, tol)
+            assert msg is not None and msg.startswith("out: 1 of 24 elements out of tolerance"), (index, msg)
+    assert attention_mismatch(expected + 0.99e-3, expected, 1e-3) is None      # one number for all
+    assert attention_mismatch(expected + 1.01e-3, expected, 1e-3) is not None
+
+
 @settings(max_examples=10, deadline=None)
 @given(cases(max_devices=4, poison=True, poison_values=("nan",)))
 def test_nan_reaches_the_rows_it_should(case):

@@ -138,6 +138,13 @@ def test_usage_errors_exit_2_with_words(capsys, args, words):
     assert words in capsys.readouterr().err
 
 
+def test_without_hypothesis_it_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hypothesis", None)            # import hypothesis -> ImportError
+    with pytest.raises(SystemExit) as e:
+        main(["check", "test_kit:ToyRing"])
+    assert e.value.code == 2 and "pip install 'striped-attention[test]'" in capsys.readouterr().err
+
+
 def test_an_adapter_is_an_object_or_a_class_made_without_arguments():
     assert isinstance(load_adapter("test_kit:ToyRing"), ToyRing)
     assert load_adapter("test_kit_cli:WINDOW_TOO_WIDE") is WINDOW_TOO_WIDE
@@ -167,9 +174,29 @@ def test_the_module_runs_as_a_command(tmp_path):
     assert re.search(r"N = 2: disagrees \(\d+ tries, shrinking included\)", failed.stderr), failed.stderr
 
 
+def test_the_jax_harness_leaves_a_device_count_already_asked_for(monkeypatch):
+    from reference.testing.harness import jax as harness
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3")
+    harness.request_devices()
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=3"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    harness.request_devices(5)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=5"
+
+
 def test_the_kit_imports_no_framework_and_no_hypothesis():
     code = ("import sys, os; import reference.testing, reference.testing.check, reference.testing.harness.jax\n"
             "print(sorted(m for m in ('jax', 'torch', 'hypothesis') if m in sys.modules), os.environ['XLA_FLAGS'])")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert proc.stdout.split() == ["[]", "--xla_force_host_platform_device_count=8"], proc.stdout + proc.stderr
+
+
+def test_the_readmes_jax_adapter_is_the_examples():
+    """The README shows examples/jax_ring.py's adapter; it must not drift from the file that runs."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### A JAX ring"):]
+    block = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    shown = block[block.index("def visible_keys"):]
+    source = (ROOT / "examples" / "jax_ring.py").read_text()
+    assert shown.replace("      # shard.q (B, c, Hq, D), shard.k, shard.v, shard.positions (c,)", "") in source

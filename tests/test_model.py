@@ -312,3 +312,94 @@ def test_command_line_refuses_bad_options_before_training(argv, message, capsys)
         main(["--backend", "virtual", "--plot", "", "--out", ""] + argv)
     assert exit_.value.code != 0
     assert message in capsys.readouterr().err + str(exit_.value.code)
+
+
+# -- against computations that share no code with the model -----------------------------
+
+def adam_by_hand(grads, lr, b1, b2, eps, warmup):
+    """Kingma & Ba's Algorithm 1 on one scalar, in Python floats, with the linear warm-up."""
+    theta, m, v, path = 0.0, 0.0, 0.0, []
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        theta -= lr * min(1.0, t / warmup) * m_hat / (v_hat ** 0.5 + eps)
+        path.append(theta)
+    return path
+
+
+def test_adam_is_kingma_and_ba_with_a_warm_up():
+    # step 1 of Adam moves every parameter by lr (times the warm-up) against its
+    # gradient's sign, whatever the gradient's size: the bias corrections exactly
+    # undo the zero start (without them, (1 - b1) / sqrt(1 - b2) = 3.16 lr here)
+    grads = [2.0, -0.5, 3.0, 1e-3, -4.0, 0.25]
+    params = {"w": np.zeros(1), "x": np.zeros((2, 2))}
+    opt = train.Adam(params, lr=0.1, betas=(0.9, 0.999), eps=1e-8, warmup=4)
+    got = []
+    for g in grads:
+        opt.step(params, {"w": np.array([g]), "x": np.full((2, 2), -g)})
+        got.append((params["w"][0], params["x"].copy()))
+    assert abs(got[0][0] - (-0.1 * 1 / 4)) < 1e-9                   # lr * t / warmup * sign(g)
+    want = adam_by_hand(grads, 0.1, 0.9, 0.999, 1e-8, 4)
+    for t, ((w, x), expected) in enumerate(zip(got, want), start=1):
+        assert abs(w - expected) < 1e-12, (t, w, expected)
+        np.testing.assert_allclose(x, -expected, rtol=0, atol=1e-12)  # each element its own moments
+    assert params["w"].dtype == np.float64
+    small = {"w": np.zeros(1, np.float32)}
+    train.Adam(small).step(small, {"w": np.ones(1)})                 # a float64 gradient
+    assert small["w"].dtype == np.float32                          # updates keep the parameter's dtype
+
+
+def softmax_attention(q, k, v, dout, scale):
+    """Full (not causal) attention and its gradients, written out with einsum,
+    one head per key/value head: out (B, S, H, D), and dq, dk, dv."""
+    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bhij,bjhd->bihd", p, v)
+    dp = np.einsum("bihd,bjhd->bhij", dout, v)
+    ds = p * (dp - np.einsum("bihd,bihd->bhi", dout, out)[..., None])
+    dq = np.einsum("bhij,bjhd->bihd", ds, k) * scale
+    dk = np.einsum("bhij,bihd->bjhd", ds, q) * scale
+    dv = np.einsum("bhij,bihd->bjhd", p, dout)
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("layout", reference.LAYOUTS)
+def test_attention_backends_without_the_causal_mask_equal_softmax_written_out(layout, monkeypatch):
+    """Dense, VirtualRing and MPIRing (on ranks as threads) with causal=False
+    against plain softmax attention: every key visible, the causal flag reaching
+    every call of each backend, forward and backward."""
+    import threading
+
+    from model.attention import MPIRing
+    from reference.virtual import run_devices
+    from test_gpu import ThreadComm, fake_world
+    n, rng = 3, np.random.default_rng(8)
+    q, k, v, dout = (rng.standard_normal((1, 12, 2, 4)) for _ in range(4))
+    want = softmax_attention(q, k, v, dout, 0.5)
+
+    def check(name, out, grads):
+        for what, got, w in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), want):
+            assert_close(got, w, np.float64, f"{name} {what}")
+
+    dense = Dense(causal=False)
+    out, lse = dense.forward(q, k, v)
+    check("Dense", out, dense.backward(q, k, v, out, lse, dout))
+    ring = VirtualRing(n, layout, tile_size=2, causal=False)
+    side = [np.concatenate(reference.shard(x, n, layout), axis=1) for x in (q, k, v, dout)]
+    out, lse = ring.forward(*side[:3])
+    grads = ring.backward(*side[:3], out, lse, side[3])
+    natural = lambda x: reference.unshard(np.split(x, n, axis=1), layout)      # noqa: E731
+    check("VirtualRing", natural(out), map(natural, grads))
+
+    boxes, gathered, barrier = fake_world(n), [None] * n, threading.Barrier(n)
+
+    def rank(j, _virtual):
+        attn = MPIRing(ThreadComm(j, n, boxes, gathered, barrier), layout, tile_size=2, causal=False)
+        mine = [reference.shard(x, n, layout)[j] for x in (q, k, v, dout)]
+        o, l = attn.forward(*mine[:3])
+        return (o,) + tuple(attn.backward(*mine[:3], o, l, mine[3]))
+    results = run_devices(n, rank)
+    gathered_out = [reference.unshard([r[i] for r in results], layout) for i in range(4)]
+    check("MPIRing", gathered_out[0], gathered_out[1:])

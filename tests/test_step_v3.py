@@ -1,23 +1,32 @@
 """What only step version 3 (reference/step_v3.py) has: the lazy max (kept
 for ordinary scores, redone exactly when a tile would overflow, off for huge
 values) and worker threads (results bit for bit the same on 1, 2 or 3; the
-calling thread calls `progress` while it waits for them).
+calling thread calls `progress` while it waits for them; a unit that raises,
+on any thread, raises from the call); the lazy limit on |V| of either sign;
+and the units of stacked query tiles covering exactly the plan's tiles.
 Its agreement with dense is tests/test_step.py's, with every other version.
 
     .venv/bin/python -m pytest tests/test_step_v3.py -q
 """
 
+import sys
 import threading
 import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import LARGE_LOGITS_FACTOR, assert_close
 from reference import attention, step_parts, steps
+from reference.heads import q_from_heads, rows_from_heads
+from reference.masks import make_mask
+from reference.step import ForwardAcc, Queries, finish_forward
 from reference.step_parts import forward_units
-from reference.tiles import tile_plan
-from test_step import check_against_dense, growing_scores, perm_blocks, problem, step_backward, step_forward
+from reference.tiles import FULL, MASKED, tile_plan
+from test_step import (check_against_dense, growing_scores, key_block, perm_blocks, problem, step_backward,
+                       step_forward)
 
 
 @pytest.fixture
@@ -190,3 +199,153 @@ def test_progress_is_called_while_waiting_for_the_workers(name, kind, monkeypatc
     else:
         step_backward(step, q, k, v, *attention(q, k, v), dout, [np.arange(16)], tile_size=16, progress=progress)
     assert go.is_set() and set(calls) == {caller}
+
+
+# -- a unit that raises, a lazy limit on both signs, blocks that cover the plan -------
+
+def _failing(monkeypatch, kind, fail):
+    """Patch the unit of `kind` (forward: a run of query tiles of one head;
+    backward: one head) so that ``fail(args)`` decides whether it raises."""
+    patched = "forward_rows" if kind == "forward" else "backward_head"
+    real = getattr(step_parts, patched)
+
+    def unit(*args, **kwargs):
+        if fail(args):
+            raise RuntimeError("unit failed")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(step_parts, patched, unit)
+
+
+def _run(kind, step, q, k, v, dout):
+    if kind == "forward":
+        return step_forward(step, q, k, v, [np.arange(q.shape[1])], tile_size=8)
+    return step_backward(step, q, k, v, *attention(q, k, v), dout, [np.arange(q.shape[1])], tile_size=8)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("name", ["v3", "v4"])
+def test_a_unit_that_raises_raises_from_the_call(name, kind, workers, monkeypatch):
+    # four heads, four units; the third one fails, whichever thread takes it:
+    # the call raises it (a swallowed error would return rows never computed)
+    q, k, v, dout = problem(B=1, S=16, Hq=4, Hkv=4, D=4)
+    taken = []
+
+    def third(args):
+        taken.append(1)
+        return len(taken) == 3
+    _failing(monkeypatch, kind, third)
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="unit failed"):
+        _run(kind, steps.get(name, workers=workers), q, k, v, dout)
+    assert threading.active_count() == before         # every worker stopped before the call returned
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("name", ["v3", "v4"])
+def test_a_worker_threads_error_reaches_the_caller(name, kind, monkeypatch):
+    # two heads, two workers: the calling thread's unit waits until the other
+    # thread has taken the second unit, which raises there (no timing involved)
+    q, k, v, dout = problem(B=1, S=16, Hq=2, Hkv=2, D=4)
+    caller, worker_took = threading.get_ident(), threading.Event()
+
+    def on_the_worker(args):
+        if threading.get_ident() == caller:
+            assert worker_took.wait(timeout=20), "the worker thread never took a unit"
+            return False
+        worker_took.set()
+        return True
+    _failing(monkeypatch, kind, on_the_worker)
+    with pytest.raises(RuntimeError, match="unit failed"):
+        _run(kind, steps.get(name, workers=2), q, k, v, dout)
+    assert worker_took.is_set()
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_lazy_shift_is_off_for_huge_values_of_either_sign(sign, exact_tiles):
+    # |V| of 1e25 all of one sign: the limit is on |V|, so negative values
+    # alone turn the lazy shift off as positive ones do
+    S, H = 64, 2
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, dtype=np.float32)
+    v = np.float32(sign * 1e25) * np.abs(v)
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=8)
+    assert len(exact_tiles) == n_blocks(S, 8, H)
+    ref_out, ref_lse = attention(q, k, v)
+    assert_close(out / 1e25, ref_out / 1e25, np.float32, "out")
+    assert_close(lse, ref_lse, np.float32, "lse")
+
+
+UNIT_ROWS = sys.modules[forward_units.__module__].UNIT_ROWS     # where forward_units lives
+
+
+def covered(plan, c, G):
+    """{(query slice, key slice): kind} of the tiles `forward_units` computes,
+    from its units, each block spread back over the plan's query tiles it
+    spans; and the query slices of the units, in order."""
+    q_tiles = sorted({(qs.start, min(qs.stop, c)) for qs, _, _ in plan})
+    tiles, units = {}, []
+    for unit, blocks in forward_units(plan, c, G):
+        units.append((unit.start, unit.stop))
+        for rows, ks, kind in blocks:
+            lo, hi = unit.start + rows.start, unit.start + rows.stop
+            spanned = [t for t in q_tiles if lo <= t[0] and t[1] <= hi]
+            assert spanned and spanned[0][0] == lo and spanned[-1][1] == hi, (rows, ks)
+            for t in spanned:
+                assert (t, (ks.start, ks.stop)) not in tiles, f"tile {t} x {ks} computed twice"
+                tiles[t, (ks.start, ks.stop)] = kind
+    return tiles, units
+
+
+def check_units_cover_the_plan(q_pos, k_pos, tile_size, mask, G):
+    plan, _ = tile_plan(q_pos, k_pos, tile_size, mask)
+    c = len(q_pos)
+    want = {((qs.start, min(qs.stop, c)), (ks.start, ks.stop)): kind for qs, ks, kind in plan}
+    got, units = covered(plan, c, G)
+    assert set(got) == set(want), "the blocks do not cover exactly the plan's tiles"
+    for tile, kind in got.items():
+        # a FULL block spread over a MASKED tile would attend to hidden keys
+        assert kind == MASKED or want[tile] == FULL, f"tile {tile} is {want[tile]} but its block is FULL"
+    q_tiles = {t for t, _ in want}
+    for (start, stop), (next_start, _) in zip(units, units[1:]):
+        assert stop <= next_start                    # units own their rows
+    for start, stop in units:                        # a unit is one tile, or stacks at most UNIT_ROWS rows
+        assert (start, stop) in q_tiles or (stop - start) * G <= UNIT_ROWS
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_units_cover_exactly_the_plans_tiles(data):
+    # drawn positions (a shuffled block, as a striped shard's), tile shapes,
+    # heads per group and masks, documents interleaved included
+    S = data.draw(st.integers(1, 48), "S")
+    perm = np.random.default_rng(data.draw(st.integers(0, 99), "seed")).permutation(S)
+    cut = data.draw(st.integers(0, S), "cut")
+    q_pos, k_pos = np.sort(perm[:cut]) if data.draw(st.booleans(), "sorted") else perm[:cut], perm[cut:]
+    if len(q_pos) == 0 or len(k_pos) == 0:
+        q_pos = k_pos = np.arange(S)
+    options = dict(causal=data.draw(st.booleans(), "causal"))
+    if data.draw(st.booleans(), "window"):
+        options["window"] = data.draw(st.integers(1, S), "W")
+    if data.draw(st.booleans(), "documents"):
+        options["segment_ids"] = data.draw(st.lists(st.integers(0, 2), min_size=S, max_size=S), "ids")
+    tile = (data.draw(st.integers(1, 9), "tq"), data.draw(st.integers(1, 9), "tk"))
+    G = data.draw(st.sampled_from([1, 2, 64, 200]), "G")      # 64, 200: units of one or a few tiles
+    check_units_cover_the_plan(q_pos, k_pos, tile, make_mask(**options), G)
+
+
+def test_units_do_not_merge_query_tiles_that_are_not_neighbours():
+    # documents interleaved by tile: query tiles 0 and 2 see key tile 0 (all
+    # visible), tile 1 (another document) does not. One block over tiles 0..2
+    # would be FULL and give tile 1 rows the other document's keys
+    ids = np.repeat([0, 1, 0, 1], 4)
+    mask = make_mask(causal=False, segment_ids=ids)
+    pos = np.arange(16)
+    q, k, v, _ = problem(B=1, S=16, Hq=1, Hkv=1, D=4, seed=6)
+    queries = Queries.prepare(q, 1, pos, 0.5)
+    acc = ForwardAcc.zeros(queries.q)
+    steps.get("v3").forward(acc, queries, key_block(k, v, pos), mask=mask, tile_size=4)
+    out, lse = (f(x) for f, x in zip((q_from_heads, rows_from_heads), finish_forward(acc)))
+    ref_out, ref_lse = attention(q, k, v, scale=0.5, causal=False, segment_ids=ids)
+    assert_close(out, ref_out, np.float64, "out")
+    assert_close(lse, ref_lse, np.float64, "lse")
+    check_units_cover_the_plan(pos, pos, 4, mask, 1)

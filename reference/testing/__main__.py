@@ -13,7 +13,7 @@ import argparse
 import shlex
 import sys
 
-from .cases import MAX_SEQ, parse_case
+from .cases import MAX_SEQ, _hypothesis, parse_case
 from .check import (Progress, check_adapter, check_one, load_adapter, make_plan, markdown, repro_command,
                     summary)
 from .measure import measure
@@ -90,11 +90,13 @@ def run_check(args, ap):
     try:
         adapter = load_adapter(args.adapter)
         case = parse_case(args.repro) if args.repro else None
+        if not case:
+            _hypothesis()                  # ImportError with the extra to install, before any work
         plan = None if case else make_plan(adapter, world_sizes=args.world_sizes, layouts=args.layouts,
                                            dtypes=args.dtypes, masks=args.masks, examples=args.examples,
                                            seed=args.seed, max_seq=args.max_seq,
                                            shrink_seconds=args.shrink_seconds)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:
         ap.error(str(e))                   # exit 2
     try:
         return replay(adapter, case, ap) if case else check_plan(adapter, plan, args)

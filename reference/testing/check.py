@@ -9,7 +9,7 @@ disagreement, the smallest N first, is shrunk to the smallest case hypothesis
 finds; the verdict names it, the first bad element, and the command that
 replays it (`--repro`):
 
-    python -m reference.testing check tests/test_kit_cli.py:ToyRing --world-sizes 2,3 --examples 50
+    python -m reference.testing check tests/test_kit.py:ToyRing --world-sizes 2,3 --examples 50
     python -m reference.testing check mymodule:MyRing --repro "Case(layout='striped', ...)"
 
 A disagreement is a result outside the error model's line
@@ -40,7 +40,8 @@ PROTOCOL = ("name", "layouts", "dtypes", "masks", "backward", "outputs", "replic
 
 def load_adapter(spec):
     """The adapter `spec` names: "module:Name" or "path/to/file.py:Name", where
-    Name is an adapter object, or a class made with no arguments. ValueError, in words, when it cannot."""
+    Name is an adapter object, or a class made with no arguments. ValueError,
+    in words, when it cannot."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"expected MODULE:ADAPTER (as mymodule:MyRing or path/to/ring.py:MyRing), got {spec!r}")

@@ -4,8 +4,9 @@
 
 Each rank makes CALLS calls of `mpi_impl.ring_attention` and
 `ring_attention_backward` in turn, cycling through every layout and masks on
-and off (causal or not, a sliding window, packed documents, dropout), on small
-random shards. After one warm-up cycle it measures, again half-way and at the
+and off (causal or not, a sliding window, packed documents, dropout, padding:
+a length 3 tokens short of the shards'), on small random shards. After one
+warm-up cycle it measures, again half-way and at the
 end (a leak grows between the last two; caches fill before the first half):
 - the duplicated communicators not freed (`RingComm.on` duplicates the
   caller's for every call; the count is kept by a wrapper of COMM_WORLD);
@@ -32,7 +33,7 @@ from mpi_impl import ring_attention, ring_attention_backward
 S_PER_RANK, HEADS, HEAD_DIM = 16, 2, 8
 LAYOUTS = ("contiguous", "striped", "zigzag")
 MASKS = (dict(causal=True), dict(causal=False), dict(window=5), dict(cu_seqlens=None),
-         dict(dropout=0.2, seed=3))
+         dict(dropout=0.2, seed=3), dict(seq_len=None))
 
 
 class CountedComm:
@@ -69,6 +70,8 @@ def configurations(n):
         for mask in MASKS:
             if "cu_seqlens" in mask:
                 mask = dict(cu_seqlens=[0, S // 3, S // 2, S])
+            if "seq_len" in mask:                       # the last 3 tokens are padding
+                mask = dict(seq_len=S - 3)
             yield layout, mask
 
 

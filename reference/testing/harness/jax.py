@@ -104,6 +104,7 @@ class JaxAdapter(Adapter):
             got = self.compute(case, DeviceShard(q, k, v, pos, AXIS, n))
             return got["out"], got["lse"]
 
+        # check_vma=False: a user's ring need not tell JAX which of its values differ between devices
         ring = jax.shard_map(device, mesh=mesh, in_specs=(tokens, tokens, tokens, P(AXIS)),
                              out_specs=(tokens, lse_spec), check_vma=False)
         q, k, v, dout = (np.concatenate(x, axis=1) for x in (shards.q, shards.k, shards.v, shards.dout))
