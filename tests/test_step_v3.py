@@ -281,18 +281,20 @@ UNIT_ROWS = sys.modules[forward_units.__module__].UNIT_ROWS     # where forward_
 def covered(plan, c, G):
     """{(query slice, key slice): kind} of the tiles `forward_units` computes,
     from its units, each block spread back over the plan's query tiles it
-    spans; and the query slices of the units, in order."""
+    spans, MASKED where the block's masked rows cover the tile; and the query
+    slices of the units, in order."""
     q_tiles = sorted({(qs.start, min(qs.stop, c)) for qs, _, _ in plan})
     tiles, units = {}, []
     for unit, blocks in forward_units(plan, c, G):
         units.append((unit.start, unit.stop))
-        for rows, ks, kind in blocks:
+        for rows, ks, part in blocks:
             lo, hi = unit.start + rows.start, unit.start + rows.stop
             spanned = [t for t in q_tiles if lo <= t[0] and t[1] <= hi]
             assert spanned and spanned[0][0] == lo and spanned[-1][1] == hi, (rows, ks)
             for t in spanned:
                 assert (t, (ks.start, ks.stop)) not in tiles, f"tile {t} x {ks} computed twice"
-                tiles[t, (ks.start, ks.stop)] = kind
+                masked = part is not None and lo + part.start <= t[0] and t[1] <= lo + part.stop
+                tiles[t, (ks.start, ks.stop)] = MASKED if masked else FULL
     return tiles, units
 
 
