@@ -7,74 +7,80 @@ with every NumPy call of `reference.step_parts` timed where it is called,
 by this thread's CPU time (a loaded machine stretches wall time, not CPU
 time), and prints CPU microseconds per computed tile for each kind of pass,
 the shapes side by side, the least of the repeats (shapes taking turns).
-The timing wrapper costs about a microsecond a call; the totals are within a
-few percent of `bench.block_shapes`.
+The timing wrapper costs about a microsecond a call, some 20% of a tile of
+128: read the passes against each other, and a tile's cost from
+`bench.block_shapes`.
 
     python -m bench.tile_parts --seq-len 8192 --n-devices 8 --tile-size 128
     python -m bench.tile_parts --seq-len 8192 --n-devices 8 --tile-size 256 --step v3
 """
 
-import argparse
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import numpy as np
 
-from reference import step_parts, steps
-from reference.cores import blas_description, blas_limit
+from reference import step_masks, step_parts, steps
 
-from .block_shapes import SHAPES, block_pairs, timed_block
+from .block_shapes import SHAPES, block_arguments, block_pairs, run_on_one_thread, timed_block
 
 # each NumPy name step_parts calls, and the pass it belongs to
 PASSES = {
     "matmul": "products", "masked_product": "products",
     "exp2": "exp2",
-    "copyto": "masks applied", "tile_masks": "masks made", "mask_rows": "masks made",
+    "copyto": "masks applied", "weigh": "masks applied", "tile_masks": "masks made", "mask_rows": "masks made",
     "augment": "[X, 1] columns", "multiply": "scale and dS", "set_shift": "small passes",
     "maximum": "small passes", "where": "small passes", "isfinite": "small passes",
 }
 
 
 class _Timed:
-    """Stands for the `np` module in step_parts: the calls named in PASSES add
-    their CPU time to `spent`; everything else is NumPy's own."""
+    """Stands for the `np` module in step_parts and step_masks: the calls
+    named in PASSES add their CPU time to `spent`; everything else is NumPy's own."""
 
-    def __init__(self, spent):
-        self._spent = spent
+    def __init__(self, spent, stack):
+        self._spent, self._stack = spent, stack
 
     def __getattr__(self, name):
         fn = getattr(np, name)
-        return _timer(fn, PASSES[name], self._spent) if name in PASSES and callable(fn) else fn
+        return _timer(fn, PASSES[name], self._spent, self._stack) if name in PASSES and callable(fn) else fn
 
 
-def _timer(fn, key, spent):
+def _timer(fn, key, spent, stack):
+    """fn, its own CPU time added to spent[key]: the time of timed calls
+    inside it (`weigh` calls tile_masks and np.multiply) goes to theirs."""
     clock = time.thread_time
 
     def timed(*args, **kwargs):
+        stack.append(0.0)                                # the inner calls' time
         start = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent[key] += clock() - start
+            elapsed = clock() - start
+            spent[key] += elapsed - stack.pop()
+            if stack:
+                stack[-1] += elapsed
     return timed
+
+
+PIECES = ("masked_product", "tile_masks", "mask_rows", "augment", "set_shift", "weigh")
 
 
 @contextmanager
 def timed_parts(spent):
-    """step_parts' NumPy calls and small pieces timed into `spent` {pass: seconds}."""
-    saved = {name: getattr(step_parts, name) for name in ("np", "masked_product", "tile_masks", "mask_rows",
-                                                          "augment", "set_shift")}
+    """step_parts' and step_masks' NumPy calls and small pieces timed into `spent` {pass: seconds}."""
+    saved = [(module, name, getattr(module, name)) for module in (step_parts, step_masks)
+             for name in ("np",) + PIECES if hasattr(module, name)]
+    stack = []                                           # the timed calls under way (one thread)
     try:
-        step_parts.np = _Timed(spent)
-        for name in saved:
-            if name != "np":
-                setattr(step_parts, name, _timer(saved[name], PASSES[name], spent))
+        for module, name, fn in saved:
+            setattr(module, name, _Timed(spent, stack) if name == "np" else _timer(fn, PASSES[name], spent, stack))
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(step_parts, name, fn)
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def measure(step_name, seq_len, n_devices, heads, head_dim, tile_size, repeats, backward):
@@ -95,25 +101,9 @@ def measure(step_name, seq_len, n_devices, heads, head_dim, tile_size, repeats, 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.tile_parts", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-len", type=int, default=8192, help="tokens S (default %(default)s)")
-    ap.add_argument("--n-devices", type=int, default=8, help="devices N (default %(default)s)")
-    ap.add_argument("--heads", type=int, default=4, help="heads H (default %(default)s)")
-    ap.add_argument("--head-dim", type=int, default=64, help="head dim D (default %(default)s)")
-    ap.add_argument("--tile-size", type=int, default=128, help="tile size (default %(default)s)")
+    ap = block_arguments("python -m bench.tile_parts", __doc__, n_devices=8, tile_size=128)
     ap.add_argument("--step", default="v3", choices=steps.names(), help="step version (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=5, help="least of (default %(default)s)")
-    ap.add_argument("--as-set", action="store_true",
-                    help="keep OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE where set (default: run again without them)")
-    ap.add_argument("--unset", default="", help=argparse.SUPPRESS)     # set by the rerun
-    args = ap.parse_args(argv)
-    from .kernel import cpu_model, kernels_note, rerun_with_machine_kernels
-    if not args.as_set and not args.unset:
-        status = rerun_with_machine_kernels("bench.tile_parts", sys.argv[1:] if argv is None else argv)
-        if status is not None:
-            sys.exit(status)
-    with blas_limit(1):
-        report(args, f"{cpu_model()}, BLAS {blas_description()}{kernels_note(args.unset)}")
+    run_on_one_thread("bench.tile_parts", ap.parse_args(argv), argv, report)
 
 
 def report(args, machine):

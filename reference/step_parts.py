@@ -17,7 +17,9 @@ module open. What the pieces do is version 1's arithmetic (the formulas of
   redone exactly (`exact_tile`) only if a row sum could overflow;
 - the forward in stacks of query tiles and the backward by head, on worker
   threads (`threaded_forward`, `threaded_backward`), with the units and
-  threads of `reference.step_units`.
+  threads of `reference.step_units`, and a block's mask on its masked rows
+  only (`reference.step_masks`);
+- a row's first tile shifted by a sample of its scores (`seeded_tile`), not by its exact max.
 
 A forward runs over a *run* of query rows of one head (`QueryRun`), in base 2
 (`Base2Rows`), tile by tile through a tile function ``update(st, s, head, ks,
@@ -30,13 +32,12 @@ Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a run;
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-from .masks import visible
 from .nonfinite import all_finite, mask_rows, masked_product
 from .step import no_progress
+from .step_masks import TilePos, hide, tile_masks, weigh
 from .step_units import forward_units, on_this_thread, run_units, scratch
 from .tiles import MASKED, by_tile
 
@@ -97,51 +98,6 @@ class Base2Rows:
 
     def __getitem__(self, rows):
         return Base2Rows(self.ol[rows], self.q2[rows], self.m2[rows], self.inc[rows])
-
-
-class TilePos(NamedTuple):
-    """What makes a masked block's mask: its query and key positions, the
-    rule, where masks already made are kept (`tile_masks`), and `part`, the
-    query rows that hold its masked tiles (`step_units.forward_units`): the
-    other rows see every key, so only `part` is masked."""
-    q_pos: np.ndarray
-    k_pos: np.ndarray
-    rule: object
-    masks: dict
-    part: slice = slice(None)
-
-    def mask(self):
-        return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[0]     # (tq, tk) bool, True: visible
-
-    def rows(self, s):
-        """The rows of `part` of the block's s (R, tk), R = tq * G query-major: a view (tq of part, G, tk)."""
-        return s.reshape(len(self.q_pos), -1, s.shape[1])[self.part]
-
-    def hidden(self):
-        """(rows of `part`, tk) bool, True: masked."""
-        return tile_masks(self.masks, self.q_pos[self.part], self.k_pos, self.rule)[1]
-
-    def weights(self, dtype):
-        """(rows of `part`, tk) of `dtype`: 1 where visible, 0 where masked."""
-        seen, _, by_dtype = tile_masks(self.masks, self.q_pos[self.part], self.k_pos, self.rule)
-        found = by_dtype.get(dtype)
-        if found is None:
-            found = by_dtype[dtype] = seen.astype(dtype)
-        return found
-
-
-def tile_masks(masks, q_pos, k_pos, rule):
-    """(visible, hidden, {dtype: weights}) of the tile of these positions,
-    (tq, tk) bool each, made once and kept in `masks` (a dict living for one
-    step call, so one rule): every head of a block has the same positions, so
-    its tiles have the same masks. The key is the positions themselves (bytes:
-    about 1 us for a tile, against 10 for the address of a view)."""
-    key = (q_pos.tobytes(), k_pos.tobytes())
-    found = masks.get(key)
-    if found is None:
-        seen = visible(q_pos, k_pos, rule)
-        found = masks[key] = (seen, ~seen, {})
-    return found
 
 
 # -- the forward ------------------------------------------------------------------
@@ -364,22 +320,6 @@ def exp2_visible(s, hidden):
         np.exp2(s, out=s)
     if hidden is not None:
         hide(s.reshape(len(hidden), -1, s.shape[1]), hidden, 0)
-
-
-def weigh(s, where):
-    """s (R, tk) *= 1 where visible, 0 at the masked pairs of `where` (None:
-    none), on the rows of its masked tiles only. A product by a 0/1 matrix runs
-    about 3.5 times faster than ``copyto(..., where=)`` (5 against 18 us a tile
-    of 128 x 128), but inf x 0 = NaN x 0 = NaN: only for a tile whose row sums
-    are checked afterwards, and redone where one is not finite (`lazy_tile`)."""
-    if where is not None:
-        rows = where.rows(s)
-        np.multiply(rows, where.weights(s.dtype)[:, None, :], out=rows)
-
-
-def hide(s, hidden, value):
-    """s (tq, G, tk) := `value` at the masked pairs of `hidden` (tq, tk) (True: masked)."""
-    np.copyto(s, value, where=hidden[:, None, :])
 
 
 # -- on worker threads (reference.step_units) --------------------------------------

@@ -71,22 +71,29 @@ def test_lazy_max_is_kept_for_gaussian_scores(exact_tiles):
     assert_close(lse, ref_lse, np.float32, "lse")
 
 
-def test_a_seed_under_which_every_visible_score_underflows_is_redone(exact_tiles):
-    # a fresh row's shift is seeded from a sample of its scores, masked ones
-    # too: keys 24..31 (every 8th, key 24, is in the sample) score 100 for
-    # queries 0..23, which cannot see them; under that seed their visible
-    # scores give P ~ 2**-144, the row sums fall below SUM_FLOOR, and the
-    # first tile is redone exactly: the answer is dense's
-    S, H, D = 32, 2, 8
-    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=7)
+def hidden_spike(score, blocks, S=32, H=2, D=8, seed=6):
+    """Version 3's forward on keys 24..31 that score `score` for queries
+    0..23, which cannot see them (causal), and 0 for queries 24..31, which
+    can; checked against dense. Returns the number of heads H."""
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=seed)
     q[..., 0] = np.where(np.arange(S) < 24, 1.0, 0.0)[None, :, None]
-    k[..., 0] = np.where(np.arange(S) < 24, 0.0, 100.0 * D ** 0.5)[None, :, None]
+    k[..., 0] = np.where(np.arange(S) < 24, 0.0, score * D ** 0.5)[None, :, None]
     q, k, v = (x.astype(np.float32) for x in (q, k, v))
-    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, blocks, tile_size=32)
     ref_out, ref_lse = attention(q, k, v)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert_close(out, ref_out, np.float32, "out")
     assert_close(lse, ref_lse, np.float32, "lse")
+    return H
+
+
+def test_a_seed_under_which_every_visible_score_underflows_is_redone(exact_tiles):
+    # a fresh row's shift is seeded from a sample of its scores, masked ones
+    # too: key 24 (every 8th key is in the sample) scores 100 for queries
+    # 0..23, which cannot see it; under that seed their visible scores give
+    # P ~ 2**-144, the row sums fall below SUM_FLOOR, and the first tile is
+    # redone exactly: the answer is dense's
+    H = hidden_spike(100.0, [np.arange(32)], seed=7)
     assert len(exact_tiles) == H
 
 
@@ -113,20 +120,11 @@ def test_a_sum_that_overflows_is_redone(exact_tiles):
 
 
 def test_a_masked_pair_that_overflows_is_redone(exact_tiles):
-    # version 3 clears masked pairs by a product with 0 (`step_parts.weigh`): a
-    # masked score that overflows exp2 gives inf x 0 = NaN, which must send the
-    # tile to the exact path, not into O. Keys 24..31 score 700 for queries
-    # 0..23, which cannot see them (causal), and 0 for queries 24..31, which can
-    S, H, D = 32, 2, 8
-    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=6)
-    q[..., 0] = np.where(np.arange(S) < 24, 1.0, 0.0)[None, :, None]
-    k[..., 0] = np.where(np.arange(S) < 24, 0.0, 700.0 * D ** 0.5)[None, :, None]
-    q, k, v = (x.astype(np.float32) for x in (q, k, v))
-    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(16), np.arange(16, S)], tile_size=32)
-    ref_out, ref_lse = attention(q, k, v)
-    assert np.isfinite(out).all() and np.isfinite(lse).all()
-    assert_close(out, ref_out, np.float32, "out")
-    assert_close(lse, ref_lse, np.float32, "lse")
+    # version 3 clears masked pairs by a product with 0 (`step_masks.weigh`):
+    # a masked score that overflows exp2 gives inf x 0 = NaN, which must send
+    # the tile to the exact path, not into O. Keys 24..31 score 700 for the
+    # queries that cannot see them; the second block is the one redone
+    H = hidden_spike(700.0, [np.arange(16), np.arange(16, 32)])
     assert len(exact_tiles) == H                  # the redone one; the first is seeded
 
 
