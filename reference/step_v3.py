@@ -16,7 +16,7 @@ are in `reference.step_parts`, the units and threads in `reference.step_units`):
   version, ``acc.m`` is a shift, not the running max;
 - masks on the masked rows only: a stack of query tiles sharing a key tile
   is masked only on the rows of its masked tiles (`forward_units`), and a
-  lazy tile clears them by a product with a 0/1 matrix (`weigh`; a masked
+  lazy tile clears them by a product with a 0/1 matrix (`step_masks.weigh`; a masked
   inf or NaN turns to NaN there, and the tile is redone exactly);
 - taller products (`forward_units`): the forward stacks neighbouring query
   tiles (up to ``UNIT_ROWS`` rows) and computes a key tile they share in one
