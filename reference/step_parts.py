@@ -164,8 +164,6 @@ def lazy_tile(st, s, head, ks, where):
     else `exact_update`. Rows that have seen no key yet (m = -inf) take a
     seeded shift (`seeded_tile`); heads whose |V| could overflow O
     (``head.lazy`` False) are always exact."""
-    if head.lazy and (st.m2 == -np.inf).all() and seeded_tile(st, s, head, ks, where):
-        return
     if head.lazy and np.isfinite(st.m2).all():
         shifted_scores(s, st.q2, head.k1[ks], None)      # S - m, base 2   (rows, tk)
         np.exp2(s, out=s)                                # P; may overflow
@@ -174,6 +172,8 @@ def lazy_tile(st, s, head, ks, where):
         if st.inc[:, -1].max() <= SUM_LIMIT:             # False for inf and NaN too: redone exactly
             st.ol += st.inc
             return
+    elif head.lazy and (st.m2 == -np.inf).all() and seeded_tile(st, s, head, ks, where):
+        return
     exact_update(st, s, head, ks, where)
 
 
