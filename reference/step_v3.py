@@ -36,10 +36,10 @@ backward at S = 8192, H = 8, D = 64 (60% and 69% at S = 4096); forward 1.03x
 and backward 0.92x the time of torch's CPU scaled_dot_product_attention on
 the same shapes and threads. Blocks the size a ring computes, one thread, by
 CPU time against one core's sgemm (BENCHMARKS.md, AMD EPYC Zen 5, AVX-512):
-c = 1024 forward 37%, backward 49%; c = 2048 50% and 54% (masks on the
-masked rows and the seeded first tile: forward 0.88x and 0.79x the time
-before them); a triangular block's tile 1.2x a full one's forward at tiles
-of 128 (was about 1.26x).
+c = 1024 forward 35-37%, backward 47-49%; c = 2048 43-50% and 54-59%
+(masks on the masked rows and the seeded first tile: forward 0.79x to 0.94x
+the time before them); a triangular block's tile 1.2x a full one's forward
+at tiles of 128 (was about 1.26x).
 
 Shapes as in version 2; ``W`` workers.
 """
