@@ -87,16 +87,15 @@ print(inspect.getsource(ring.ring_forward))
 # the communication object. Here (`reference.virtual`) `start_shift` copies the block into
 # the next device's mailbox at once, so a block is there before its receiver needs it
 # unless the sender is behind. On MPI ranks (notebook 6) a large message moves only while
-# a rank is inside an MPI call, not while its process computes. `mpi_impl.RingComm` has a
-# third verb for that, `progress`, which a step may call between its tiles (the step's
-# `progress` argument); this loop does not hand it to the step (checked below), so on MPI
-# a block sent at the start of a round moves during the step only as far as MPI moves it
-# by itself, and the rest of the transfer is waited for in `finish_shift`. Notebook 6
-# draws those waits.
+# a rank is inside an MPI call, not while its process computes. So the communication
+# object has a third verb, `progress`, and the loop hands it to the step
+# (`progress=comm.progress`), which calls it between its tiles: on MPI each call tests the
+# transfers in flight, and a block sent at the start of a round moves during the step.
+# Here it has nothing to do.
 
 # %%
-assert "progress" not in inspect.getsource(ring.ring_forward)     # the step runs with no progress to call
-assert "progress" in inspect.signature(steps.get("v1").forward).parameters   # though a step takes one
+assert "progress=comm.progress" in inspect.getsource(ring.ring_forward)   # handed to the step
+assert "progress" in inspect.signature(steps.get("v1").forward).parameters   # which takes it
 
 # %% [markdown]
 # Run on N threads (`reference.ring_attention`), it gives the lockstep's answer bit for
@@ -131,6 +130,9 @@ class WatchedRing:
 
     def finish_shift(self, handle):
         return self.comm.finish_shift(handle)
+
+    def progress(self):
+        self.comm.progress()
 
 
 watched = {}                                                   # layout -> (pos, sent, trace)

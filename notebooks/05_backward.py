@@ -233,6 +233,9 @@ class WatchedGrads:
     def finish_shift(self, handle):
         return self.comm.finish_shift(handle)
 
+    def progress(self):
+        self.comm.progress()
+
 
 pos = positions(n_seq, N, "striped")                          # (N, c)
 q_s, k_s, v_s, out_s, dout_s = (shard(x, N, "striped") for x in (q, k, v, out, dout))

@@ -181,13 +181,16 @@ fig = timeline_figure(plt, {layout: {"forward": forward[layout]} for layout in L
                       f"forward, S={S_BIG}, {N_RANKS} ranks, tiles of {T_BIG}, the first launch: wall clock")
 plt.show()
 
-print(f"{'':<11} {'waiting for a block not yet sent':>33} {'for a transfer to arrive':>25}   (ms, summed over rounds)")
+print(f"{'':<11} {'waiting for a block not yet sent':>33} {'for a transfer to arrive':>25}"
+      f" {'blocks that arrived during the step':>36}   (ms, summed over rounds)")
 for layout, tr in forward.items():
     not_sent, in_flight = wait_parts(tr)
     assert np.allclose(not_sent + in_flight, tr.wait_s) and (not_sent >= 0).all() and (in_flight >= 0).all()
-    print(f"{layout:<11} {str(np.round(not_sent.sum(axis=0) * 1e3, 1)):>33} {str(np.round(in_flight.sum(axis=0) * 1e3, 1)):>25}")
     ended = tr.start_s[:-1] + tr.compute_s[:-1]                 # rounds that wait for a block
-    assert (tr.arrived_s[:-1] >= ended).all()                   # seen arriving only once its step was over
+    assert (tr.arrived_s[:-1] >= tr.start_s[:-1]).all()         # first looked for during the step
+    during = int((tr.arrived_s[:-1] < ended).sum())             # and seen there: progress moved it
+    print(f"{layout:<11} {str(np.round(not_sent.sum(axis=0) * 1e3, 1)):>33} "
+          f"{str(np.round(in_flight.sum(axis=0) * 1e3, 1)):>25} {f'{during} of {ended.size}':>36}")
     assert np.isnan(tr.arrived_s[-1]).all()                     # nothing travels after the last round
 
 contiguous = forward["contiguous"]
@@ -208,15 +211,14 @@ assert (forward["striped"].bytes_sent[0] > 2 * 2**20).all()     # a K, V block o
 # - **Striped** and **zigzag** give every rank the same work, so their ranks keep pace;
 #   a red wait there is the scheduler's doing (a sender set aside while its receiver
 #   ran), and the table under the picture gives each kind of wait in milliseconds.
-# - **Every tick sits at the end of a step or a wait**, never inside a step (asserted): a
-#   block is seen arriving only when its receiver asks for it. MPI moves a large
-#   (rendezvous) message only inside MPI calls, unless the library runs a progress thread
-#   of its own; `RingComm.progress` is such a call, made between tiles, but this version
-#   of the ring loop (`reference.ring.ring_forward`, notebook 3) does not hand it to the
-#   step. So a block of 2 MiB, as here, sent at the start of a round, is mostly still to
-#   move when its receiver's step ends, and that shows as grey. `python -m bench.overlap`
-#   measures how much of the transfers hides behind the computation, with and without
-#   progress.
+# - **A tick inside a step** is a block that arrived while its receiver computed. MPI
+#   moves a large (rendezvous) message only inside MPI calls, unless the library runs a
+#   progress thread of its own; the step calls `RingComm.progress` between its tiles (the
+#   loop hands it over, notebook 3), and those calls move the transfer. A tick at the end
+#   of a step is a block seen only in `finish_shift`: it arrived after the step's last
+#   call of `progress`, or its sender was late (the table counts the blocks that arrived
+#   during the step). `python -m bench.overlap` measures how much of the transfers hides
+#   behind the computation, with and without progress.
 #
 # From here on, the CPU times are each step's least over both launches. First, each rank's
 # CPU time per round as a heat map, the same picture as notebook 3's work heat maps but

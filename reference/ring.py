@@ -5,11 +5,15 @@ in round t it holds the block that started on device ``(j - t) mod N``, attends
 its queries to it, and passes it on to device ``(j + 1) mod N``. The functions
 here are written once and run unchanged on N virtual devices (threads, in
 `reference.virtual`), on MPI ranks (`mpi_impl`) and on GPUs (`gpu_impl`): only
-the communication object differs. It has two verbs and two attributes:
+the communication object differs. It has three verbs and two attributes:
 
     comm.rank, comm.size
     handle = comm.start_shift(arrays, tag)   # send to rank+1, receive from rank-1
-    arrays = comm.finish_shift(handle)       # wait for both; returns what arrived
+    arrays = comm.finish_shift(handle)       # wait for the receive; returns what arrived
+    comm.progress()                          # let the transfers in flight move
+
+The step calls `progress` between its tiles: MPI moves a large message only
+inside MPI calls, so without it a transfer would wait for the end of the step.
 
 A buffer passed to `start_shift` must not be written until `finish_shift`
 returns; the loops below never write a block after sending it.
@@ -58,7 +62,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
         # the mask made from the positions that travel with the block
         with log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step),
-                                  mask=mask, tile_size=tile_size)
+                                  mask=mask, tile_size=tile_size, progress=comm.progress)
         log.record(t, counts, block, sent=block if in_flight is not None else ())
         # "receive K_(k-1), V_(k-1) from device (j - 1) mod N"
         if in_flight is not None:
@@ -89,7 +93,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         grads = Grads(dq, *new_kv_grads(block, acc))
         with log.computing(t):
             counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
-                                   mask=mask, tile_size=tile_size)
+                                   mask=mask, tile_size=tile_size, progress=comm.progress)
         log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
         # receive the next K, V first, while the step's kernels run: sending dK, dV
         # below waits for them (they write dK, dV), and K, V would wait behind it

@@ -108,6 +108,30 @@ def test_ring_comm_on_checking_mpi_matches_dense(case):
     assert_matches(case, *run_ring(case, mpi_ring, mpi_ring_done))
 
 
+def test_the_ring_hands_the_step_its_comms_progress():
+    """Forward and backward, the loop passes `comm.progress` to the step, which
+    calls it between tiles: version 1 once after every tile it computes."""
+    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=2, Hkv=1, D=4, tile_size=4, causal=True,
+                scale=None, dtype=np.float64, kind="gaussian", seed=3)
+    q, k, v, dout = case.inputs()
+    pos = positions(case.S, 3, case.layout)
+    qs, ks, vs, douts = (shard(x, 3, case.layout) for x in (q, k, v, dout))
+    opts = dict(mask=as_mask(True), scale=0.5, tile_size=4, step=steps.get("v1"))
+
+    def device(j, world):
+        comm = strict(j, world)
+        o, lse, forward = ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm, **opts)
+        after_forward = comm.progress_calls
+        backward = ring.ring_backward(qs[j], ks[j], vs[j], o, lse, douts[j], pos[j], pos[j], comm, **opts)[3]
+        strict_done(j, comm)
+        return after_forward, comm.progress_calls, forward.tiles_computed.sum(), backward.tiles_computed.sum()
+
+    for rank, (after_forward, total, forward_tiles, backward_tiles) in enumerate(run_threads(3, device)):
+        assert forward_tiles > 0 and backward_tiles > 0
+        assert after_forward == forward_tiles, f"rank {rank}: forward"
+        assert total - after_forward == backward_tiles, f"rank {rank}: backward"
+
+
 # -- the checkers catch what they are for -----------------------------------------------
 
 def _pass_on(n, rounds, body, make_comm=strict):
@@ -464,10 +488,11 @@ def test_mpi_ring_with_messages_above_the_eager_threshold(n, tmp_path):
 
 
 def test_block_arrives_while_its_receiver_computes_given_progress():
-    """tests/mpi/progress_worker.py: rank 0 idle in finish_shift, rank 1
-    computing tiles and calling progress() between them; its 4 MiB block
-    (rendezvous: MPI moves it only inside MPI calls) completes before rank 1
-    calls finish_shift. No timing: rank 1 computes until the block is there."""
+    """tests/mpi/progress_worker.py: `ring_forward` on 2 ranks, rank 0 idle in
+    finish_shift, rank 1's step computing tiles and calling the progress the
+    ring handed it between them; its 4 MiB block (rendezvous: MPI moves it only
+    inside MPI calls) completes before rank 1's step ends. No timing: rank 1
+    computes until the block is there."""
     pytest.importorskip("mpi4py")
     from test_mpi import MPIEXEC, WORKERS, mpirun
     if MPIEXEC is None:
