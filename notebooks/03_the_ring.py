@@ -25,12 +25,15 @@
 # ```
 #
 # `reference.ring.ring_forward` is that loop for **one** device. It is the same code for
-# every backend; only the communication object `comm` changes. It needs two verbs:
+# every backend; only the communication object `comm` changes. It needs three verbs:
 #
 # ```python
 # handle = comm.start_shift(arrays, tag)   # send to rank+1, receive from rank-1
-# arrays = comm.finish_shift(handle)       # wait for both; returns what arrived
+# arrays = comm.finish_shift(handle)       # wait for the receive; returns what arrived
+# comm.progress()                          # let the transfers in flight move
 # ```
+#
+# The third is for the step, which calls it between its tiles (more below).
 #
 # `reference.virtual` provides N *virtual* devices (threads in this process, sharing
 # nothing: a message is a copy). Here we run them on a small case, watch the blocks go
