@@ -38,7 +38,7 @@ import numpy as np
 from .nonfinite import all_finite, mask_rows, masked_product
 from .step import no_progress
 from .step_masks import TilePos, hide, tile_masks, weigh
-from .step_units import forward_units, on_this_thread, run_units, scratch
+from .step_units import column_runs, forward_units, on_this_thread, run_units, scratch
 from .tiles import MASKED, by_tile
 
 LOG2E = float(np.log2(np.e))
@@ -258,23 +258,25 @@ def backward_head(grads, queries, rows, block, bh, columns, cols, tick=no_progre
 
 def backward_cols(hq, col, dq, tiles, guard, tick=no_progress):
     """The backward of one key tile over its query tiles `tiles` [(query
-    slice, kind)]; dq (c, G, D) and the column's dk, dv are added to. P is
-    exactly 0 where masked, even where lse is NaN: the mask clears it after exp2."""
+    slice, kind)], neighbouring ones stacked into one product
+    (`column_runs`; a tile at a time where the inputs hold NaN or inf); dq
+    (c, G, D) and the column's dk, dv are added to. P is exactly 0 where
+    masked, even where lse is NaN: the mask clears it after exp2."""
     tk, D = col.k.shape
     G, dtype = hq.q.shape[1], hq.q.dtype
     dk_t, dv_t = scratch("dk_t", col.dk.shape, dtype), scratch("dv_t", col.dv.shape, dtype)
     dk_t.fill(0)                                                 # (tk, D) kept in cache over the tiles
     dv_t.fill(0)
-    R_max = G * max(len(hq.pos[qs]) for qs, _ in tiles)
+    runs = column_runs(tiles, len(hq.pos), G, tk, alone=guard)
+    R_max = G * max(qs.stop - qs.start for qs, _ in runs)
     buf_p, buf_ds = scratch("p", (R_max * tk,), dtype), scratch("ds", (R_max * tk,), dtype)
-    for qs, kind in tiles:
-        tq = len(hq.pos[qs])
+    for qs, members in runs:
+        tq = qs.stop - qs.start
         R = tq * G
         p, ds = buf_p[:R * tk].reshape(R, tk), buf_ds[:R * tk].reshape(R, tk)
-        mask, hidden = tile_masks(hq.masks, hq.pos[qs], col.pos, hq.mask)[:2] if kind == MASKED else (None, None)
         shifted_scores(p, hq.q2[qs].reshape(R, D + 1), col.k1, None)    # S - lse, base 2
-        exp2_visible(p, hidden)                                  # P = exp(S - lse), 0 where masked
-        vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None
+        mask = exp2_visible(p, hq, col, qs, members)             # P = exp(S - lse), 0 where masked
+        vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None; guarded runs are one tile
         vis_t = None if vis is None else vis.T
         dv_t += masked_product(p.T, hq.do[qs].reshape(R, D), vis_t)   # dV += P^T dO
         np.matmul(hq.do1[qs].reshape(R, D + 1), col.v1.T, out=ds)     # dP - delta   (R, tk)
@@ -312,14 +314,20 @@ def shifted_scores(s, q2, kt, where):
         hide(where.rows(s), where.hidden(), -np.inf)
 
 
-def exp2_visible(s, hidden):
-    """s := exp2(s), then 0 at the masked pairs of `hidden` (tq, tk) (True:
-    masked; None: none). A masked entry may overflow to inf or be NaN before
-    it is cleared; it contributes nothing either way."""
+def exp2_visible(p, hq, col, qs, members):
+    """p (R, tk) := exp2(p), then 0 at the masked pairs of the masked tiles
+    among `members` [(query slice, kind)] of the run `qs`. A masked entry may
+    overflow to inf or be NaN before it is cleared; it contributes nothing
+    either way. Returns the last masked tile's visible mask (tq, tk), None if
+    none: a guarded run holds one tile."""
     with np.errstate(over="ignore", invalid="ignore"):
-        np.exp2(s, out=s)
-    if hidden is not None:
-        hide(s.reshape(len(hidden), -1, s.shape[1]), hidden, 0)
+        np.exp2(p, out=p)
+    rows, mask = p.reshape(qs.stop - qs.start, -1, p.shape[1]), None
+    for ms, kind in members:
+        if kind == MASKED:
+            mask, hidden = tile_masks(hq.masks, hq.pos[ms], col.pos, hq.mask)[:2]
+            hide(rows[ms.start - qs.start:ms.stop - qs.start], hidden, 0)
+    return mask
 
 
 # -- on worker threads (reference.step_units) --------------------------------------
