@@ -20,9 +20,9 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   168-188 and 263-285). Adapters: BptStriped (striped), BptContiguous
   (normal); the full mask (causal=False) runs with `causal_layout=None`.
 - Heads: q, k, v are (B, c, H, D) with the same H (einsum 'bqhd,bkhd',
-  line 155): no grouped heads. The adapter repeats each K/V head Hq // Hkv
-  times before the call (GQA as a user of bpt.py would write it); autodiff
-  of the repeat sums the group's dK, dV.
+  line 155): no grouped heads; cases with Hq != Hkv are skipped (a repeat
+  of K, V in the adapter would sum the group's 16-bit dK, dV in 16 bits,
+  the adapter's rounding, not bpt.py's).
 - Scale: fixed, scores divided by `sqrt(D)` (lines 136, 155, 229): cases
   with another scale are skipped.
 - Masks: causal from `causal_layout`; anything else only through
@@ -47,8 +47,18 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   `dtype` in blockwise_kwargs is the dtype of the bias and of the masking
   value (line 467): the adapter passes the input dtype. The backward
   accumulates dQ, dK, dV in float32 (lines 74-76) and casts them to the
-  inputs' dtypes (line 107). The adapters hold every dtype to the float32
-  line (`accumulate_dtype`); float64 runs with jax_enable_x64 (the harness).
+  inputs' dtypes (line 107); but q and k there are the residuals of line
+  66, already cast to float32 (line 29), so dQ and dK of 16-bit inputs come
+  back in float32 (dV in v's dtype), which JAX lets through the custom VJP.
+  The adapters cast them to the input dtype (`gradient_in_dtype`), so that
+  their values are checked (BptStripedAsIs does not: the kit then reports
+  the dtype). float64 raises: with float32_logits=True the numerator carry is
+  float32 (lines 29, 32) and the block's `exp_values` float64 (v, line 162),
+  so the two branches of the chunk skip's `lax.cond` differ (line 182); with
+  float32_logits=False the forward runs and the backward raises the same way
+  (float32 dQ, line 74, against float64 blocks, line 277). The adapters hold every dtype to the float32
+  line (`accumulate_dtype`); float64 is declared (the harness turns
+  jax_enable_x64 on) to show it raising.
 - lse: `ring_attention` returns out only; its forward keeps the row max
   and the row sum (natural base, of the scaled scores) for the backward
   (line 66). The adapter returns lse = max + log(sum) from
@@ -92,11 +102,21 @@ def chunk_size(c, chunked):
     return max([d for d in range(1, c) if c % d == 0], default=c)
 
 
+def gradient_in_dtype(x):
+    """x, whose cotangent is cast to x's dtype (bpt.py's backward returns dQ, dK in float32)."""
+    import jax
+    same = jax.custom_vjp(lambda x: x)
+    same.defvjp(lambda x: (x, None), lambda _, g: (g.astype(x.dtype),))
+    return same(x)
+
+
 class Bpt(JaxAdapter):
     library = "striped_attention (bpt.py)"
     conventions = __name__
     causal_layout = None
     chunked = False
+    float32_logits = True
+    cast_gradients = True
     dtypes = ALL_DTYPES
     masks = ("causal", "full", "padding")
     world_sizes = (2, 3, 4)
@@ -114,6 +134,8 @@ class Bpt(JaxAdapter):
     def supports(self, case):
         if case.scale is not None and case.scale != case.D ** -0.5:
             return "scale: bpt.py divides scores by sqrt(D) (lines 136, 229)"
+        if case.Hq != case.Hkv:
+            return "grouped heads: bpt.py takes q, k, v with the same heads (line 155)"
         return super().supports(case)
 
     def compute(self, case, shard):
@@ -121,8 +143,9 @@ class Bpt(JaxAdapter):
         import jax.numpy as jnp
         bpt = load_bpt(self.path)
         dtype = shard.q.dtype
-        group = shard.q.shape[2] // shard.k.shape[2]
-        k, v = (jnp.repeat(x, group, axis=2) for x in (shard.k, shard.v))
+        q, k, v = shard.q, shard.k, shard.v
+        if self.cast_gradients:
+            q, k, v = (gradient_in_dtype(x) for x in (q, k, v))
         everywhere = self.positions(case).reshape(-1)             # the key axis in the devices' order
         bias = np.where(everywhere < case.S, 0, jnp.finfo(dtype).min)[None, None, None, :]
         bias = jnp.asarray(np.broadcast_to(bias, (case.B, 1, 1, bias.shape[-1])), dtype)
@@ -131,9 +154,9 @@ class Bpt(JaxAdapter):
                       query_chunk_size=size, key_chunk_size=size, block_size=case.c, deterministic=True,
                       dropout_rng=None, attn_pdrop=0.0, dtype=dtype, policy=None,
                       precision=None, prevent_cse=True)
-        out = bpt.ring_attention(shard.q, k, v, bias, shard.axis, True, kwargs)
+        out = bpt.ring_attention(q, k, v, bias, shard.axis, self.float32_logits, kwargs)
         out = jnp.where((shard.positions < case.S)[None, :, None, None], out, 0)   # a loss's padding mask
-        _, saved = bpt._ring_attention_fwd(shard.q, k, v, bias, shard.axis, True, kwargs)
+        _, saved = bpt._ring_attention_fwd(q, k, v, bias, shard.axis, self.float32_logits, kwargs)
         denominator, max_score = (jax.lax.stop_gradient(x) for x in saved[-2:])
         lse = max_score + jnp.log(denominator)
         return dict(out=out, lse=lse.astype(jnp.float64 if dtype == jnp.float64 else jnp.float32))
@@ -151,6 +174,18 @@ class BptContiguous(Bpt):
     name = "bpt.py ring_attention, normal"
     layouts = ("contiguous",)
     causal_layout = "normal"
+
+
+class BptStripedAsIs(BptStriped):
+    """Striped, dQ and dK returned in the dtype bpt.py gives them."""
+    name = "bpt.py ring_attention, striped, gradients as returned"
+    cast_gradients = False
+
+
+class BptStripedExactLogits(BptStriped):
+    """Striped with float32_logits=False (q, k in the input dtype)."""
+    name = "bpt.py ring_attention, striped, float32_logits=False"
+    float32_logits = False
 
 
 class BptStripedChunked(BptStriped):
