@@ -56,9 +56,9 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   float32 (lines 29, 32) and the block's `exp_values` float64 (v, line 162),
   so the two branches of the chunk skip's `lax.cond` differ (line 182); with
   float32_logits=False the forward runs and the backward raises the same way
-  (float32 dQ, line 74, against float64 blocks, line 277). The adapters hold every dtype to the float32
-  line (`accumulate_dtype`); float64 is declared (the harness turns
-  jax_enable_x64 on) to show it raising.
+  (float32 dQ, line 74, against float64 blocks, line 277). The adapters
+  hold every dtype to the float32 line (`accumulate_dtype`); float64 is
+  declared (the harness turns jax_enable_x64 on) to show it raising.
 - lse: `ring_attention` returns out only; its forward keeps the row max
   and the row sum (natural base, of the scaled scores) for the backward
   (line 66). The adapter returns lse = max + log(sum) from
@@ -111,7 +111,9 @@ def gradient_in_dtype(x):
 
 
 class Bpt(JaxAdapter):
-    library = "striped_attention (bpt.py)"
+    library = "exists-forall/striped_attention bpt.py"
+    version = f"commit {COMMIT}"
+    repro_env = "BPT=path/to/bpt.py "
     conventions = __name__
     causal_layout = None
     chunked = False
