@@ -455,6 +455,7 @@ def main(argv=None):
     ap.add_argument("--peer", action="append", choices=sorted(PEERS), help="only these (repeatable)")
     ap.add_argument("--dtype", action="append", help="only these dtypes (repeatable)")
     ap.add_argument("--masks", action="append", choices=list(MASK_SETS), help="only these mask sets (repeatable)")
+    ap.add_argument("--pass", dest="passes", action="append", choices=list(PASSES), help="only these passes (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "CONFORMANCE.md"), help="the report ('-': stdout)")
     ap.add_argument("--accumulate", help="hold every peer to this accumulation dtype's line instead of its own")
     ap.add_argument("--repro", nargs=3, metavar=("PEER", "PASS", "CASE"), help="check one case and print the result")
@@ -472,7 +473,7 @@ def main(argv=None):
         plan = [(PEERS[key], dtype, masks, phase) for key in args.peer or PEERS for dtype in PEERS[key].dtypes
                 if not args.dtype or np.dtype(dtype).name in args.dtype
                 for masks in mask_sets(PEERS[key], dtype) if not args.masks or masks in args.masks
-                for phase in PASSES]
+                for phase in PASSES if not args.passes or phase in args.passes]
         runs = []
         for i, (peer, dtype, masks, phase) in enumerate(plan, start=1):
             run = run_one(peer, dtype, masks, phase, args.examples)
