@@ -12,7 +12,8 @@
 #   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
 #   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md,
 #                    and the JAX ring of examples/ checked from the kit's command line
-#                    (its own venv, peers/.venv, with torch on the CPU; never part of make test)
+#                    (its own venv, peers/.venv, with torch on the CPU; never part of make test;
+#                    BPT=path/to/bpt.py adds the paper authors' JAX ring)
 
 PYTHON ?= python3
 RANKS  ?= 4
