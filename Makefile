@@ -12,7 +12,8 @@
 #   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
 #   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md,
 #                    and the JAX ring of examples/ checked from the kit's command line
-#                    (its own venv, peers/.venv, with torch on the CPU; never part of make test)
+#                    (its own venv, peers/.venv, with torch on the CPU; never part of make test;
+#                    BPT=path/to/bpt.py adds the paper authors' JAX ring)
 
 PYTHON ?= python3
 RANKS  ?= 4
@@ -86,6 +87,9 @@ wheel-check: $(VENV)/.installed
 
 PEERS_VENV := peers/.venv
 CONFORMANCE ?= --examples 40
+# the paper authors' JAX ring is a file, not a package: BPT=path/to/bpt.py adds its rows
+# (exists-forall/striped_attention at 0c3ef0f; README, 'Conformance of other rings')
+BPT ?=
 
 $(PEERS_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -96,7 +100,7 @@ $(PEERS_VENV)/.installed: pyproject.toml
 # the PyTorch harness's own tests first (skipped by make test, which has no torch), then the peers
 conformance: $(PEERS_VENV)/.installed
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_harness.py
-	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
+	BPT=$(BPT) OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 2,4 --examples 20
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_jax_harness.py
 

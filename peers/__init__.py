@@ -16,6 +16,9 @@ disagreement to its smallest case); each says what one rank computes:
     peers/ringmaster_adapter.py               axolotl-ringmaster: all-gather and p2p rings, zigzag over
                                               packed documents
     peers/yunchang_adapter.py                 yunchang: its ring with the torch block kernel
+    peers/bpt_adapter.py                      the paper authors' JAX ring (bpt.py, exists-forall/striped_attention
+                                              at 0c3ef0f), striped and normal; on the JAX harness, only when
+                                              BPT names the file (`make conformance BPT=path/to/bpt.py`)
     peers/conformance.py                      the runner; writes CONFORMANCE.md
     examples/torch_ring.py                    this project's example ring, run beside them as a control
 
@@ -24,6 +27,8 @@ disagreement to its smallest case); each says what one rank computes:
 
 Nothing here is imported by the project or by `make test`.
 """
+
+import os
 
 from examples.torch_ring import TorchRing
 
@@ -52,3 +57,7 @@ PEERS = {peer.key: peer for peer in (
     TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
     Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
     ExampleRing())}
+if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
+    from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked
+    PEERS.update({peer.key: peer for peer in (BptStriped(), BptContiguous(), BptStripedChunked(),
+                                              BptContiguousChunked())})

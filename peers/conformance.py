@@ -48,7 +48,7 @@ MASK_SETS = {"causal / full": ((), lambda case: True),
              "window": (("window",), lambda case: case.window is not None),
              "documents": (("cu_seqlens",), lambda case: case.cu_seqlens is not None and len(case.cu_seqlens) > 2)}
 MASKED_DTYPES = ("float16", "bfloat16")
-REPRO = "peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{case!r}\""
+REPRO = "{env}peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{case!r}\""
 
 # What explains each disagreement, from reading the peer's code. A finding applies
 # to a run whose peer key starts with `peer`, whose dtype, pass and mask set match
@@ -183,6 +183,15 @@ FINDINGS = [
          text="float64 inputs come back with float32 precision: the merge casts every block's out to float32 "
               "(`block_out.to(torch.float32)`, ring/utils.py lines 17 and 40) and the result is cast back to the "
               "input dtype only at the end."),
+    dict(peer="bpt/", dtype="float64", phase=None, match="output types match",
+         kind="not supported (float64 raises)",
+         text="float64 inputs raise while tracing: with `float32_logits=True` (what llamabpt/llama.py passes, "
+              "line 574) q and k are cast to float32 (bpt.py lines 28-29), so the running numerator, sum and max "
+              "are float32 (lines 32-33, 62), while a block's `exp_values` meet float64 values (line 162) and a "
+              "float64 bias (line 157, `dtype`): the two branches of the chunk skip's `lax.cond` (lines 182-188) "
+              "return different dtypes and JAX refuses. With `float32_logits=False` the forward runs and the "
+              "backward raises the same way: its dQ accumulator is float32 (line 74) against float64 blocks "
+              "(line 277)."),
 ]
 
 
@@ -286,8 +295,15 @@ def run_one(peer, dtype, masks, phase, examples):
 
 
 def versions():
-    from importlib.metadata import version
-    return {name: version(name) for name in LIBRARIES}
+    from importlib.metadata import PackageNotFoundError, version
+    found = {}
+    for name in LIBRARIES:          # (a run of some peers alone, --peer, needs only theirs)
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    # a peer that is not an installed package (bpt.py, a file at a commit) says its own version
+    return {**found, **{peer.library: peer.version for peer in PEERS.values() if hasattr(peer, "version")}}
 
 
 def report(runs, examples, seconds):
@@ -348,7 +364,7 @@ def report(runs, examples, seconds):
                       f"{finding['kind'] if finding else 'not classified'}", ""]
             if case is not None:
                 lines += [f"Smallest case: `{case!r}`", "", "```", message.strip(), "```", "",
-                          f"Reproduce: `{REPRO.format(peer=run.peer.key, phase=run.phase, case=case)}`", ""]
+                          f"Reproduce: `{REPRO.format(env=getattr(run.peer, 'repro_env', ''), peer=run.peer.key, phase=run.phase, case=case)}`", ""]
             else:
                 lines += ["```", _last_lines(message, 20), "```", ""]
             if finding:
@@ -397,7 +413,7 @@ def repro(key, phase, case_text):
     except AssertionError as e:
         print(e)
         return 1
-    except RuntimeError as e:
+    except Exception as e:          # noqa: BLE001 - a peer that raises disagrees
         print(f"{PEERS[key].name} on {case!r} ({phase}): raised {where_raised(str(e))}")
         return 1
     print(f"{PEERS[key].name} agrees with the oracle on {case!r} ({phase})")
@@ -428,6 +444,7 @@ def main(argv=None):
     ap.add_argument("--peer", action="append", choices=sorted(PEERS), help="only these (repeatable)")
     ap.add_argument("--dtype", action="append", help="only these dtypes (repeatable)")
     ap.add_argument("--masks", action="append", choices=list(MASK_SETS), help="only these mask sets (repeatable)")
+    ap.add_argument("--pass", dest="passes", action="append", choices=list(PASSES), help="only these passes (repeatable)")
     ap.add_argument("--out", default=str(ROOT / "CONFORMANCE.md"), help="the report ('-': stdout)")
     ap.add_argument("--accumulate", help="hold every peer to this accumulation dtype's line instead of its own")
     ap.add_argument("--repro", nargs=3, metavar=("PEER", "PASS", "CASE"), help="check one case and print the result")
@@ -445,7 +462,7 @@ def main(argv=None):
         plan = [(PEERS[key], dtype, masks, phase) for key in args.peer or PEERS for dtype in PEERS[key].dtypes
                 if not args.dtype or np.dtype(dtype).name in args.dtype
                 for masks in mask_sets(PEERS[key], dtype) if not args.masks or masks in args.masks
-                for phase in PASSES]
+                for phase in PASSES if not args.passes or phase in args.passes]
         runs = []
         for i, (peer, dtype, masks, phase) in enumerate(plan, start=1):
             run = run_one(peer, dtype, masks, phase, args.examples)
