@@ -19,6 +19,7 @@ them) and names the kernels that ran.
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -36,12 +37,19 @@ def block_pairs(seq_len, n_devices):
     return dict(zip(SHAPES, ((contiguous[1], contiguous[0]), (striped[1], striped[0]), (striped[0], striped[1]))))
 
 
-def timed_block(step, q_pos, k_pos, x, tile_size, backward=False):
-    """CPU seconds of one step on the block (after the device's own block), and its tiles."""
+def timed_block(step, q_pos, k_pos, x, tile_size, backward=False, around=nullcontext):
+    """CPU seconds of one step on the block (after the device's own block), and its tiles;
+    the step runs inside ``around()`` (`bench.tile_parts` times its passes there)."""
     queries = Queries.prepare(x, x.shape[2], q_pos, x.shape[-1] ** -0.5)
     own, other = own_block(x, x, q_pos, 0), own_block(x, x, k_pos, 1)
     acc = ForwardAcc.zeros(queries.q)
     step.forward(acc, queries, own, causal=True, tile_size=tile_size)           # own block first
+    with around():
+        seconds, counts = _step(step, queries, acc, other, tile_size, backward)
+    return seconds, counts.tiles_computed
+
+
+def _step(step, queries, acc, other, tile_size, backward):
     start = time.thread_time()
     if backward:
         zeros = np.zeros(queries.q.shape[:-1], np.float32)
@@ -51,7 +59,7 @@ def timed_block(step, q_pos, k_pos, x, tile_size, backward=False):
             counts = step.backward(grads, queries, rows, other, causal=True, tile_size=tile_size)
     else:
         counts = step.forward(acc, queries, other, causal=True, tile_size=tile_size)
-    return time.thread_time() - start, counts.tiles_computed
+    return time.thread_time() - start, counts
 
 
 def measure(step_names, seq_len, n_devices, heads, head_dim, tile_size, repeats=5, backward=False):
@@ -68,28 +76,39 @@ def measure(step_names, seq_len, n_devices, heads, head_dim, tile_size, repeats=
     return best
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.block_shapes", description=__doc__.split("\n\n")[0])
+def block_arguments(prog, doc, n_devices=4, tile_size=256):
+    """The arguments of a benchmark of one device's blocks (this one, `bench.tile_parts`)."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     ap.add_argument("--seq-len", type=int, default=8192, help="tokens S (default %(default)s)")
-    ap.add_argument("--n-devices", type=int, default=4, help="devices N (default %(default)s)")
+    ap.add_argument("--n-devices", type=int, default=n_devices, help="devices N (default %(default)s)")
     ap.add_argument("--heads", type=int, default=4, help="heads H (default %(default)s)")
     ap.add_argument("--head-dim", type=int, default=64, help="head dim D (default %(default)s)")
-    ap.add_argument("--tile-size", type=int, default=256, help="tile size (default %(default)s)")
-    ap.add_argument("--steps", nargs="+", default=["auto"], choices=steps.names(), metavar="STEP",
-                    help=f"step versions, taking turns (default: auto; any of {', '.join(steps.names())})")
-    ap.add_argument("--step", dest="steps", nargs=1, choices=steps.names(), help=argparse.SUPPRESS)
+    ap.add_argument("--tile-size", type=int, default=tile_size, help="tile size (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="least of (default %(default)s)")
     ap.add_argument("--as-set", action="store_true",
                     help="keep OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE where set (default: run again without them)")
     ap.add_argument("--unset", default="", help=argparse.SUPPRESS)     # set by the rerun
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run_on_one_thread(module, args, argv, report):
+    """``report(args, machine)`` with one BLAS thread and the machine's own BLAS
+    kernels: first run again without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (``--as-set`` keeps them)."""
     from .kernel import cpu_model, kernels_note, rerun_with_machine_kernels
     if not args.as_set and not args.unset:
-        status = rerun_with_machine_kernels("bench.block_shapes", sys.argv[1:] if argv is None else argv)
+        status = rerun_with_machine_kernels(module, sys.argv[1:] if argv is None else argv)
         if status is not None:
             sys.exit(status)
     with blas_limit(1):
         report(args, f"{cpu_model()}, BLAS {blas_description()}{kernels_note(args.unset)}")
+
+
+def main(argv=None):
+    ap = block_arguments("python -m bench.block_shapes", __doc__)
+    ap.add_argument("--steps", nargs="+", default=["auto"], choices=steps.names(), metavar="STEP",
+                    help=f"step versions, taking turns (default: auto; any of {', '.join(steps.names())})")
+    ap.add_argument("--step", dest="steps", nargs=1, choices=steps.names(), help=argparse.SUPPRESS)
+    run_on_one_thread("bench.block_shapes", ap.parse_args(argv), argv, report)
 
 
 def report(args, machine):

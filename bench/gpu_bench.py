@@ -37,6 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mpi_impl.launch import find_mpiexec
+from reference.tms import attention_flops
+
 from . import RESULTS, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,11 +141,12 @@ def step_table(cupy, cfg, blas32):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s) for s in ((1, H, c, 1, D), (1, H, c, D), (1, H, c, D)))
     q_pos, k_pos = np.arange(c) + c, np.arange(c)            # every key before every query: all tiles FULL
-    useful = 4 * D * c * c * H
+    useful = attention_flops(c * c * H, D)
 
     def inputs(dtype):
         return (Queries(cupy.asarray(q * D ** -0.5, dtype=dtype), q_pos),
-                KVBlock(cupy.asarray(k, dtype=dtype), cupy.asarray(v, dtype=dtype), k_pos, np.array([0])))
+                KVBlock(cupy.asarray(k, dtype=dtype), cupy.asarray(v, dtype=dtype), k_pos,
+                        np.array([0, 1], np.int32)))        # device 0, K and V finite: the step reads no flag on the GPU
 
     def run(step, queries, block, tile):
         acc = ForwardAcc.zeros(queries.q)
@@ -169,10 +173,9 @@ def step_table(cupy, cfg, blas32):
 
 def ring_measure(cfg, transfer="auto", step="auto"):
     """Launch the ring worker on cfg['ranks'] ranks; its JSON document."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ring.json"
-        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(cfg["ranks"]), sys.executable,
+        cmd = [find_mpiexec() or "mpiexec", "-n", str(cfg["ranks"]), sys.executable,
                "-m", "mpi4py", "-m", "bench.gpu_bench", "--ring-worker", str(out),
                "--seq-len", str(cfg["seq_len"]), "--heads", str(cfg["heads"]), "--head-dim", str(cfg["head_dim"]),
                "--tile", str(cfg["tile"]), "--repeat", str(cfg["repeat"]), "--transfer", transfer,
@@ -186,7 +189,7 @@ def ring_measure(cfg, transfer="auto", step="auto"):
 
 def useful_flops(S, B, H, D, causal=True):
     pairs = S * (S + 1) // 2 if causal else S * S
-    return 4 * D * pairs * H * B
+    return attention_flops(pairs * H * B, D)
 
 
 def ring_table(doc, cfg, blas32):

@@ -51,6 +51,7 @@ from reference.ring import own_block
 from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
 from reference.cores import blas_description, blas_limit
 from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs
+from reference.tms import attention_flops
 
 from . import RESULTS, markdown_table, torch_compare
 
@@ -168,7 +169,7 @@ def kernel_point(S, D, tile, repeats, rate, step):
     t_f = min(forward(step, pb, tile)[-1] for _ in range(repeats))
     t_b = min(backward(step, pb, out, lse, tile)[-1] for _ in range(repeats))
     pairs = count_visible_pairs(pb.pos, pb.pos) * HEADS
-    flops_f, flops_b = 4 * D * pairs, 10 * D * pairs
+    flops_f, flops_b = attention_flops(pairs, D), attention_flops(pairs, D, backward=True)
     return dict(S=S, D=D, tile=tile, step=f"step {step.label}", fwd_s=t_f, bwd_s=t_b, error=error,
                 fwd=flops_f / t_f / rate, bwd=flops_b / t_b / rate,
                 fwd_gflops=flops_f / t_f / 1e9, bwd_gflops=flops_b / t_b / 1e9)

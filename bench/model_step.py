@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 import reference
+from mpi_impl.launch import find_mpiexec
 from model import speedup, train, transformer
 
 from . import RESULTS, markdown_table
@@ -81,10 +82,9 @@ def worker(out_path, seqs):
 
 def launch(seqs, progress=None, timeout=1200):
     """One mpiexec launch of the worker; its records."""
-    beside = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "steps.json"
-        cmd = [str(beside) if beside.exists() else "mpiexec", "-n", str(N_RANKS), sys.executable, "-m", "mpi4py",
+        cmd = [find_mpiexec() or "mpiexec", "-n", str(N_RANKS), sys.executable, "-m", "mpi4py",
                "-m", "bench.model_step", "--worker", str(out), "--seqs", *map(str, seqs)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(timeout), **SINGLE_THREAD)
         if progress:

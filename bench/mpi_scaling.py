@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mpi_impl.launch import find_mpiexec
 from reference.trace import read_trace
 
 from . import RESULTS, markdown_table
@@ -77,8 +78,7 @@ def command(n, seq_len, tile, *, layout="all", backward=False, repeat=1, extra=(
 
 
 def _mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else "mpiexec"
+    return find_mpiexec() or "mpiexec"          # not found: the launch says so
 
 
 def launch(cmd, progress=None, timeout=1800):

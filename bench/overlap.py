@@ -174,7 +174,7 @@ def worker(spec_path, out_path):
                                          backward=backward))
     if rank == 0:
         write_trace(out_path, {"ranks": n, "alone_s": alone, "runs": runs,
-                               "library": MPI.Get_library_version().splitlines()[0].strip()})
+                               "library": " ".join(MPI.Get_library_version().rstrip("\x00").split("\n")[0].split())})
 
 
 # -- the figures ------------------------------------------------------------------------

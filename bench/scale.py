@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpi_impl.launch import find_mpiexec
+
 from . import RESULTS, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,10 +105,9 @@ def check(found, rows, S):
 # -- the driver ------------------------------------------------------------------
 
 def launch(S, ranks, tile, step, say, timeout_s):
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "scale.json"
-        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks), sys.executable, "-m", "mpi4py",
+        cmd = [find_mpiexec() or "mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py",
                "-m", "bench.scale", "--worker", str(result), "--seq-len", str(S), "--tile", str(tile),
                "--step", step]
         env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(timeout_s), OPENBLAS_NUM_THREADS="1",

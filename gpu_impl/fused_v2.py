@@ -260,11 +260,11 @@ def _kernel(config):
 
 def launch_kernel(acc, queries, block, plan):
     """One launch: grid (query tiles, B * Hkv), 32 * WARPS threads, the plan's
-    arrays uploaded once per distinct content (`fused.DevicePositions`)."""
+    arrays uploaded once per distinct content and stream (`fused.positions_for`)."""
     import cupy
     q = queries.q
     B, Hkv, c, G, D = q.shape
-    kept = fused.POSITIONS.setdefault(q.device.id, fused.DevicePositions())
+    kept = fused.positions_for(cupy, q.device.id)
     arrays = [kept.get(cupy, x) for x in (plan.k_pos, plan.q_lo, plan.q_hi, plan.q_doc, plan.k_doc, plan.kinds)]
     _kernel(plan.config)(plan.grid, (plan.config.threads,), (q, block.k, block.v, *arrays, acc.o, acc.m, acc.l,
                                                              *plan.scalars(c, block.k.shape[2], G)),

@@ -78,7 +78,7 @@ def main(argv=None):
                                 n_layer=args.layers, d_ff=args.d_ff)
     layouts = reference.LAYOUTS if args.layout == "all" else (args.layout,)
     for layout in layouts:       # the model shards S as it is: no padding, so S must split into the shards
-        unit = 2 * n if layout == "zigzag" else n
+        unit = reference.layouts.unit(n, layout)
         if args.seq_len % unit:
             raise SystemExit(f"python -m model: error: sequence length {args.seq_len} must be a positive "
                              f"multiple of {'2 * ' if layout == 'zigzag' else ''}n_devices = {unit} for {layout}")

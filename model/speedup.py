@@ -27,6 +27,7 @@ from functools import lru_cache
 
 import reference
 from reference.cost import HARDWARE, MODELS, paper_rows
+from reference.tms import linear_flops_per_token
 
 # Paper section 3.1: the tile sizes it chose after a sweep for Ring Attention.
 PAPER_TILES = {"a100": (2048, 4096), "tpuv3": (2048, 2048), "tpuv4": (2048, 2048)}
@@ -58,8 +59,7 @@ def tms(linear_flops_per_token, d_model, h, n_seq, n_devices, layout="striped", 
 def paper_linear_flops_per_token(model):
     """The paper's F_lin / c for a model of its Table 1."""
     m = MODELS[model]
-    d, f, V, L = m["d_model"], m["d_ff"], m["n_vocab"], m["n_layer"]
-    return 8 * d * d + 4 * d * f + 2 * d * V / L
+    return linear_flops_per_token(m["d_model"], m["d_ff"], m["n_vocab"], m["n_layer"])
 
 
 def tile_aware(row):

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from reference import tms
+
 from . import layers
 
 
@@ -42,8 +44,7 @@ class Config:
     def linear_flops_per_token(self):
         """Forward matmul FLOPs per token, per layer, the paper's count (section 4):
         8 d^2 (Q, K, V, O) + 4 d f (MLP) + 2 d V / L (LM head, shared over layers)."""
-        d, f = self.d_model, self.d_ff
-        return 8 * d * d + 4 * d * f + 2 * d * self.vocab / self.n_layer
+        return tms.linear_flops_per_token(self.d_model, self.d_ff, self.vocab, self.n_layer)
 
     def as_dict(self):
         return asdict(self)

@@ -159,6 +159,7 @@ class RingComm:
         self._tested_at = float("-inf")     # when progress() last tested the requests
         self._notices = _Notices(mpi_comm, self.prev, self.next) if self.size > 1 else None
         self._owns_comm = False     # a duplicate made by `on`, freed by `close`
+        self._closed = False        # closed, or left: the ring's end has been dealt with
 
     @classmethod
     def on(cls, mpi_comm, memory=None):
@@ -246,7 +247,11 @@ class RingComm:
         communicator `on` duplicated. Every shift started must have been
         finished, and a neighbour that left the ring meanwhile (after its last
         transfer with this rank) makes the call fail here too: the ring call is
-        collective, and the next collective would wait for that rank for ever."""
+        collective, and the next collective would wait for that rank for ever.
+        Closing again does nothing (the notices were taken back: reading them
+        again would read what a cancelled receive left)."""
+        if self._closed:
+            return
         try:
             unfinished = [lane.in_flight for lane in self._lanes.values() if lane.in_flight is not None]
             if unfinished:
@@ -282,7 +287,9 @@ class RingComm:
         """This rank's ring call ended with `error`: tell both neighbours (they
         stop waiting for this rank and say why), cancel the receives in flight,
         complete the sends (their receivers wait for them) unless the receiver
-        left too, and free the communicator."""
+        left too, and free the communicator. Once closed or left, nothing more."""
+        if self._closed:
+            return
         if self._notices is not None:
             _quietly(lambda: self._notices.tell(f"{type(error).__name__}: {error}"))
         for shift in list(self._active):
@@ -299,6 +306,7 @@ class RingComm:
         self._free()
 
     def _free(self):
+        self._closed = True
         self._lanes.clear()         # the buffer sets go now, whoever still holds this object
         if self._owns_comm:
             self._owns_comm = False

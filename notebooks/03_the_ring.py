@@ -25,12 +25,15 @@
 # ```
 #
 # `reference.ring.ring_forward` is that loop for **one** device. It is the same code for
-# every backend; only the communication object `comm` changes. It needs two verbs:
+# every backend; only the communication object `comm` changes. It needs three verbs:
 #
 # ```python
 # handle = comm.start_shift(arrays, tag)   # send to rank+1, receive from rank-1
-# arrays = comm.finish_shift(handle)       # wait for both; returns what arrived
+# arrays = comm.finish_shift(handle)       # wait for the receive; returns what arrived
+# comm.progress()                          # let the transfers in flight move
 # ```
+#
+# The third is for the step, which calls it between its tiles (more below).
 #
 # `reference.virtual` provides N *virtual* devices (threads in this process, sharing
 # nothing: a message is a copy). Here we run them on a small case, watch the blocks go
@@ -77,10 +80,25 @@ assert np.allclose(lock_lse, dense_lse, rtol=0, atol=1e-12)
 # Real devices do not run in lockstep: each runs its own loop and waits only for the block
 # it needs next. `reference.ring.ring_forward` is that loop for **one** device, with the
 # paper's lines as comments: the send is started before the compute, so that the two
-# overlap, and the receive is waited for after it:
+# can overlap, and the receive is waited for after it:
 
 # %%
 print(inspect.getsource(ring.ring_forward))
+
+# %% [markdown]
+# Starting the send first lets the transfer overlap the compute; whether it does is up to
+# the communication object. Here (`reference.virtual`) `start_shift` copies the block into
+# the next device's mailbox at once, so a block is there before its receiver needs it
+# unless the sender is behind. On MPI ranks (notebook 6) a large message moves only while
+# a rank is inside an MPI call, not while its process computes. So the communication
+# object has a third verb, `progress`, and the loop hands it to the step
+# (`progress=comm.progress`), which calls it between its tiles: on MPI each call tests the
+# transfers in flight, and a block sent at the start of a round moves during the step.
+# Here it has nothing to do.
+
+# %%
+assert "progress=comm.progress" in inspect.getsource(ring.ring_forward)   # handed to the step
+assert "progress" in inspect.signature(steps.get("v1").forward).parameters   # which takes it
 
 # %% [markdown]
 # Run on N threads (`reference.ring_attention`), it gives the lockstep's answer bit for
@@ -115,6 +133,9 @@ class WatchedRing:
 
     def finish_shift(self, handle):
         return self.comm.finish_shift(handle)
+
+    def progress(self):
+        self.comm.progress()
 
 
 watched = {}                                                   # layout -> (pos, sent, trace)

@@ -16,9 +16,10 @@
 #
 # So far the devices were threads in this process. `mpi_impl` runs the same per-device
 # loop, `reference.ring.ring_forward` / `ring_backward`, on **separate processes**, one
-# MPI rank per device, with a communication object (`mpi_impl.RingComm`) whose two verbs,
-# `start_shift` and `finish_shift`, post non-blocking sends to rank `j + 1` and receives
-# from rank `j - 1`. Only data movement differs from the virtual ring.
+# MPI rank per device, with a communication object (`mpi_impl.RingComm`) whose verbs
+# `start_shift` and `finish_shift` post non-blocking sends to rank `j + 1` and receives
+# from rank `j - 1`, and wait for the receives. Only data movement differs from the
+# virtual ring.
 #
 # MPI programs are started by `mpiexec`, not from inside a kernel, so each cell below
 # launches a job with `subprocess` and reads back what it wrote:
@@ -41,15 +42,15 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
-from IPython.display import Image, display
 
 import reference
 from mpi_impl import RingComm
+from mpi_impl.launch import find_mpiexec
 from reference.trace import read_trace
 from reference import LAYOUTS, cost, positions, ring_attention, ring_attention_backward
 from reference.tiles import FULL, MASKED, classify
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
+MPIEXEC = find_mpiexec()                                      # beside this Python, else on PATH
 N_RANKS = 4
 _workdir = tempfile.TemporaryDirectory(prefix="striped_attention_")   # removed when the kernel stops
 OUT = Path(_workdir.name)                                     # where the jobs write
@@ -57,7 +58,7 @@ PROJECT = Path(reference.__file__).resolve().parents[1]       # the ranks import
 ENV = dict(os.environ, MPIEXEC_TIMEOUT="120",                 # seconds, then mpiexec kills the job
            OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",     # one BLAS thread per rank
            PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])))
-assert MPIEXEC.exists(), "install the MPI extra: pip install -e '.[mpi]'"
+assert MPIEXEC is not None, "install the MPI extra: pip install -e '.[mpi]'"
 
 
 def launch(*options):
@@ -72,13 +73,18 @@ def launch(*options):
 # ## The communication object
 #
 # The per-device loop is `reference.ring.ring_forward` of notebook 3, unchanged. What is
-# new is the object behind its two verbs: `mpi_impl.RingComm.start_shift` posts a
+# new is the object behind its verbs: `mpi_impl.RingComm.start_shift` posts a
 # non-blocking receive from the previous rank and a non-blocking send to the next one, for
-# every array of the block, and `finish_shift` waits for them:
+# every array of the block, and `finish_shift` waits for the receives (a send completes
+# later, and is waited for only before its buffer is used again). A third verb,
+# `progress`, tests the transfers in flight: MPI moves a large message only inside MPI
+# calls, so a transfer moves while both ranks compute only if something calls into MPI
+# meanwhile. We come back to it with the timeline below.
 
 # %%
 print(inspect.getsource(RingComm.start_shift))
 print(inspect.getsource(RingComm.finish_shift))
+print(inspect.getsource(RingComm.progress))
 
 # %% [markdown]
 # ## A checked run
@@ -135,31 +141,92 @@ print("every layout: MPI ranks did exactly the virtual devices' work")
 # %% [markdown]
 # ## Timing: contiguous against striped
 #
-# Now a larger forward pass in float32, best of three, with `--plot`: the per-rank timeline
-# of each layout, every round's compute (blue) followed by its wait for the next block
-# (grey).
-#
-# A caution on reading it: on a machine with fewer cores than ranks, ranks share cores, and
-# wall time measures the scheduler as much as the algorithm. The fair measure is then the
-# **critical path in CPU time**: the sum over rounds of the busiest rank's CPU seconds in the
-# step, which the table reports and which we compare below with the cost model. Timings on a
-# shared machine are noisy; `bench/` measures them properly.
+# Now a larger forward pass in float32. A caution on reading the timings: on a machine
+# with fewer cores than ranks, ranks share cores, and wall time measures the scheduler as
+# much as the algorithm. The fair measure is then the **critical path in CPU time**: the
+# sum over rounds of the busiest rank's CPU seconds in the step, which the table reports
+# and which we compare below with the cost model. Timings on a shared machine are noisy,
+# and a max over ranks of noisy times runs long: the command line keeps each (round, rank)
+# step's least CPU time over its `--repeat` runs, and we launch it twice, a few seconds
+# apart, and keep the lesser of the two again. `bench/` measures more carefully.
 
 # %%
 S_BIG, T_BIG = 4096, 128
-table = launch("--layout", "all", "--seq-len", str(S_BIG), "--tile-size", str(T_BIG), "--heads", "4",
-               "--head-dim", "64", "--dtype", "float32", "--repeat", "3",
-               "--trace-out", "timing.json", "--plot", "timeline.png")
-print(table)
-display(Image(filename=OUT / "timeline.png"))
+for i in range(2):
+    print(launch("--layout", "all", "--seq-len", str(S_BIG), "--tile-size", str(T_BIG), "--heads", "4",
+                 "--head-dim", "64", "--dtype", "float32", "--repeat", "2", "--trace-out", f"timing_{i}.json"))
+runs = [read_trace(OUT / f"timing_{i}.json")["layouts"] for i in range(2)]
+forward = {layout: runs[0][layout]["forward"] for layout in LAYOUTS}
 
 # %% [markdown]
-# From the trace: each rank's CPU time per round as a heat map, the same picture as
-# notebook 3's work heat maps but measured, next to the predicted work.
+# ## The timeline
+#
+# The trace also holds, per round and rank, when the step started (`start_s`, on a clock
+# the ranks start together), how long it ran, how long the rank then waited in
+# `finish_shift`, and when the block it waited for arrived (`arrived_s`). A rank waits
+# for one of two things, and `reference.trace.wait_parts` tells them apart: the block it
+# needs next was **not yet sent** (its sender, rank `j - 1`, sends it as it starts the
+# same round, and was still busy with an earlier one), or it was sent and the transfer was
+# **still arriving**. The picture (`reference.plot`, what `--plot timeline.png` draws):
+# each step a blue bar with its round number, then the wait, red for a block not yet
+# sent, grey for a transfer still arriving, and a black tick where the block arrived.
+# White gaps are time the rank spent neither computing nor waiting: four ranks and this
+# notebook share the machine's cores, and a rank the scheduler set aside stands still.
 
 # %%
-timing = read_trace(OUT / "timing.json")
-measured = {layout: timing["layouts"][layout]["forward"].compute_cpu_s * 1e3 for layout in LAYOUTS}   # (t, j) ms
+from reference.plot import timeline_figure
+from reference.trace import wait_parts
+
+fig = timeline_figure(plt, {layout: {"forward": forward[layout]} for layout in LAYOUTS},
+                      f"forward, S={S_BIG}, {N_RANKS} ranks, tiles of {T_BIG}, the first launch: wall clock")
+plt.show()
+
+print(f"{'':<11} {'waiting for a block not yet sent':>33} {'for a transfer to arrive':>25}"
+      f" {'blocks that arrived during the step':>36}   (ms, summed over rounds)")
+for layout, tr in forward.items():
+    not_sent, in_flight = wait_parts(tr)
+    assert np.allclose(not_sent + in_flight, tr.wait_s) and (not_sent >= 0).all() and (in_flight >= 0).all()
+    ended = tr.start_s[:-1] + tr.compute_s[:-1]                 # rounds that wait for a block
+    assert (tr.arrived_s[:-1] >= tr.start_s[:-1]).all()         # first looked for during the step
+    during = int((tr.arrived_s[:-1] < ended).sum())             # and seen there: progress moved it
+    print(f"{layout:<11} {str(np.round(not_sent.sum(axis=0) * 1e3, 1)):>33} "
+          f"{str(np.round(in_flight.sum(axis=0) * 1e3, 1)):>25} {f'{during} of {ended.size}':>36}")
+    assert np.isnan(tr.arrived_s[-1]).all()                     # nothing travels after the last round
+
+contiguous = forward["contiguous"]
+cpu = contiguous.compute_cpu_s.sum(axis=0)                      # per rank, all rounds
+ends = (contiguous.start_s + contiguous.compute_s + contiguous.wait_s).max(axis=0)
+print("contiguous, CPU ms per rank:", np.round(cpu * 1e3, 1), " done at (ms, wall):", np.round(ends * 1e3))
+assert cpu[-1] > 2 * cpu[0]          # rank 0's keys are the future of every other block; the last rank sees all
+assert (forward["striped"].bytes_sent[0] > 2 * 2**20).all()     # a K, V block of 2 MiB (and its positions)
+
+# %% [markdown]
+# What the timeline shows:
+#
+# - **Contiguous** is unbalanced: rank 0 computes only its own block (every other block
+#   lies in its future) while the last rank computes a full block every round (asserted
+#   above, in CPU time), so the last rank finishes last (printed, on the wall clock)
+#   unless the scheduler holds another back. A rank that ran ahead of its sender waits
+#   for a block not yet sent (red).
+# - **Striped** and **zigzag** give every rank the same work, so their ranks keep pace;
+#   a red wait there is the scheduler's doing (a sender set aside while its receiver
+#   ran), and the table under the picture gives each kind of wait in milliseconds.
+# - **A tick inside a step** is a block that arrived while its receiver computed. MPI
+#   moves a large (rendezvous) message only inside MPI calls, unless the library runs a
+#   progress thread of its own; the step calls `RingComm.progress` between its tiles (the
+#   loop hands it over, notebook 3), and those calls move the transfer. A tick at the end
+#   of a step is a block seen only in `finish_shift`: it arrived after the step's last
+#   call of `progress`, or its sender was late (the table counts the blocks that arrived
+#   during the step). `python -m bench.overlap` measures how much of the transfers hides
+#   behind the computation, with and without progress.
+#
+# From here on, the CPU times are each step's least over both launches. First, each rank's
+# CPU time per round as a heat map, the same picture as notebook 3's work heat maps but
+# measured, next to the predicted work.
+
+# %%
+cpu_s = {layout: np.minimum(*(run[layout]["forward"].compute_cpu_s for run in runs)) for layout in LAYOUTS}
+measured = {layout: cpu_s[layout] * 1e3 for layout in LAYOUTS}                                      # (t, j) ms
 predicted = {layout: cost.predict(S_BIG, N_RANKS, layout, T_BIG).tile_area for layout in LAYOUTS}    # (t, j)
 fig, axes = plt.subplots(2, len(LAYOUTS), figsize=(10, 6), layout="constrained")
 for row, (what, data, fmt) in enumerate([("measured CPU ms", measured, "{:.1f}"),
@@ -178,27 +245,26 @@ for row, (what, data, fmt) in enumerate([("measured CPU ms", measured, "{:.1f}")
 plt.show()
 
 for layout in LAYOUTS:                 # the work itself is exact, whatever the timings
-    assert (timing["layouts"][layout]["forward"].tiles_computed
-            == cost.predict(S_BIG, N_RANKS, layout, T_BIG).tiles_computed).all()
+    assert (forward[layout].tiles_computed == cost.predict(S_BIG, N_RANKS, layout, T_BIG).tiles_computed).all()
 
 # %% [markdown]
 # The measured speed-up of each layout over contiguous (critical path in CPU time) against
 # the cost model's prediction for the same tile size.
 
 # %%
-crit = {layout: timing["layouts"][layout]["forward"].critical_path("compute_cpu_s") for layout in LAYOUTS}
-measured = [crit["contiguous"] / crit[layout] for layout in LAYOUTS]
+crit = {layout: cpu_s[layout].max(axis=1).sum() for layout in LAYOUTS}          # the critical path, in CPU s
+measured_speedup = [crit["contiguous"] / crit[layout] for layout in LAYOUTS]
 predicted = [cost.speedup(S_BIG, N_RANKS, layout, T_BIG, "tiles") for layout in LAYOUTS]
-for layout, m, p in zip(LAYOUTS, measured, predicted):
+for layout, m, p in zip(LAYOUTS, measured_speedup, predicted):
     print(f"{layout:<11} measured {m:.2f}  predicted {p:.2f}  ({m / p:.0%} of the prediction)")
 
 x = np.arange(len(LAYOUTS))
 fig, ax = plt.subplots(figsize=(6, 3))
-ax.bar(x - 0.2, measured, width=0.4, label="measured (CPU critical path)")
+ax.bar(x - 0.2, measured_speedup, width=0.4, label="measured (CPU critical path)")
 ax.bar(x + 0.2, predicted, width=0.4, label="predicted (cost model, tiles)")
 ax.axhline(1, color="k", lw=0.5)
 ax.set_xticks(x, LAYOUTS)
-ax.set_ylabel("speedup over contiguous")
+ax.set_ylabel("speed-up over contiguous")
 ax.legend(fontsize=8, loc="upper left")
 ax.set_ylim(0, 1.3 * max(predicted))
 plt.show()
@@ -216,8 +282,13 @@ assert predicted[0] == 1.0 and min(predicted[1:]) > 1.4       # what the model c
 # here). And a block that is skipped entirely (contiguous's future blocks) still costs
 # something: the step plans its tiles from positions and notes which rows see a key.
 #
-# So fit each round's CPU time as `a * full tiles + b * masked tiles + f` over all ranks,
-# rounds and layouts, and put those costs back into the critical path:
+# So fit each step's CPU time as `a * full tiles + b * masked tiles + f`, plus `r` in
+# round 0, over all ranks, rounds and layouts. Round 0 gets a cost of its own because on
+# these ranks it costs more than its tiles say (asserted: `r > 0`; striped's rounds all
+# have the same tiles, and its round 0 is still the dearest), for a reason this notebook
+# does not pin down. Fitted with the rest, that extra would land on the masked tiles,
+# which round 0 is full of (every layout holds its own diagonal block then). Then put the
+# fitted costs back into the critical path, and compare with the measured speed-up.
 
 # %%
 def tile_counts(layout):
@@ -230,75 +301,109 @@ def tile_counts(layout):
 counts = {layout: tile_counts(layout) for layout in LAYOUTS}
 for layout in LAYOUTS:
     full, masked = counts[layout]
-    assert (full + masked == timing["layouts"][layout]["forward"].tiles_computed).all()
+    assert (full + masked == forward[layout].tiles_computed).all()
 assert (counts["striped"][1] == S_BIG // N_RANKS // T_BIG).all()        # m masked tiles in every block
+ROUND_0 = (np.arange(N_RANKS) == 0)[:, None] * np.ones(N_RANKS)      # (t, j): 1 in round 0
 
 
-def explain(run, title):
-    """Fit CPU ms = a full + b masked + f on one run's traces; compare speedups."""
-    traces = {layout: run["layouts"][layout]["forward"] for layout in LAYOUTS}
-    rows = np.array([(f, m_, 1.0) for layout in LAYOUTS for f, m_ in zip(*(x.ravel() for x in counts[layout]))])
-    cpu_ms = np.concatenate([traces[layout].compute_cpu_s.ravel() * 1e3 for layout in LAYOUTS])
-    (a, b, f), *_ = np.linalg.lstsq(rows, cpu_ms, rcond=None)
-    skipped = traces["contiguous"].compute_cpu_s[traces["contiguous"].tiles_computed == 0] * 1e3
-    print(f"{title} ({traces['striped'].step}): full tile {a:.3f} ms, masked tile {b:.3f} ms (x{b / a:.2f}), "
-          f"fixed {f:.3f} ms per block; a skipped block, measured: {skipped.mean():.3f} ms")
-    timed = {layout: (a * counts[layout][0] + b * counts[layout][1] + f).max(axis=1).sum() for layout in LAYOUTS}
-    crit = {layout: traces[layout].critical_path("compute_cpu_s") for layout in LAYOUTS}
-    for layout in LAYOUTS[1:]:
-        print(f"  {layout:<9} measured {crit['contiguous'] / crit[layout]:.2f}   "
-              f"tiles weighted by the fitted costs {timed['contiguous'] / timed[layout]:.2f}   "
-              f"cost model (every tile alike) {cost.speedup(S_BIG, N_RANKS, layout, T_BIG):.2f}")
+def fitted_costs(cpu_ms):
+    """Least squares: CPU ms of each (round, rank) step = a full + b masked + f + r (round 0)."""
+    rows = np.array([np.stack([*counts[layout], np.ones((N_RANKS, N_RANKS)), ROUND_0], axis=-1).reshape(-1, 4)
+                     for layout in LAYOUTS]).reshape(-1, 4)
+    return np.linalg.lstsq(rows, np.concatenate([cpu_ms[layout].ravel() for layout in LAYOUTS]), rcond=None)[0]
 
 
-explain(timing, "the run above")
+a, b, f, r = fitted_costs(measured)
+skipped = measured["contiguous"][forward["contiguous"].tiles_computed == 0]
+print(f"{forward['striped'].step}: full tile {a:.3f} ms, masked tile {b:.3f} ms (x{b / a:.2f}), fixed {f:.3f} ms "
+      f"per step, round 0 {r:+.3f} ms; a skipped block, measured: {skipped.mean():.3f} ms")
+weighted = {layout: (a * counts[layout][0] + b * counts[layout][1] + f + r * ROUND_0).max(axis=1).sum()
+            for layout in LAYOUTS}
+speedup = {layout: {"measured": crit["contiguous"] / crit[layout],
+                    "weighted": weighted["contiguous"] / weighted[layout],
+                    "tiles": cost.speedup(S_BIG, N_RANKS, layout, T_BIG)} for layout in LAYOUTS[1:]}
+for layout, s in speedup.items():
+    print(f"  {layout:<9} measured {s['measured']:.2f}   tiles weighted by the fitted costs {s['weighted']:.2f} "
+          f"({s['weighted'] / s['measured'] - 1:+.0%})   cost model, every tile alike {s['tiles']:.2f} "
+          f"({s['tiles'] / s['measured'] - 1:+.0%})")
+
+for layout in ("striped", "zigzag"):       # the busiest rank of a round against the average one
+    fitted = a * counts[layout][0] + b * counts[layout][1] + f + r * ROUND_0
+    cpu = measured[layout]
+    print(f"  {layout:<9} summed over rounds, the busiest rank: measured {cpu.max(axis=1).sum():.1f} ms, "
+          f"fitted {fitted.max(axis=1).sum():.1f}; the mean rank: measured {cpu.mean(axis=1).sum():.1f}, "
+          f"fitted {fitted.mean(axis=1).sum():.1f}")
+
+MARGIN = 0.30       # a loaded machine: four ranks on shared cores (see the text below)
+for layout, s in speedup.items():
+    assert abs(s["weighted"] / s["measured"] - 1) < MARGIN, (layout, s)
+assert b > a and r > 0                                # a masked tile costs more than a full one; round 0 more
+assert speedup["striped"]["weighted"] < speedup["striped"]["tiles"]      # and so striped gains less
 
 # %% [markdown]
-# With the default step (`v3`) a masked tile costs two to three times a full one (the
-# numbers vary from run to run: four ranks share the cores of this machine, and a
-# three-number fit to a few dozen timings is rough). Striped pays for a masked diagonal tile
-# in every block, every round, while contiguous's critical path is mostly full tiles; so
-# weighting each tile by what it costs brings the prediction close to the measured speed-up.
-# What remains is the fixed cost per block (planning tiles from positions, noting the rows
-# that see a key), which every rank pays in every round and which, like a skipped block's
-# cost, the tile count leaves out.
+# With the default step a masked tile costs more than a full one (the fitted ratio above;
+# it moves from run to run, and so does everything measured here: four ranks share the
+# cores of this machine, and a four-number fit to 48 timings is rough). Striped pays for a
+# masked diagonal tile in every block, every round, while contiguous's critical path is
+# mostly full tiles; so weighting each tile by what it costs lowers striped's predicted
+# speed-up towards the measured one (the printed percentages compare both predictions
+# with the measurement). The notebook asserts that the weighted prediction is within
+# **30%** of the measured speed-up for striped and zigzag. The margin is wide because the
+# measurement is: the fitted costs say every rank with the same tiles takes the same
+# time, while on shared cores the busiest rank of a round is also the one the scheduler
+# slowed most, so the measured critical path of a balanced layout runs long (the last
+# lines printed set the busiest rank's time beside the mean rank's). Zigzag adds a bias
+# of its own: its two kinds of half block (all its queries against half the keys, or half
+# its queries against all the keys) have the same number of full tiles, and the first
+# cost about 5% more per round on this machine, which a count of tiles cannot see. In
+# the runs we recorded on this 2-core machine, under a load average of 7 to 18, the
+# weighted prediction came out between 5% below and 18% above the measured speed-up
+# with the least of two launches (up to 24% above from one launch alone), the tile count
+# up to 41% above it; the fitted masked tile cost 1.3 to 2.6 times a full one. So the
+# assert checks that the fitted costs account for a measurement of the right size, with
+# room for a busier machine, not how close they come.
 #
 # The step is versioned (`reference.steps`, chosen with `--step`): `v1` is the readable
 # formulas; `v3` (what `auto` picks for NumPy) makes full tiles faster with a lazy max and
-# taller products, but masks its masked tiles with extra passes; `v4` computes masked tiles
-# in sub-tiles of 64 and skips the sub-tiles no query sees. `bench.block_shapes` measures
-# the CPU time per computed tile of each block shape, with one BLAS thread:
+# taller products, and masks its masked tiles with extra passes; `v4` computes masked
+# tiles in sub-tiles of 64 and skips the sub-tiles no query sees. `bench.block_shapes`
+# measures the CPU time per computed tile of each block shape, one step at a time in one
+# process, with one BLAS thread:
 #
 # ```
-# OPENBLAS_NUM_THREADS=1 python -m bench.block_shapes --seq-len 4096 --n-devices 4 --tile-size 128 --step v3
+# python -m bench.block_shapes --seq-len 4096 --n-devices 4 --tile-size 128 --steps v1 v3 v4 --repeats 3
 # ```
 
 # %%
-for name in ("v1", "v3", "v4"):
-    cmd = [sys.executable, "-m", "bench.block_shapes", "--seq-len", str(S_BIG), "--n-devices", str(N_RANKS),
-           "--tile-size", str(T_BIG), "--heads", "4", "--head-dim", "64", "--step", name]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=PROJECT, timeout=300)
-    assert result.returncode == 0, result.stderr
-    print(result.stdout)
+cmd = [sys.executable, "-m", "bench.block_shapes", "--seq-len", str(S_BIG), "--n-devices", str(N_RANKS),
+       "--tile-size", str(T_BIG), "--heads", "4", "--head-dim", "64", "--steps", "v1", "v3", "v4", "--repeats", "3"]
+result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=PROJECT, timeout=300)
+assert result.returncode == 0, result.stderr
+print(result.stdout)
+
+full_ms, triangle = {}, {}      # step -> forward ms per full tile; a triangular block's tile over a full one's
+lines = result.stdout.splitlines()
+for i, line in enumerate(lines):
+    if line.startswith("forward, step "):
+        name = line.split()[2].rstrip(",:")
+        full_ms[name] = float(lines[i + 1].split()[-3])                    # "full (contiguous, j > k)  0.149 ms/tile  x1.00"
+        triangle[name] = float(lines[i + 2].split()[-1].lstrip("x"))      # "triangle (striped, j > k)  0.198 ms/tile  x1.33"
+print("forward, a triangular block's tile against a full block's:",
+      ", ".join(f"{name} x{ratio:.2f} (full tile {full_ms[name]:.3f} ms)" for name, ratio in triangle.items()))
+assert set(triangle) == {"v1", "v3", "v4"} and full_ms["v3"] < full_ms["v1"]
 
 # %% [markdown]
-# Measured alone (one process, one core), `v1`'s tiles cost about the same whatever the
-# block's shape, `v3`'s triangular blocks cost about a fifth more per tile than full ones,
-# and `v4`'s sub-tiles bring them back to about a full block's cost. Now the same MPI timing
-# run with `v1` and with `v4`. `v1` is slower everywhere, but since it charges a masked
-# tile about what it charges a full one, striped lands close to the tile count's
-# prediction: the shortfall above is the step's, not the ring's. (With four ranks on fewer
-# cores, `v4`'s gain measured alone need not survive: compare its fitted costs with
-# `bench.block_shapes`'s.)
-
-# %%
-for name in ("v1", "v4"):
-    print(launch("--layout", "all", "--seq-len", str(S_BIG), "--tile-size", str(T_BIG), "--heads", "4",
-                 "--head-dim", "64", "--dtype", "float32", "--repeat", "2", "--step", name,
-                 "--trace-out", f"timing_{name}.json"))
-    explain(read_trace(OUT / f"timing_{name}.json"), f"step {name}")
-    assert read_trace(OUT / f"timing_{name}.json")["layouts"]["striped"]["forward"].step.startswith(name)
-    print()
+# Read the forward lines. `v3` computes a full tile much faster than `v1` (asserted), and
+# its masked tiles by less: on the ranks above, the fit found a masked tile dearer than a
+# full one (asserted, `b > a`), and striped has one in every block, every round. That is
+# the shortfall above: the step's, not the ring's. Alone in one process, a triangular
+# block's tile costs the multiple of a full block's printed above, step by step; on a
+# shared machine those ratios move from run to run by a tenth or more, so they are
+# printed, not asserted. `v4`'s sub-tiles do not help at this shape: BENCHMARKS.md ("A
+# tile's cost by block shape") measured a triangular block's tile at blocks of 1024 and
+# tiles of 128 at 1.26 to 1.30 times a full one's in `v4` against 1.29 to 1.37 in `v3`
+# on an Intel Xeon, and 1.14 to 1.18 against 1.16 on an AMD EPYC; they help at tiles of
+# 256.
 
 # %% [markdown]
 # ## Your own script
@@ -338,9 +443,10 @@ assert sorted(line.split(":")[0] for line in result.stdout.splitlines()) == [f"r
 # %% [markdown]
 # **What we have seen.** The ring of notebook 3 runs unchanged on real processes: the
 # same answers (checked against the dense reference), exactly the same work per rank and
-# round (checked against the virtual devices and the cost model), and a timeline that shows
-# contiguous ranks idling while striped ones share the work. Where striped falls short of
-# the tile count's prediction, the trace says why: a masked tile costs more than a full one
-# in the faster steps, and striped has masked tiles in every round. From here: `README.md`
+# round (checked against the virtual devices and the cost model), and a timeline that
+# shows contiguous's ranks ending far apart while striped's keep pace, and tells a wait for
+# a block not yet sent from a wait for a transfer still arriving. Where striped falls short
+# of the tile count's prediction, the trace says why: a masked tile costs more than a full
+# one in the faster steps, and striped has masked tiles in every round. From here: `README.md`
 # for the command lines, `bench/` for careful measurements, `gpu_impl` for the same ring on
 # GPUs, and `07_the_whole_model` for a transformer trained over the striped ring.

@@ -33,9 +33,8 @@
 #    through the forward and backward passes, with no per-layer communication to arrange them.
 #
 # So on MPI ranks a rank holds its shard from the input to the loss, and nothing is permuted
-# back. (In one process, as in most of this notebook, `VirtualRing` does permute: it hands
-# `reference.ring_attention`, which takes natural order, the shards put back in order, and
-# cuts the result again; see below.)
+# back. In one process, as in most of this notebook, it is the same: `VirtualRing` hands each
+# virtual device its own shard as the model holds it (see below).
 #
 # This notebook builds a small decoder-only transformer (`model/`, NumPy, hand-written
 # backward) that way, checks it against the same model on one process with dense attention,
@@ -58,6 +57,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 import reference
+from mpi_impl.launch import find_mpiexec
 from model import attention, layers, recipe, speedup, train, transformer
 from reference import LAYOUTS
 
@@ -127,15 +127,14 @@ show(attention.MPIRing.forward)
 
 # %% [markdown]
 # Here, in one process, the N virtual devices' shards sit side by side (a token-local layer
-# on the concatenation is that layer on each shard), and only at attention are they handed
-# to `reference.ring_attention`. That function takes and returns natural order (it shards
-# and unshards itself), so `VirtualRing` puts the tokens back in order for the call and cuts
-# the result again: a permutation back and forth per call, which exists only because the N
-# devices share one process.
+# on the concatenation is that layer on each shard). At attention the concatenation is split
+# into its N shards (views, no copy) and each virtual device runs the ring on its own, as a
+# rank does (`reference.virtual.run_shards`); the results are put side by side again. The
+# tokens never leave the layout's order, in one process as on MPI ranks.
 
 # %%
 show(attention.VirtualRing.forward)
-show(attention.VirtualRing._natural)
+show(attention.VirtualRing._ring)
 
 # %% [markdown]
 # ## The model on the ring equals the model on one process
@@ -280,7 +279,7 @@ plt.show()
 # with the options of the run above, its loss curves must be the virtual ring's, to rounding:
 
 # %%
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
+MPIEXEC = find_mpiexec()                                      # beside this Python, else on PATH
 PROJECT = Path(reference.__file__).resolve().parents[1]             # the ranks import this checkout
 ENV = dict(os.environ, MPIEXEC_TIMEOUT="120", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
            PYTHONPATH=os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])))

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from reference.testing import BACKWARD, FORWARD, Case, cases, check_ring_attention, parse_case
+from reference.testing.compare import where_raised
 from reference.testing.harness.torch import close_worlds
 
 from . import PEERS
@@ -223,7 +224,7 @@ class Run:
         except Exception as e:          # noqa: BLE001 - a peer that raises disagrees too
             if type(e).__name__ in ("UnsatisfiedAssumption",):
                 raise
-            self.failure = (case, f"raised {_where_raised(str(e))}")
+            self.failure = (case, f"raised {where_raised(str(e))}")
             raise
 
     def finding(self):
@@ -253,18 +254,6 @@ def for_pass(peer, phase):
     adapter = copy.copy(peer)
     adapter.backward = phase == "backward"
     return adapter
-
-
-def _where_raised(text):
-    """The exception line of a rank's traceback and the deepest frame above it."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
-    where = ""
-    if frames:
-        i = frames[-1]
-        frame = re.sub(r'File "[^"]*/site-packages/', 'File "site-packages/', lines[i].strip())   # no local paths
-        where = f"\n  at {frame}\n     {lines[i + 1].strip() if i + 1 < len(lines) else ''}"
-    return f"{lines[-1].strip()}{where}"
 
 
 def _last_lines(text, n=6):
@@ -432,7 +421,7 @@ def repro(key, phase, case_text):
         print(e)
         return 1
     except Exception as e:          # noqa: BLE001 - a peer that raises disagrees
-        print(f"{PEERS[key].name} on {case!r} ({phase}): raised {_where_raised(str(e))}")
+        print(f"{PEERS[key].name} on {case!r} ({phase}): raised {where_raised(str(e))}")
         return 1
     print(f"{PEERS[key].name} agrees with the oracle on {case!r} ({phase})")
     return 0

@@ -32,11 +32,17 @@ def check_layout(layout, seq_len, n_devices):
         raise ValueError(f"sequence length must be a positive int, got {seq_len!r}")
 
 
+def unit(n_devices, layout):
+    """The layout's unit of division: N tokens (one per device), 2N for zigzag
+    (two chunks per device). S is padded to a multiple of it."""
+    return 2 * n_devices if layout == "zigzag" else n_devices
+
+
 def padded_length(seq_len, n_devices, layout):
-    """S rounded up to the layout's unit, N (2N for zigzag): S=6, N=4 -> 8."""
+    """S rounded up to the layout's unit (`unit`): S=6, N=4 -> 8."""
     check_layout(layout, seq_len, n_devices)
-    unit = 2 * n_devices if layout == "zigzag" else n_devices
-    return -(-int(seq_len) // unit) * unit
+    step = unit(n_devices, layout)
+    return -(-int(seq_len) // step) * step
 
 
 def positions(seq_len, n_devices, layout):

@@ -3,10 +3,12 @@
 A masked pair contributes nothing, even where one of its values is NaN or inf
 (DESIGN.md). But 0 x NaN = NaN, and 0 x inf too: in a product ``w @ x`` whose
 weights ``w`` are 0 at the masked pairs, a NaN in row t of ``x`` still reaches
-every row of ``w``, also those that cannot see t. So a step checks once per
-block whether its inputs are finite (`all_finite`), and only where they are
-not computes its products through `masked_product`, which leaves the
-non-finite rows out and adds their terms back where visible.
+every row of ``w``, also those that cannot see t. So whether a block's
+inputs are finite is found once (`all_finite`: by the block's owner, who sends
+the answer with it, `block_finite`; the query side's before the rounds), and
+only where they are not does a step compute its products through
+`masked_product`, which leaves the non-finite rows out and adds their terms
+back where visible.
 
 Legend: ``R`` rows of a tile (queries x query heads per key/value head),
 ``T`` keys of a tile, ``E`` columns.
@@ -25,8 +27,17 @@ def mask_rows(mask, R, xp):
 
 
 def all_finite(xp, *arrays):
-    """True when no array holds a NaN or inf: one pass per array (a block, not a tile)."""
+    """True when no array holds a NaN or inf: one pass per array (a block, not a tile),
+    read on the host (on a GPU, a wait for the kernels queued so far)."""
     return all(bool(xp.isfinite(x).all()) for x in arrays)
+
+
+def block_finite(xp, block):
+    """True when a `reference.step.KVBlock`'s K and V hold no NaN or inf: the
+    flag its owner set (host memory, read without waiting for a device), or,
+    for a block made without one, a look at K and V (`all_finite`)."""
+    source = to_host(block.source)
+    return bool(source[1]) if source.size > 1 else all_finite(xp, block.k, block.v)
 
 
 def masked_product(w, x, vis):

@@ -5,11 +5,15 @@ in round t it holds the block that started on device ``(j - t) mod N``, attends
 its queries to it, and passes it on to device ``(j + 1) mod N``. The functions
 here are written once and run unchanged on N virtual devices (threads, in
 `reference.virtual`), on MPI ranks (`mpi_impl`) and on GPUs (`gpu_impl`): only
-the communication object differs. It has two verbs and two attributes:
+the communication object differs. It has three verbs and two attributes:
 
     comm.rank, comm.size
     handle = comm.start_shift(arrays, tag)   # send to rank+1, receive from rank-1
-    arrays = comm.finish_shift(handle)       # wait for both; returns what arrived
+    arrays = comm.finish_shift(handle)       # wait for the receive; returns what arrived
+    comm.progress()                          # let the transfers in flight move
+
+The step calls `progress` between its tiles: MPI moves a large message only
+inside MPI calls, so without it a transfer would wait for the end of the step.
 
 A buffer passed to `start_shift` must not be written until `finish_shift`
 returns; the loops below never write a block after sending it.
@@ -34,6 +38,7 @@ import numpy as np
 
 from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
 from .layouts import array_module
+from .nonfinite import all_finite
 from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward
 from .trace import RoundLog
 
@@ -57,7 +62,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
         # the mask made from the positions that travel with the block
         with log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step),
-                                  mask=mask, tile_size=tile_size)
+                                  mask=mask, tile_size=tile_size, progress=comm.progress)
         log.record(t, counts, block, sent=block if in_flight is not None else ())
         # "receive K_(k-1), V_(k-1) from device (j - 1) mod N"
         if in_flight is not None:
@@ -78,6 +83,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
     acc = queries.q.dtype
     rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)        # dO_j, lse_j, delta_j
+    rows.finite = all_finite(array_module(q), queries.q, rows.do, rows.delta)   # once: no step reads it
     dq = array_module(q).zeros_like(queries.q)                         # dQ_j stays home
     block, grads_in_flight = own_block(k, v, k_pos, comm.rank), None
     for t in range(n):
@@ -87,7 +93,13 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         grads = Grads(dq, *new_kv_grads(block, acc))
         with log.computing(t):
             counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
-                                   mask=mask, tile_size=tile_size)
+                                   mask=mask, tile_size=tile_size, progress=comm.progress)
+        log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
+        # receive the next K, V first, while the step's kernels run: sending dK, dV
+        # below waits for them (they write dK, dV), and K, V would wait behind it
+        if in_flight is not None:
+            with log.waiting(t):
+                block = KVBlock(*comm.finish_shift(in_flight))
         # add what the devices before us added to this block, and send it on (home, after the last round)
         if grads_in_flight is not None:
             with log.waiting(t):
@@ -95,10 +107,6 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
             grads.dk += dk_in
             grads.dv += dv_in
         grads_in_flight = comm.start_shift((grads.dk, grads.dv), DKV)
-        log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
-        if in_flight is not None:
-            with log.waiting(t):
-                block = KVBlock(*comm.finish_shift(in_flight))
     with log.waiting(n - 1):
         dk, dv = comm.finish_shift(grads_in_flight)                    # home again
     dq *= acc.type(scale)
@@ -113,9 +121,12 @@ def own_block(k, v, k_pos, rank):
     """This device's own K, V (compute layout, as they came: blocks travel in
     the input dtype), with their positions and owner, as the block that travels.
     Positions and owner are NumPy wherever K, V live: the host reads them
-    (tile plans, the trace) without waiting for a device."""
-    return KVBlock(kv_to_heads(k), kv_to_heads(v), np.asarray(k_pos, dtype=np.int64),
-                   np.array([rank], dtype=np.int64))
+    (tile plans, the trace) without waiting for a device. The owner also says
+    whether K and V are finite, found here once (one wait for the device,
+    before the rounds), so that no step needs to look (`nonfinite.block_finite`)."""
+    k, v = kv_to_heads(k), kv_to_heads(v)
+    finite = all_finite(array_module(k), k, v)
+    return KVBlock(k, v, np.asarray(k_pos, dtype=np.int64), np.array([rank, finite], dtype=np.int32))
 
 
 def as_dtype(block, dtype, step=None):

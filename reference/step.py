@@ -62,7 +62,7 @@ import numpy as np
 from .heads import accumulate_dtype, q_to_heads, rows_to_heads
 from .layouts import array_module, to_host
 from .masks import CAUSAL, any_visible, count_visible_pairs, keep_weights, resolve, visible
-from .nonfinite import all_finite, mask_rows, masked_product
+from .nonfinite import all_finite, block_finite, mask_rows, masked_product
 from .tiles import MASKED, tile_plan, tile_shape
 
 
@@ -93,11 +93,13 @@ class Queries:
 class KVBlock(NamedTuple):
     """K_k, V_k: the block that travels the ring, with its keys' global
     positions and the device it started on. A tuple of arrays, so the
-    communication object moves it as it is."""
+    communication object moves it as it is. `source` also says whether K and
+    V are finite, as their owner found once (`reference.ring.own_block`), so
+    that no step reads device memory on the host to know it (`block_finite`)."""
     k: object            # (B, Hkv, ck, D)
     v: object            # (B, Hkv, ck, D)
     pos: object          # (ck,) int64
-    source: object       # (1,) int64
+    source: object       # (2,) int32: [device, 1 if K and V hold no NaN or inf else 0]; (1,): device only
 
 
 @dataclass
@@ -129,6 +131,7 @@ class BackwardRows:
     lse: object          # (B, Hkv, c, G), 0 where -inf (a row with no visible key)
     delta: object        # (B, Hkv, c, G) rowsum(dO * out)
     cache: dict = field(default_factory=dict, repr=False, compare=False)
+    finite: bool = None  # q, dO and delta hold no NaN or inf, found once before the rounds (None: the step looks)
 
     @classmethod
     def prepare(cls, out, lse, dout, n_kv_heads, dtype):
@@ -261,7 +264,7 @@ class ReadableStep(Step):
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         xp = array_module(queries.q)
-        guard = not all_finite(xp, block.v)             # a NaN or inf in V: guard the masked pairs
+        guard = not block_finite(xp, block)             # a NaN or inf in V (or K): guard the masked pairs
         for qs, ks, kind in plan:
             mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
             tile = ForwardTile(o=tile_rows(acc.o, qs), m=tile_rows(acc.m, qs), l=tile_rows(acc.l, qs),
@@ -272,7 +275,8 @@ class ReadableStep(Step):
 
     def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
         xp = array_module(queries.q)
-        guard = not all_finite(xp, queries.q, rows.do, rows.delta, block.k, block.v)
+        rows_finite = all_finite(xp, queries.q, rows.do, rows.delta) if rows.finite is None else rows.finite
+        guard = not (rows_finite and block_finite(xp, block))
         for qs, ks, kind in plan:
             mask = visible(queries.pos[qs], block.pos[ks], queries.mask) if kind == MASKED else None
             tile = BackwardTile(dq=tile_rows(grads.dq, qs), dk=grads.dk[:, :, ks], dv=grads.dv[:, :, ks],

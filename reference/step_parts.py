@@ -17,7 +17,9 @@ module open. What the pieces do is version 1's arithmetic (the formulas of
   redone exactly (`exact_tile`) only if a row sum could overflow;
 - the forward in stacks of query tiles and the backward by head, on worker
   threads (`threaded_forward`, `threaded_backward`), with the units and
-  threads of `reference.step_units`.
+  threads of `reference.step_units`, and a block's mask on its masked rows
+  only (`reference.step_masks`);
+- a row's first tile shifted by a sample of its scores (`seeded_tile`), not by its exact max.
 
 A forward runs over a *run* of query rows of one head (`QueryRun`), in base 2
 (`Base2Rows`), tile by tile through a tile function ``update(st, s, head, ks,
@@ -30,19 +32,20 @@ Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a run;
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
-from .masks import visible
 from .nonfinite import all_finite, mask_rows, masked_product
 from .step import no_progress
-from .step_units import forward_units, on_this_thread, run_units, scratch
+from .step_masks import TilePos, hide, tile_masks, weigh
+from .step_units import column_runs, forward_units, on_this_thread, run_units, scratch
 from .tiles import MASKED, by_tile
 
 LOG2E = float(np.log2(np.e))
 SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
 V_LIMIT = 2.0 ** 64     # above this |V|, O could overflow under a lazy shift: stay exact
+SUM_FLOOR = 2.0 ** -64  # a seeded tile's row sum must reach this: its largest P is then far above underflow
+SEED_STRIDE = 8         # a fresh row's first shift: the largest of every 8th score of its first tile
 
 
 # -- what a forward tile reads and updates -------------------------------------------
@@ -80,8 +83,9 @@ class KeyHead:
         k, v = block.k[b, h], block.v[b, h]
         k1 = augment(k, 1.0, scratch(("k1", b, h), k.shape[:-1] + (k.shape[-1] + 1,), k.dtype))
         v1 = augment(v, 1.0, scratch(("v1", b, h), v.shape[:-1] + (v.shape[-1] + 1,), v.dtype))
-        return cls(k1=k1, v1=v1, pos=block.pos, guard=not all_finite(np, v),
-                   lazy=max(v.max(initial=0.0), -v.min(initial=0.0)) <= V_LIMIT)   # False for NaN
+        hi, lo = v.max(initial=0.0), v.min(initial=0.0)      # NaN where V holds a NaN
+        return cls(k1=k1, v1=v1, pos=block.pos, guard=not (np.isfinite(hi) and np.isfinite(lo)),
+                   lazy=max(hi, -lo) <= V_LIMIT)                                  # False for NaN
 
 
 @dataclass
@@ -96,55 +100,27 @@ class Base2Rows:
         return Base2Rows(self.ol[rows], self.q2[rows], self.m2[rows], self.inc[rows])
 
 
-class TilePos(NamedTuple):
-    """What makes a masked tile's mask: its query and key positions, the rule,
-    and where masks already made are kept (`tile_masks`)."""
-    q_pos: np.ndarray
-    k_pos: np.ndarray
-    rule: object
-    masks: dict
-
-    def mask(self):
-        return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[0]     # (tq, tk) bool, True: visible
-
-    def hidden(self):
-        return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[1]     # (tq, tk) bool, True: masked
-
-
-def tile_masks(masks, q_pos, k_pos, rule):
-    """(visible, hidden) of the tile of these positions, each (tq, tk) bool,
-    made once and kept in `masks` (a dict living for one step call): every
-    head of a block has the same positions, so its tiles have the same masks.
-    The key is where the positions' views start and end: within one call the
-    query and key positions are two arrays, and a view of them is its tile."""
-    key = (q_pos.__array_interface__["data"][0], len(q_pos), k_pos.__array_interface__["data"][0], len(k_pos))
-    found = masks.get(key)
-    if found is None:
-        seen = visible(q_pos, k_pos, rule)
-        found = masks[key] = (seen, ~seen)
-    return found
-
-
 # -- the forward ------------------------------------------------------------------
 
 def forward_rows(run, head, blocks, update, tick=no_progress):
     """The online softmax of a run of query rows over `blocks`, a list of
-    (query slice within the run, key slice, kind), each through
-    ``update(st, s, head, ks, where)``; `tick` after each."""
+    (query slice within the run, key slice, masked rows: a slice of the
+    block's query rows, or None), each through ``update(st, s, head, ks,
+    where)``; `tick` after each."""
     tq, G, D = run.q.shape
     R, dtype = tq * G, run.q.dtype
     m2_in = run.m.reshape(R) * LOG2E                 # (R,) the running shift, base 2
-    q2 = np.multiply(run.q.reshape(R, D), dtype.type(LOG2E), out=scratch("q2", (R, D), dtype))
+    q2 = scratch("q2+", (R, D + 1), dtype)            # [Q log2(e), -m2], the last column by set_shift
+    np.multiply(run.q.reshape(R, D), dtype.type(LOG2E), out=q2[:, :D])
     st = Base2Rows(ol=augment(run.o.reshape(R, D), run.l.reshape(R), scratch("ol", (R, D + 1), dtype)),  # [O, l]
-                   q2=augment(q2, 0.0, scratch("q2+", (R, D + 1), dtype)), m2=m2_in.copy(),
-                   inc=scratch("inc", (R, D + 1), dtype))
+                   q2=q2, m2=m2_in.copy(), inc=scratch("inc", (R, D + 1), dtype))
     set_shift(st.q2, st.m2)
     buf = scratch("s", (R * max(len(head.k1[ks]) for _, ks, _ in blocks),), dtype)
-    for qr, ks, kind in blocks:
+    for qr, ks, part in blocks:
         rows = slice(qr.start * G, qr.stop * G)      # the block's rows of the run
         tk = len(head.k1[ks])
         s = buf[:(rows.stop - rows.start) * tk].reshape(-1, tk)                   # (rows, tk)
-        where = TilePos(run.pos[qr], head.pos[ks], run.mask, run.masks) if kind == MASKED else None
+        where = None if part is None else TilePos(run.pos[qr], head.pos[ks], run.mask, run.masks, part)
         update(st[rows], s, head, ks, where)
         tick()
     run.o[...] = st.ol[:, :D].reshape(tq, G, D)
@@ -155,7 +131,7 @@ def forward_rows(run, head, blocks, update, tick=no_progress):
 
 def exact_update(st, s, head, ks, where):
     """One exact tile: scores S - m into `s` (masked entries -inf), then `exact_tile`."""
-    shifted_scores(s, st.q2, head.k1[ks], None if where is None else where.hidden())
+    shifted_scores(s, st.q2, head.k1[ks], where)
     guarded = head.guard and where is not None
     exact_tile(st, s, head.v1[ks], mask_rows(where.mask(), len(s), np) if guarded else None)
 
@@ -185,16 +161,42 @@ def exact_tile(st, s, vt, vis=None):
 def lazy_tile(st, s, head, ks, where):
     """A tile with the current shift, no row max, no rescaling, if its row sums
     stay at most SUM_LIMIT (any shift gives the same O / l and m + log(l));
-    else `exact_update`. Rows that have seen no key yet (m = -inf) and heads
-    whose |V| could overflow O (``head.lazy`` False) are always exact."""
+    else `exact_update`. Rows that have seen no key yet (m = -inf) take a
+    seeded shift (`seeded_tile`); heads whose |V| could overflow O
+    (``head.lazy`` False) are always exact."""
     if head.lazy and np.isfinite(st.m2).all():
         shifted_scores(s, st.q2, head.k1[ks], None)      # S - m, base 2   (rows, tk)
-        exp2_visible(s, None if where is None else where.hidden())   # P, 0 where masked; may overflow
+        np.exp2(s, out=s)                                # P; may overflow
+        weigh(s, where)                                  # 0 where masked; a masked inf or NaN becomes NaN
         np.matmul(s, head.v1[ks], out=st.inc)            # [P V, rowsum(P)]   (rows, D+1)
-        if st.inc[:, -1].max() <= SUM_LIMIT:             # False for inf and NaN too
+        if st.inc[:, -1].max() <= SUM_LIMIT:             # False for inf and NaN too: redone exactly
             st.ol += st.inc
             return
+    elif head.lazy and (st.m2 == -np.inf).all() and seeded_tile(st, s, head, ks, where):
+        return
     exact_update(st, s, head, ks, where)
+
+
+def seeded_tile(st, s, head, ks, where):
+    """The first tile of rows that have seen no key (m = -inf, O = l = 0),
+    shifted by the largest of every SEED_STRIDE-th score of each row, visible
+    or not: a strided max reads an eighth of the tile where the exact row max
+    reads all of it (about 1 ns a score, more than exp2). Kept, and True, if
+    every row sum lies in [SUM_FLOOR, SUM_LIMIT]: no overflow, and no row whose
+    visible scores all fell far below a masked score. Else nothing changed, False."""
+    shifted_scores(s, st.q2, head.k1[ks], None)          # S, base 2: the shift column is 0 where m = -inf
+    seed = s[:, ::SEED_STRIDE].max(axis=1)               # (rows,) NaN or inf fail the check below
+    s -= seed[:, None]
+    np.exp2(s, out=s)                                    # P under the seed; may overflow
+    weigh(s, where)
+    np.matmul(s, head.v1[ks], out=st.inc)                # [P V, rowsum(P)]
+    sums = st.inc[:, -1]
+    if not (sums.min() >= SUM_FLOOR and sums.max() <= SUM_LIMIT):
+        return False
+    st.ol += st.inc                                      # O = l = 0 before
+    st.m2[...] = seed
+    set_shift(st.q2, st.m2)
+    return True
 
 
 # -- the backward -----------------------------------------------------------------
@@ -256,23 +258,25 @@ def backward_head(grads, queries, rows, block, bh, columns, cols, tick=no_progre
 
 def backward_cols(hq, col, dq, tiles, guard, tick=no_progress):
     """The backward of one key tile over its query tiles `tiles` [(query
-    slice, kind)]; dq (c, G, D) and the column's dk, dv are added to. P is
-    exactly 0 where masked, even where lse is NaN: the mask clears it after exp2."""
+    slice, kind)], neighbouring ones stacked into one product
+    (`column_runs`; a tile at a time where the inputs hold NaN or inf); dq
+    (c, G, D) and the column's dk, dv are added to. P is exactly 0 where
+    masked, even where lse is NaN: the mask clears it after exp2."""
     tk, D = col.k.shape
     G, dtype = hq.q.shape[1], hq.q.dtype
     dk_t, dv_t = scratch("dk_t", col.dk.shape, dtype), scratch("dv_t", col.dv.shape, dtype)
     dk_t.fill(0)                                                 # (tk, D) kept in cache over the tiles
     dv_t.fill(0)
-    R_max = G * max(len(hq.pos[qs]) for qs, _ in tiles)
+    runs = column_runs(tiles, len(hq.pos), G, tk, alone=guard)
+    R_max = G * max(qs.stop - qs.start for qs, _ in runs)
     buf_p, buf_ds = scratch("p", (R_max * tk,), dtype), scratch("ds", (R_max * tk,), dtype)
-    for qs, kind in tiles:
-        tq = len(hq.pos[qs])
+    for qs, members in runs:
+        tq = qs.stop - qs.start
         R = tq * G
         p, ds = buf_p[:R * tk].reshape(R, tk), buf_ds[:R * tk].reshape(R, tk)
-        mask, hidden = tile_masks(hq.masks, hq.pos[qs], col.pos, hq.mask) if kind == MASKED else (None, None)
         shifted_scores(p, hq.q2[qs].reshape(R, D + 1), col.k1, None)    # S - lse, base 2
-        exp2_visible(p, hidden)                                  # P = exp(S - lse), 0 where masked
-        vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None
+        mask = exp2_visible(p, hq, col, qs, members)             # P = exp(S - lse), 0 where masked
+        vis = mask_rows(mask, R, np) if guard else None          # (R, tk) or None; guarded runs are one tile
         vis_t = None if vis is None else vis.T
         dv_t += masked_product(p.T, hq.do[qs].reshape(R, D), vis_t)   # dV += P^T dO
         np.matmul(hq.do1[qs].reshape(R, D + 1), col.v1.T, out=ds)     # dP - delta   (R, tk)
@@ -302,24 +306,28 @@ def set_shift(q2, m2):
     q2[:, -1] = np.where(np.isfinite(m2), -m2, 0.0)
 
 
-def shifted_scores(s, q2, kt, hidden):
+def shifted_scores(s, q2, kt, where):
     """s (R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, -inf at
-    the masked pairs of `hidden` (tq, tk) (True: masked; None: none)."""
+    the masked pairs of `where` (a `TilePos`; None: none)."""
     np.matmul(q2, kt.T, out=s)
-    if hidden is not None:
-        tq, tk = hidden.shape
-        np.copyto(s.reshape(tq, -1, tk), -np.inf, where=hidden[:, None, :])
+    if where is not None:
+        hide(where.rows(s), where.hidden(), -np.inf)
 
 
-def exp2_visible(s, hidden):
-    """s := exp2(s), then 0 at the masked pairs of `hidden` (tq, tk) (True:
-    masked; None: none). A masked entry may overflow to inf or be NaN before
-    it is cleared; it contributes nothing either way."""
+def exp2_visible(p, hq, col, qs, members):
+    """p (R, tk) := exp2(p), then 0 at the masked pairs of the masked tiles
+    among `members` [(query slice, kind)] of the run `qs`. A masked entry may
+    overflow to inf or be NaN before it is cleared; it contributes nothing
+    either way. Returns the last masked tile's visible mask (tq, tk), None if
+    none: a guarded run holds one tile."""
     with np.errstate(over="ignore", invalid="ignore"):
-        np.exp2(s, out=s)
-    if hidden is not None:
-        tq, tk = hidden.shape
-        np.copyto(s.reshape(tq, -1, tk), 0, where=hidden[:, None, :])
+        np.exp2(p, out=p)
+    rows, mask = p.reshape(qs.stop - qs.start, -1, p.shape[1]), None
+    for ms, kind in members:
+        if kind == MASKED:
+            mask, hidden = tile_masks(hq.masks, hq.pos[ms], col.pos, hq.mask)[:2]
+            hide(rows[ms.start - qs.start:ms.stop - qs.start], hidden, 0)
+    return mask
 
 
 # -- on worker threads (reference.step_units) --------------------------------------

@@ -28,6 +28,7 @@ Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a tile.
 from .step import Step, no_progress
 from .step_parts import (KeyHead, QueryRun, backward_cols, backward_head, by_tile, exact_update,
                          forward_rows)
+from .tiles import FULL
 
 
 class ExactBase2Step(Step):
@@ -43,7 +44,8 @@ class ExactBase2Step(Step):
                 head = KeyHead.of(block, b, h)           # [K, 1], [V, 1] of this head
                 for qs, tiles in rows:                   # one query tile against its key tiles
                     run = QueryRun.of(acc, queries, b, h, qs, masks)
-                    blocks = [(slice(0, len(run.pos)), ks, kind) for ks, kind in tiles]
+                    whole = slice(0, len(run.pos))
+                    blocks = [(whole, ks, None if kind == FULL else whole) for ks, kind in tiles]   # masked rows
                     forward_rows(run, head, blocks, exact_update, progress)
 
     def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):

@@ -59,6 +59,19 @@ HARDWARE = {"a100": 2, "tpuv3": 1, "tpuv4": 1}
 PAPER_CSV = Path(__file__).resolve().parent / "data" / "paper_tms.csv"   # package data
 
 
+def linear_flops_per_token(d_model, d_ff, n_vocab, n_layer):
+    """F_lin / c, forward matmul FLOPs per token per layer: 8 d^2 + 4 d f + 2 d V / L."""
+    d, f = d_model, d_ff
+    return 8 * d * d + 4 * d * f + 2 * d * n_vocab / n_layer
+
+
+def attention_flops(pairs, head_dim, *, backward=False):
+    """Useful attention FLOPs of `pairs` visible (query, key) pairs of one head:
+    4 D each forward (S = Q K^T, P V), 10 D backward (S, dV, dP, dQ, dK): the
+    count every measured rate divides by (DESIGN.md, how fast)."""
+    return (10 if backward else 4) * head_dim * pairs
+
+
 def critical_path_pairs(seq_parallel, c):
     """(ring, striped): sum over rounds of the busiest device's visible (query, key) pairs."""
     diag = c * (c + 1) // 2                        # causal block with its diagonal
@@ -83,8 +96,8 @@ def theoretical_max_speedup(model, seq_parallel, n_seq, hardware, model_parallel
     d, f, V, L = m["d_model"], m["d_ff"], m["n_vocab"], m["n_layer"]
     c = n_seq // seq_parallel                                  # tokens per device
     # FLOPs per device per layer; model parallelism splits every term evenly.
-    linear = c * (8 * d * d + 4 * d * f + 2 * d * V / L) / model_parallel
-    per_pair = 4 * d * HARDWARE[hardware] / model_parallel     # QK^T + PV, hardware-weighted
+    linear = c * linear_flops_per_token(d, f, V, L) / model_parallel
+    per_pair = attention_flops(1, d) * HARDWARE[hardware] / model_parallel     # QK^T + PV, hardware-weighted
     ring, striped = critical_path_pairs(seq_parallel, c)
     return (linear + per_pair * ring) / (linear + per_pair * striped)
 

@@ -21,6 +21,8 @@ then the device waits wait_s for the next block; the block device j uses in
 round t + 1 was sent by device j - 1 at its start_s[t] and arrived at
 arrived_s[t, j]. MPI ranks start the ring together (right after the call's
 collective agreement check), so their clocks line up to within that check.
+`wait_parts` splits a forward trace's waits by what was missing then: a block
+its sender had not yet sent, or one sent and still arriving.
 
 Each device keeps a `RoundLog` (one row of the trace) while it runs its rounds
 (`reference.ring`); `Trace.from_logs` stacks the devices' logs. `Trace.table()`
@@ -173,6 +175,19 @@ class RoundLog:
             self.compute_s[t] += clock.seconds(start, end)
             self.wait_s[t] += clock.seconds(end, next_start)   # idle until the next step started
         self._marks = []
+
+
+def wait_parts(trace):
+    """A forward trace's waits, split by what the device was waiting for:
+    (not_sent, in_flight), arrays [t, j] of seconds that add up to wait_s.
+    not_sent: the block device j needs next had not been sent yet (device
+    j - 1 sends it as it starts round t, at its start_s[t]: it was still busy
+    with an earlier round); in_flight: it had been sent and had not arrived.
+    NaN where the timeline was not recorded."""
+    waiting = trace.start_s + trace.compute_s               # [t, j]: device j begins to wait
+    sent = np.roll(trace.start_s, 1, axis=1)                # [t, j]: device j - 1's start_s[t]
+    not_sent = np.clip(np.minimum(sent, waiting + trace.wait_s) - waiting, 0, None)
+    return not_sent, trace.wait_s - not_sent
 
 
 def _nbytes(x):

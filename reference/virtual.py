@@ -37,6 +37,9 @@ class VirtualRing:
         self._mailboxes[(self.rank + 1) % self.size][tag].put(tuple(a.copy() for a in arrays))
         return tag
 
+    def progress(self):
+        """Nothing to move: `start_shift` posted a copy of the block at once."""
+
     def finish_shift(self, tag):
         box = self._mailboxes[self.rank][tag]
         while True:     # poll, so that a failure on another device ends the wait
@@ -91,18 +94,11 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout,
                       seed=seed)
-    step, share = cores.for_devices(call.step, n_devices, threads=threads, blas_threads=blas_threads)
-    S, pos = q.shape[1], call.positions                               # (N, c), padded
-    qs, ks, vs = (shard(x, n_devices, layout) for x in (q, k, v))
-
-    def device(j, comm):
-        return ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm,
-                                 scale=call.scale, tile_size=tile_size, step=step, mask=call.mask)
-
-    with share.held():
-        outs, lses, logs = zip(*run_devices(n_devices, device))
+    (outs, lses), ran = run_shards(call, [shard(x, n_devices, layout) for x in (q, k, v)],
+                                   threads=threads, blas_threads=blas_threads)
+    S = q.shape[1]
     out, lse = unshard(outs, layout, axis=1, seq_len=S), unshard(lses, layout, axis=2, seq_len=S)
-    return (out, lse, Trace.from_logs(logs, threads=share.label)) if trace else (out, lse)
+    return (out, lse, ran) if trace else (out, lse)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
@@ -114,16 +110,28 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, grads=(out, lse, dout), window=window, cu_seqlens=cu_seqlens,
                       segment_ids=segment_ids, dropout=dropout, seed=seed)
-    step, share = cores.for_devices(call.step, n_devices, threads=threads, blas_threads=blas_threads)
-    S, pos = q.shape[1], call.positions
-    qs, ks, vs, outs, douts = (shard(x, n_devices, layout) for x in (q, k, v, out, dout))
-    lses = shard(lse, n_devices, layout, axis=2)
+    shards = [shard(x, n_devices, layout) for x in (q, k, v, out)] + [shard(lse, n_devices, layout, axis=2),
+                                                                       shard(dout, n_devices, layout)]
+    grads, ran = run_shards(call, shards, threads=threads, blas_threads=blas_threads)
+    grads = tuple(unshard(g, layout, axis=1, seq_len=q.shape[1]) for g in grads)
+    return grads + (ran,) if trace else grads
+
+
+def run_shards(call, shards, *, threads=None, blas_threads=None):
+    """The ring of a checked `call` (`reference.call.check_call`) on shards
+    already dealt in the layout's local order: `shards` is [qs, ks, vs], or
+    [qs, ks, vs, outs, lses, douts] for the backward, each a list of N arrays
+    (`reference.shard`; lse's (B, Hq, c)). Returns the per-device results,
+    (outs, lses) or (dqs, dks, dvs), each a tuple of N arrays, and the Trace.
+    Device j runs `ring.ring_forward` (or `ring_backward`) on its shards."""
+    n, pos = len(call.positions), call.positions                      # (N, c)
+    step, share = cores.for_devices(call.step, n, threads=threads, blas_threads=blas_threads)
+    loop = ring.ring_backward if call.backward else ring.ring_forward
 
     def device(j, comm):
-        return ring.ring_backward(qs[j], ks[j], vs[j], outs[j], lses[j], douts[j], pos[j], pos[j], comm,
-                                  scale=call.scale, tile_size=tile_size, step=step, mask=call.mask)
+        return loop(*(s[j] for s in shards), pos[j], pos[j], comm, scale=call.scale, tile_size=call.tile_size,
+                    step=step, mask=call.mask)
 
     with share.held():
-        dqs, dks, dvs, logs = zip(*run_devices(n_devices, device))
-    grads = tuple(unshard(g, layout, axis=1, seq_len=S) for g in (dqs, dks, dvs))
-    return grads + (Trace.from_logs(logs, threads=share.label),) if trace else grads
+        *results, logs = zip(*run_devices(n, device))
+    return tuple(results), Trace.from_logs(logs, threads=share.label)

@@ -58,6 +58,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from mpi_impl.launch import find_mpiexec  # noqa: E402
+
 OUT = ROOT / "bench" / "results" / "gpu_check.md"
 QUEUED_GPU = ROOT / "tests" / "gpu" / "queued_device.py"
 RANKS = 4
@@ -162,13 +164,6 @@ def fenced(text, limit=60):
 
 def mpirun(ctx, *args):
     return [ctx.mpiexec, "-n", str(RANKS), *ctx.gpu_python()[:1], "-m", "mpi4py", *ctx.gpu_python()[1:], *args]
-
-
-def find_mpiexec(given, python):
-    if given:
-        return given if Path(given).exists() or shutil.which(given) else None
-    beside = Path(python).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
 def find_sanitizer():
@@ -520,6 +515,8 @@ def one_fused_launch():
     """One small fused launch per K/V dtype (what the sanitizer watches): a
     partly masked block of 96 keys, D = 64, GQA, tiles cut short at both ends."""
     import cupy
+
+    import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
     rng = np.random.default_rng(0)
@@ -563,13 +560,16 @@ def rates(ctx):
     if ctx.dry:
         return Result(True, f"dry run: torch {module_version('torch')}")
     import cupy
+
+    import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
     from bench import gpu_bench
     from reference import ring, steps
     from reference.step import ForwardAcc, Queries
+    from reference.tms import attention_flops
     c, hq, hkv = ctx.sizes.rate_block, 8, 2
     rows = []
     for head_dim in (64, 128):
-        useful = 4 * head_dim * c * c * hq
+        useful = attention_flops(c * c * hq, head_dim)
         rng = np.random.default_rng(1)
         q = rng.standard_normal((1, c, hq, head_dim)).astype(np.float16)
         k, v = (rng.standard_normal((1, c, hkv, head_dim)).astype(np.float16) for _ in range(2))
@@ -712,7 +712,7 @@ def main(argv=None):
     if args.step:
         return step_main(args)
     started = args.started or time.time()
-    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(args.mpiexec, sys.executable),
+    ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(sys.executable, args.mpiexec),
                   work=Path(tempfile.mkdtemp(prefix="gpu_check_")), fake=args.fake_gpu,
                   deadline=started + WHOLE_S - MARGIN_S)
     reason = None if ctx.dry or ctx.fake else gpu_missing(ctx)

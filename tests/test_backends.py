@@ -21,7 +21,6 @@ failed, where mpi4py or mpiexec is missing.
 """
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mpi_impl.launch import find_mpiexec
 from reference.testing import (NAMES, Adapter, ProcessGroup, VirtualRingAdapter, assert_attention_close, cases,
                                check_ring_attention, tolerances)
 
@@ -37,8 +37,7 @@ pytest.importorskip("mpi4py")
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "mpi" / "batch_worker.py"
-_BESIDE = Path(sys.executable).parent / "mpiexec"           # the mpich wheel's, in the venv
-MPIEXEC = str(_BESIDE) if _BESIDE.exists() else shutil.which("mpiexec")
+MPIEXEC = find_mpiexec()                                    # the mpich wheel's, in the venv
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 MAX_DEVICES = 4             # a served group of N ranks per N: 1 + 2 + 3 + 4 processes, asleep between examples

@@ -353,10 +353,13 @@ def refused_everywhere(entry_points, options, error, argument, text):
 
 
 def test_an_unknown_mask_option_is_named_on_every_entry_point(no_work, fake_cupy):
+    # reference's functions name their keywords (Python's own message); the
+    # shards' entry points take **mask_options and list the ones there are
     for name, call in mask_entry_points(dict(windw=3)):
         with pytest.raises(TypeError, match="windw") as caught:
             call()
-        assert "window" in str(caught.value) or "unexpected keyword" in str(caught.value), name
+        words = "the options are ['window'," if name.startswith(("mpi_impl", "gpu_impl")) else "unexpected keyword"
+        assert words in str(caught.value), (name, str(caught.value))
 
 
 def test_bfloat16_where_a_backend_has_none_is_refused_before_any_work(no_work, fake_cupy):
@@ -391,3 +394,49 @@ def test_entry_points_with_mask_options_never_modify_their_inputs(options):
     mpi_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=OneRank(), make_ring=one_rank_ring, **options)
     for name, x, y in zip(("q", "k", "v", "dout"), inputs, before):
         np.testing.assert_array_equal(x, y, err_msg=f"{name} was modified")
+
+
+# -- options at their edges: a correct result, not an error ----------------------------
+
+OWN_TOKEN = "each query sees itself alone"
+# options at an edge -> the plainer call they equal (or OWN_TOKEN: out is the query's own v)
+EDGE_OPTIONS = [
+    (dict(window=1), OWN_TOKEN),
+    (dict(window=1, causal=False), OWN_TOKEN),
+    (dict(segment_ids=list(range(12))), OWN_TOKEN),
+    (dict(cu_seqlens=list(range(13)), causal=False), OWN_TOKEN),
+    (dict(window=50), dict()),
+    (dict(window=12, causal=False), dict(causal=False)),
+    (dict(cu_seqlens=[0, 12]), dict()),
+    (dict(segment_ids=[7] * 12, causal=False), dict(causal=False)),
+    (dict(dropout=0.0, seed=5), dict()),
+    (dict(dropout=0.5, seed=2 ** 63 - 1), dict(dropout=0.5, seed=2 ** 63 - 1)),
+]
+
+
+@pytest.mark.parametrize("options, plainer", EDGE_OPTIONS,
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items())[:30] if isinstance(o, dict) else "")
+def test_options_at_their_edges_give_the_plainer_answer_on_every_entry_point(options, plainer):
+    """A window of one key or wider than the sequence, one document or one a
+    token, dropout 0 or the largest seed: valid, and every entry point gives
+    what the plainer call gives (a query alone in its window or document:
+    its own value, computed here without any mask code)."""
+    from conftest import assert_close
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal(s) for s in ((B, 12, Hq, D), (B, 12, Hkv, D), (B, 12, Hkv, D),
+                                                      (B, 12, Hq, D)))
+    if plainer is OWN_TOKEN:
+        want = np.repeat(v, Hq // Hkv, axis=2)                      # query head h reads kv head h // G
+    else:
+        want = attention(q, k, v, **plainer)[0]
+    out, lse = attention(q, k, v, **options)
+    grads = attention_backward(q, k, v, out, lse, dout, **options)
+    got = {"dense": out, "virtual ring": ring_attention(q, k, v, n_devices=3, tile_size=2, **options)[0],
+           "mpi_impl": mpi_impl.ring_attention(q, k, v, comm=OneRank(), make_ring=one_rank_ring, tile_size=5,
+                                               **options)[0]}
+    for where, x in got.items():
+        assert_close(x, want, np.float64, f"{where} out")
+    o, l = ring_attention(q, k, v, n_devices=3, tile_size=2, **options)
+    for name, x, w in zip(("dq", "dk", "dv"), ring_attention_backward(q, k, v, o, l, dout, n_devices=3, tile_size=2,
+                                                                      **options), grads):
+        assert_close(x, w, np.float64, f"virtual ring {name}")

@@ -9,11 +9,12 @@ Without a GPU (CI):
 - `mpi_impl.comm.RingComm` with the GPU memory objects (`gpu_impl.transfer`:
   staged through pinned buffers, and device buffers straight to MPI) on a GPU
   made of NumPy whose streams really run later (tests/gpu/queued_device.py),
-  copies as early or kernels as early as CUDA allows: over a fake MPI of
+  copies as early or kernels as early as CUDA allows, and whose memory pool
+  hands freed memory out again at once, as CuPy's: over a fake MPI of
   threads and on real MPI ranks (tests/gpu/batch_worker.py --device queued),
-  forward and backward bit for bit equal to the virtual ring's; the forward
-  never waits for its kernels before the transfer (overlap), and reads no
-  device memory on the host;
+  forward and backward bit for bit equal to the virtual ring's; neither pass
+  waits for a round's kernels before its K, V transfer (overlap), and no step
+  reads device memory on the host;
 - the public functions end to end on that GPU (the collective checks, the
   transfer choice, mpi_impl's path, the trace);
 - the fused kernel's CUDA source compiles with nvcc for sm_90 (and NVRTC where
@@ -51,6 +52,7 @@ from gpu_impl import fused
 from gpu_impl.device import GpuUnavailable, device_for_local_rank, local_rank_from_env
 from gpu_impl.transfer import choose_transfer, memory_for
 from mpi_impl.comm import RingComm
+from mpi_impl.launch import find_mpiexec
 from reference import attention, attention_backward, cost, ring
 from reference.ring import own_block
 from reference.step import ForwardAcc, Queries, ReadableStep, finish_forward
@@ -60,13 +62,12 @@ from reference.masks import CAUSAL, as_mask
 from reference.virtual import run_devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-from queued_device import POLICIES, QueuedDevice, QueuedStep  # noqa: E402
+from queued_device import POLICIES, CountedStep, QueuedDevice, QueuedStep  # noqa: E402
 from strict_comm import ThreadMPI, World  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "gpu" / "batch_worker.py"
-MPIEXEC = next((str(p) for p in (Path(sys.executable).parent / "mpiexec",) if p.exists()),
-               shutil.which("mpiexec"))
+MPIEXEC = find_mpiexec()
 NVCC = shutil.which("nvcc")
 GXX = shutil.which("g++")
 EMULATOR = Path(__file__).resolve().parent / "gpu" / "emulate_cuda.cpp"
@@ -331,47 +332,115 @@ def virtual_ring_results(case):
 @given(case=cases(max_devices=4))
 @example(case=Case(layout="striped", n_devices=4, B=1, S=32, Hq=4, Hkv=2, D=8, tile_size=4, causal=True,
                    scale=None, dtype=np.float32, kind="gaussian", seed=5))       # every hazard can show on 4
+@example(case=Case(layout="striped", n_devices=4, B=1, S=32, Hq=4, Hkv=2, D=8, tile_size=4, causal=True,
+                   scale=None, dtype=np.float16, kind="gaussian", seed=5))       # the step reads float32 copies
 def test_ring_on_a_queued_gpu_equals_the_virtual_ring(transfer, policy, fake_mpi, case):
     """reference.ring with RingComm's GPU memory objects, on a GPU whose copies
-    run as early (or kernels as early) as CUDA allows: exactly the virtual
-    ring's results, forward and backward. A missing event or a buffer reused
-    too early gives a kernel the wrong block here."""
+    run as early (or kernels as early) as CUDA allows and whose pool hands out
+    freed memory at once: exactly the virtual ring's results, forward and
+    backward. A missing event or a buffer reused too early gives a kernel the
+    wrong block here; so does a device buffer allocated after the step was
+    queued (float16: the float32 copies the step reads are freed by the host
+    while its kernel waits, and an upload into their memory overwrites them)."""
     got, _ = queued_ring_results(case, transfer, policy)
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, virtual_ring_results(case)):
         np.testing.assert_array_equal(g, w, err_msg=f"{name} ({transfer}, {policy}) of {case}")
 
 
+def test_queued_gpu_pool_hands_out_freed_memory_at_once():
+    """The fake's pool as CuPy's: memory the host no longer refers to goes to
+    the next allocation of its size on its stream at once, though a queued
+    kernel (which holds addresses) still reads it; not to another stream; and
+    never while the host holds a view of it."""
+    gpu = QueuedDevice("copies-early")
+    with gpu.installed():
+        a = gpu.asarray(np.arange(8, dtype=np.float32))
+        seen = []
+        held = gpu.pool.by_address(a)
+        gpu.queue_kernel(lambda: seen.append(held.copy()))       # reads a when it runs
+        address = a.__array_interface__["data"][0]
+        view = a[2:]
+        del a
+        kept = [gpu.empty((8,), np.float32)]
+        assert kept[-1].__array_interface__["data"][0] != address        # a view holds it
+        del view
+        with gpu.copy:
+            kept.append(gpu.empty((8,), np.float32))
+        assert kept[-1].__array_interface__["data"][0] != address        # another stream's
+        b = gpu.empty((4, 2), np.float32)
+        assert b.__array_interface__["data"][0] == address and gpu.pool.reused == 1
+        b[...] = -1                                                # from the host: runs after the kernel
+        assert seen and (seen[0] == np.arange(8)).all()
+
+
 @pytest.mark.parametrize("transfer", TRANSFER_PATHS)
-def test_transfers_overlap_the_step(transfer, fake_mpi):
-    """The forward never waits on the host for the step's kernels before the
-    block's transfer completes: when each round's finish_shift starts, that
-    round's kernel is still queued, and the loop reads no device memory on
-    the host (owner and positions are NumPy). The RoundLog times the step with
-    the device's events."""
-    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=2, Hkv=1, D=4, tile_size=4, causal=True,
-                scale=None, dtype=np.float32, kind="gaussian", seed=1)
-    q, k, v, _ = case.inputs()
+def test_steps_read_no_device_memory_on_the_host(transfer, fake_mpi):
+    """The readable step run from the host as on a GPU (every CuPy call a
+    kernel), forward and backward: no host read inside a step, so the host
+    never waits in a step for the kernels queued before it. Whether a block
+    holds NaN or inf comes with its owner's flag (`reference.step.block_finite`),
+    the query side's is found once before the rounds. Results as the virtual ring's."""
+    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=4, Hkv=2, D=4, tile_size=4, causal=True,
+                scale=None, dtype=np.float32, kind="gaussian", seed=2)
+    q, k, v, dout = case.inputs()
     pos = positions(case.S, 3, case.layout)
-    pending_at_finish = []
+    kw = dict(mask=CAUSAL, scale=case.D ** -0.5, tile_size=4)
 
     def device(j, ring_comm, gpu):
-        finish = ring_comm.finish_shift
+        qj, kj, vj, dj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
+        step = CountedStep(gpu, "v1")
+        out, lse, _ = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, step=step, **kw)
+        grads = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, step=step, **kw)[:3]
+        return gpu.host_reads_in_steps, tuple(x.get() for x in (out, lse) + grads)
+
+    got = run_ring(3, transfer, "copies-early", device)
+    assert [reads for reads, _ in got] == [0, 0, 0], "a step read device memory on the host"
+    for i, (name, want) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), virtual_ring_results(case))):
+        axis = 2 if name == "lse" else 1
+        np.testing.assert_array_equal(unshard([r[i] for _, r in got], case.layout, axis=axis), want, err_msg=name)
+
+
+@pytest.mark.parametrize("transfer", TRANSFER_PATHS)
+def test_transfers_overlap_the_step(transfer, fake_mpi):
+    """Forward and backward, the loop never waits on the host for a round's
+    step before that round's K, V transfer completes: when the K, V
+    finish_shift starts, the round's kernel is still queued (in the backward
+    it comes before the dK, dV shift, whose send waits for the kernel that
+    writes dK, dV). And from its first shift on, the loop reads no device
+    memory on the host (owner, positions and finiteness flags are NumPy). The
+    RoundLog times the step with the device's events."""
+    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=2, Hkv=1, D=4, tile_size=4, causal=True,
+                scale=None, dtype=np.float32, kind="gaussian", seed=1)
+    q, k, v, dout = case.inputs()
+    pos = positions(case.S, 3, case.layout)
+    at_finish = []      # (pass, rank, kernels pending, host reads since the pass's first shift)
+
+    def device(j, ring_comm, gpu):
+        start, finish, first_read = ring_comm.start_shift, ring_comm.finish_shift, {}
+
+        def watched_start(arrays, tag):
+            first_read.setdefault(now[0], gpu.host_reads)
+            return start(arrays, tag)
 
         def watched_finish(shift):
-            pending_at_finish.append((j, gpu.kernels_pending, gpu.host_reads))
+            if shift.tag == ring.KV:
+                at_finish.append((now[0], j, gpu.kernels_pending, gpu.host_reads - first_read[now[0]]))
             return finish(shift)
-        ring_comm.finish_shift = watched_finish
-        qj, kj, vj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v))
-        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, mask=CAUSAL, scale=0.5,
-                                          tile_size=4, step=QueuedStep(gpu))
-        return log
+        ring_comm.start_shift, ring_comm.finish_shift = watched_start, watched_finish
+        qj, kj, vj, dj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
+        kw = dict(mask=CAUSAL, scale=0.5, tile_size=4, step=QueuedStep(gpu))
+        now = ["forward"]
+        out, lse, log = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, **kw)
+        now = ["backward"]
+        backward_log = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, **kw)[3]
+        return log, backward_log
 
     logs = run_ring(3, transfer, "copies-early", device)
-    assert len(pending_at_finish) == 3 * 2
-    for rank, pending, reads in pending_at_finish:
-        assert pending >= 1, f"rank {rank}: the step had run before its round's transfer was waited for"
-        assert reads == 0, f"rank {rank}: the loop read device memory on the host"
-    for log in logs:
+    assert sorted(p for p, *_ in at_finish) == ["backward"] * 6 + ["forward"] * 6      # 3 ranks, 2 rounds
+    for name, rank, pending, reads in at_finish:
+        assert pending >= 1, f"{name}, rank {rank}: the step had run before its round's K, V transfer was waited for"
+        assert reads == 0, f"{name}, rank {rank}: the loop read device memory on the host"
+    for log in (log for both in logs for log in both):
         assert (log.compute_s > 0).all() and log.clock is None          # device times; the log pickles
 
 
@@ -825,6 +894,32 @@ def test_fused_positions_are_kept_per_stream():
         other._kept.clear()
         assert fused.positions_for(cupy, 0).get(cupy, pos) is on_compute
         fused.POSITIONS.clear()
+
+
+@pytest.mark.parametrize("version", ["fused", "fused_v2"])
+def test_fused_launches_read_positions_uploaded_on_their_stream(version, monkeypatch):
+    """Each fused kernel's launch reads position arrays uploaded on the stream
+    it is launched on: a launch on another stream (the queued GPU's copy stream
+    made current) gets arrays of its own, never those the compute stream's
+    launches read (kept per GPU, an upload on one stream would be read on
+    another with no event between them)."""
+    from gpu_impl import fused_v2
+    from reference import steps
+    module = {"fused": fused, "fused_v2": fused_v2}[version]
+    read = []
+    monkeypatch.setattr(module, "_kernel", lambda *config: lambda grid, threads, args, **kw: read.append(args[3]))
+    gpu = QueuedDevice()
+    q, k = np.zeros((1, 1, 16, 1, 64), np.float32), np.zeros((1, 1, 16, 64), np.float16)
+    with gpu.installed():
+        fused.POSITIONS.clear()
+        queries = Queries(gpu.asarray(q), np.arange(16), scale=1.0)
+        block = ring.KVBlock(gpu.asarray(k), gpu.asarray(k), np.arange(16), np.array([0]))
+        acc = ForwardAcc.zeros(queries.q)
+        for stream in (gpu.compute, gpu.copy, gpu.compute):
+            with stream:
+                steps.get(version).forward(acc, queries, block, mask=CAUSAL, tile_size=None)
+        fused.POSITIONS.clear()
+    assert len(read) == 3 and read[2] is read[0] and read[1] is not read[0]
 
 
 def test_fused_options_are_checked():

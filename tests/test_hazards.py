@@ -29,6 +29,8 @@ flight goes unnoticed. Here:
     .venv/bin/python -m pytest tests/test_hazards.py -q
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -104,6 +106,30 @@ def test_ring_on_strict_comm_matches_dense(case):
 @given(cases(max_devices=5))
 def test_ring_comm_on_checking_mpi_matches_dense(case):
     assert_matches(case, *run_ring(case, mpi_ring, mpi_ring_done))
+
+
+def test_the_ring_hands_the_step_its_comms_progress():
+    """Forward and backward, the loop passes `comm.progress` to the step, which
+    calls it between tiles: version 1 once after every tile it computes."""
+    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=2, Hkv=1, D=4, tile_size=4, causal=True,
+                scale=None, dtype=np.float64, kind="gaussian", seed=3)
+    q, k, v, dout = case.inputs()
+    pos = positions(case.S, 3, case.layout)
+    qs, ks, vs, douts = (shard(x, 3, case.layout) for x in (q, k, v, dout))
+    opts = dict(mask=as_mask(True), scale=0.5, tile_size=4, step=steps.get("v1"))
+
+    def device(j, world):
+        comm = strict(j, world)
+        o, lse, forward = ring.ring_forward(qs[j], ks[j], vs[j], pos[j], pos[j], comm, **opts)
+        after_forward = comm.progress_calls
+        backward = ring.ring_backward(qs[j], ks[j], vs[j], o, lse, douts[j], pos[j], pos[j], comm, **opts)[3]
+        strict_done(j, comm)
+        return after_forward, comm.progress_calls, forward.tiles_computed.sum(), backward.tiles_computed.sum()
+
+    for rank, (after_forward, total, forward_tiles, backward_tiles) in enumerate(run_threads(3, device)):
+        assert forward_tiles > 0 and backward_tiles > 0
+        assert after_forward == forward_tiles, f"rank {rank}: forward"
+        assert total - after_forward == backward_tiles, f"rank {rank}: backward"
 
 
 # -- the checkers catch what they are for -----------------------------------------------
@@ -264,6 +290,19 @@ def test_send_in_flight_completes_before_its_buffers_receive_again():
     assert completed < reposted, mpi.log
 
 
+def test_a_tag_whose_arrays_change_shape_receives_into_new_buffers():
+    """The buffer sets are made for the arrays a tag carries: when they change
+    (another call's block size on a RingComm kept), the next shift receives
+    into sets of the new shape, never into the old ones."""
+    ring_comm, mpi = scripted()
+    one_shift(ring_comm, mpi, block(0), block(1))
+    for value in (2, 3, 4):                         # through both buffer sets and round again
+        arrived = one_shift(ring_comm, mpi, block(0, n=6), block(value, n=6))
+        mpi.take()
+        assert [a.shape for a in arrived] == [(6,), (1,)]
+        assert all(np.array_equal(a, b) for a, b in zip(arrived, block(value, n=6)))
+
+
 def test_finish_waits_for_its_receives_only():
     """The neighbour has not taken the block sent (it computes): finish_shift
     returns what arrived all the same."""
@@ -301,6 +340,41 @@ def test_progress_moves_transfers_during_the_step():
     assert ring_comm.transfers[0].arrived <= ring_comm.transfers[0].handed
 
 
+def test_all_arrived_says_whether_finish_would_wait():
+    ring_comm, mpi = scripted(waits_complete_sends=False)
+    assert ring_comm.all_arrived()                              # nothing in flight
+    shift = ring_comm.start_shift(block(0), 1)
+    ring_comm.progress()
+    assert not ring_comm.all_arrived()
+    mpi.deliver(1, block(1))
+    ring_comm._tested_at = float("-inf")                        # the next progress() tests again
+    ring_comm.progress()
+    assert ring_comm.all_arrived()
+    ring_comm.finish_shift(shift)
+
+
+def test_progress_tests_the_requests_at_most_once_an_interval(monkeypatch):
+    """A step calls progress() between tiles however small: within one
+    `progress_interval_s` it tests the requests once (a clock that stands still here)."""
+    import mpi_impl.comm as comm_module
+    ring_comm, mpi = scripted(waits_complete_sends=False)
+    ring_comm.start_shift(block(0), 1)
+    tests = []
+    for request in mpi.pending:
+        request.Test = lambda request=request: tests.append(request.tag) or request.done
+    now = [100.0]
+    monkeypatch.setattr(comm_module.time, "perf_counter", lambda: now[0])
+    ring_comm.progress()
+    first = len(tests)
+    assert first == 4                                           # 2 receives, 2 sends of tag 1
+    ring_comm.progress()
+    ring_comm.progress()
+    assert len(tests) == first
+    now[0] += ring_comm.progress_interval_s
+    ring_comm.progress()
+    assert len(tests) == 2 * first
+
+
 def test_neighbour_that_left_is_named():
     """A receive from a neighbour that sent word it left ends with its reason."""
     ring_comm, mpi = scripted()
@@ -309,6 +383,67 @@ def test_neighbour_that_left_is_named():
     with pytest.raises(RingError, match=r"^rank 0: round 0: receiving the K/V block \(array 0 of 2\) from rank 1 "
                                         r"failed: rank 1 left the ring \(SystemExit: 0\)$"):
         ring_comm.finish_shift(shift)
+
+
+def test_neighbour_that_left_after_its_last_transfer_fails_the_close():
+    """Every transfer with rank 1 done, then its notice: the ring call is
+    collective, so close() says rank 1 left rather than returning into a
+    collective that would wait for it for ever."""
+    ring_comm, mpi = scripted()
+    one_shift(ring_comm, mpi, block(0), block(1))
+    mpi.take()                                                  # rank 1 received what it was sent
+    mpi.notify(FROM_PREV, "RuntimeError: out of memory")       # (a 2-rank ring: its prev and next)
+    with pytest.raises(RingError, match=r"^rank 0: rank 1 left the ring \(RuntimeError: out of memory\) "
+                                        r"before its end here$"):
+        ring_comm.close()
+
+
+class DupMPI(ScriptedMPI):
+    """ScriptedMPI that counts the duplicates made of it and freed."""
+    made = freed = 0
+
+    def Dup(self):
+        self.made += 1
+        return self
+
+    def Free(self):
+        self.freed += 1
+
+
+@pytest.mark.parametrize("ends", ["closed", "failed"])
+def test_the_communicator_on_duplicated_is_freed_however_the_ring_ends(ends):
+    """One duplicate per ring call, freed at its end (MPICH runs out of
+    communicators after about 2,047 that are not), by close or by leave."""
+    mpi = DupMPI()
+    with pytest.raises(ValueError) if ends == "failed" else contextlib.nullcontext():
+        with RingComm.on(mpi) as ring_comm:
+            one_shift(ring_comm, mpi, block(0), block(1))
+            if ends == "failed":
+                raise ValueError("the step failed")
+    assert (mpi.made, mpi.freed) == (1, 1)
+    ring_comm.close()                                   # a second close frees nothing more
+    assert mpi.freed == 1
+
+
+def test_a_rank_leaves_the_ring_once():
+    """leave() after the ring ended (a second error, or after close) tells
+    the neighbours nothing more: one notice each, from the first."""
+    ring_comm, mpi = scripted()
+    ring_comm.start_shift(block(0), 1)
+    ring_comm.leave(ValueError("the step failed"))
+    ring_comm.leave(RuntimeError("and again"))
+    ring_comm.close()
+    assert [r for r in mpi.log if r.startswith("post send") and int(r.split()[-1]) < 16] == \
+        ["post send 0", "post send 1"], mpi.log
+
+
+def test_a_block_that_is_not_contiguous_is_refused_before_anything_is_posted():
+    """MPI must read the caller's array itself: a strided view would be sent
+    from a copy that may be gone before the send completes."""
+    ring_comm, mpi = scripted()
+    with pytest.raises(ValueError, match=r"ring buffers must be C-contiguous, got an array of shape \(4,\)"):
+        ring_comm.start_shift((np.arange(8.0)[::2], np.zeros(1, np.int64)), 1)
+    assert not [r for r in mpi.log if r.startswith("post") and int(r.split()[-1]) >= 16], mpi.log
 
 
 def test_leaving_tells_the_neighbours_and_settles_what_is_in_flight():
@@ -353,10 +488,11 @@ def test_mpi_ring_with_messages_above_the_eager_threshold(n, tmp_path):
 
 
 def test_block_arrives_while_its_receiver_computes_given_progress():
-    """tests/mpi/progress_worker.py: rank 0 idle in finish_shift, rank 1
-    computing tiles and calling progress() between them; its 4 MiB block
-    (rendezvous: MPI moves it only inside MPI calls) completes before rank 1
-    calls finish_shift. No timing: rank 1 computes until the block is there."""
+    """tests/mpi/progress_worker.py: `ring_forward` on 2 ranks, rank 0 idle in
+    finish_shift, rank 1's step computing tiles and calling the progress the
+    ring handed it between them; its 4 MiB block (rendezvous: MPI moves it only
+    inside MPI calls) completes before rank 1's step ends. No timing: rank 1
+    computes until the block is there."""
     pytest.importorskip("mpi4py")
     from test_mpi import MPIEXEC, WORKERS, mpirun
     if MPIEXEC is None:

@@ -12,7 +12,6 @@ wrong mask changes the loss visibly.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 import reference
+from mpi_impl.launch import find_mpiexec
 from conftest import assert_close
 from model import layers, recipe, speedup, train, transformer
 from model.attention import Dense, VirtualRing
@@ -217,10 +217,39 @@ def test_float32_stays_float32():
         assert_close(grads[name], want_grads[name], np.float32, what=f"float32 d {name}")
 
 
+@pytest.mark.parametrize("layout", reference.LAYOUTS)
+def test_the_virtual_ring_runs_on_the_shards_as_the_model_holds_them(monkeypatch, layout):
+    """VirtualRing takes the N shards side by side and returns them so, equal to
+    dense attention in natural order, without dealing or gathering tokens itself
+    (`reference.shard` / `unshard` refused inside the call)."""
+    import reference.virtual
+    n, rng = 2, np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal((1, 8, 2, 4)) for _ in range(4))      # side by side, (B, N c, H, D)
+
+    def natural(x, axis=1):
+        return reference.unshard(np.split(x, n, axis=axis), layout, axis=axis)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's ring moved its tokens out of the layout's order")
+
+    attn = VirtualRing(n, layout, tile_size=TILE)
+    monkeypatch.setattr(reference.virtual, "shard", refuse)
+    monkeypatch.setattr(reference.virtual, "unshard", refuse)
+    out, lse = attn.forward(q, k, v)
+    grads = attn.backward(q, k, v, out, lse, dout)
+    monkeypatch.undo()
+    want_out, want_lse = reference.attention(*map(natural, (q, k, v)))
+    assert_close(natural(out), want_out, np.float64, what="out")
+    assert_close(natural(lse, axis=2), want_lse, np.float64, what="lse")
+    want = reference.attention_backward(*map(natural, (q, k, v, out)), natural(lse, axis=2), natural(dout))
+    for name, got, w in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(natural(got), w, np.float64, what=name)
+    assert attn.seconds > 0
+
+
 # -- on real MPI ranks ----------------------------------------------------------------------
 
-_BESIDE = Path(sys.executable).parent / "mpiexec"
-MPIEXEC = str(_BESIDE) if _BESIDE.exists() else shutil.which("mpiexec")
+MPIEXEC = find_mpiexec()
 LAUNCH_TIMEOUT_S = 120
 
 

@@ -15,7 +15,6 @@ deadline. Skipped, not failed, where mpi4py or mpiexec is missing.
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -26,14 +25,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conftest import Case, assert_close, cases
+from mpi_impl.launch import find_mpiexec
 from reference import attention, attention_backward, cost, positions
 
 pytest.importorskip("mpi4py")
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "mpi"
-_BESIDE = Path(sys.executable).parent / "mpiexec"          # the mpich wheel's, in the venv
-MPIEXEC = str(_BESIDE) if _BESIDE.exists() else shutil.which("mpiexec")
+MPIEXEC = find_mpiexec()                                    # the mpich wheel's, in the venv
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
 RANKS = (1, 2, 3, 4)

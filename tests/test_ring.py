@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from conftest import Case, assert_close, assert_finite, cases
 from reference import (LAYOUTS, attention, attention_backward, lockstep, positions, ring, ring_attention,
                        ring_attention_backward, shard, steps, unshard)
+from reference.layouts import unit as layout_unit
 from reference.masks import CAUSAL, as_mask
 from reference.tiles import visible
 from reference.virtual import run_devices
@@ -129,7 +130,7 @@ def rows_without_visible_key(case):
 def test_one_token_per_device(layout, n_devices, dtype):
     # c = 1 (2 for zigzag): every block is one key, invisible to the query in
     # half the rounds
-    S = 2 * n_devices if layout == "zigzag" else n_devices
+    S = layout_unit(n_devices, layout)
     case = case_of(layout, n_devices, S, Hq=3, Hkv=1, tile_size=1, dtype=dtype)
     check_forward(case)
     check_backward(case)

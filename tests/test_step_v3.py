@@ -56,16 +56,45 @@ def test_lazy_max_is_raised_when_scores_grow(dtype, exact_tiles):
     H = 2
     q, k, v, dout = growing_scores(dtype, H=H)
     check_against_dense(steps.get("v3"), q, k, v, dout, [np.arange(256)], tile_size=32, large_logits=True)
-    assert len(exact_tiles) > 2 * H                    # more than the first tile of each unit
+    assert len(exact_tiles) > 2 * H                    # most key tiles after the first (seeded)
 
 
 def test_lazy_max_is_kept_for_gaussian_scores(exact_tiles):
-    # the counterpart: ordinary scores never come near SUM_LIMIT, so only a
-    # row's first tile (no shift yet) is exact; all others are lazy
+    # the counterpart: ordinary scores never come near SUM_LIMIT, and a row's
+    # first tile (no shift yet) is seeded (`step_parts.seeded_tile`): none is exact
     S, H = 256, 2
     q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, dtype=np.float32)
-    step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
-    assert len(exact_tiles) == H < n_blocks(S, 32, H)  # one unit of 256 rows per head
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
+    assert len(exact_tiles) == 0 < n_blocks(S, 32, H)
+    ref_out, ref_lse = attention(q, k, v)
+    assert_close(out, ref_out, np.float32, "out")
+    assert_close(lse, ref_lse, np.float32, "lse")
+
+
+def hidden_spike(score, blocks, S=32, H=2, D=8, seed=6):
+    """Version 3's forward on keys 24..31 that score `score` for queries
+    0..23, which cannot see them (causal), and 0 for queries 24..31, which
+    can; checked against dense. Returns the number of heads H."""
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=D, dtype=np.float64, seed=seed)
+    q[..., 0] = np.where(np.arange(S) < 24, 1.0, 0.0)[None, :, None]
+    k[..., 0] = np.where(np.arange(S) < 24, 0.0, score * D ** 0.5)[None, :, None]
+    q, k, v = (x.astype(np.float32) for x in (q, k, v))
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, blocks, tile_size=32)
+    ref_out, ref_lse = attention(q, k, v)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert_close(out, ref_out, np.float32, "out")
+    assert_close(lse, ref_lse, np.float32, "lse")
+    return H
+
+
+def test_a_seed_under_which_every_visible_score_underflows_is_redone(exact_tiles):
+    # a fresh row's shift is seeded from a sample of its scores, masked ones
+    # too: key 24 (every 8th key is in the sample) scores 100 for queries
+    # 0..23, which cannot see it; under that seed their visible scores give
+    # P ~ 2**-144, the row sums fall below SUM_FLOOR, and the first tile is
+    # redone exactly: the answer is dense's
+    H = hidden_spike(100.0, [np.arange(32)], seed=7)
+    assert len(exact_tiles) == H
 
 
 def test_a_sum_that_overflows_is_redone(exact_tiles):
@@ -85,9 +114,18 @@ def test_a_sum_that_overflows_is_redone(exact_tiles):
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert_close(out, ref_out, np.float32, "out", LARGE_LOGITS_FACTOR)
     assert_close(lse, ref_lse, np.float32, "lse", LARGE_LOGITS_FACTOR)
-    # two exact tiles a head: the first (no shift yet) and the overflowing one;
-    # scores like the first block's would give one (the gaussian test above)
-    assert len(exact_tiles) == 2 * H
+    # one exact tile a head, the overflowing one (the first is seeded);
+    # scores like the first block's would give none (the gaussian test above)
+    assert len(exact_tiles) == H
+
+
+def test_a_masked_pair_that_overflows_is_redone(exact_tiles):
+    # version 3 clears masked pairs by a product with 0 (`step_masks.weigh`):
+    # a masked score that overflows exp2 gives inf x 0 = NaN, which must send
+    # the tile to the exact path, not into O. Keys 24..31 score 700 for the
+    # queries that cannot see them; the second block is the one redone
+    H = hidden_spike(700.0, [np.arange(16), np.arange(16, 32)])
+    assert len(exact_tiles) == H                  # the redone one; the first is seeded
 
 
 def test_lazy_shift_is_off_for_huge_values(exact_tiles):
@@ -101,6 +139,19 @@ def test_lazy_shift_is_off_for_huge_values(exact_tiles):
     assert np.isfinite(out).all()
     assert_close(out / 1e25, ref_out / 1e25, np.float32, "out")
     assert_close(lse, ref_lse, np.float32, "lse")
+
+
+def test_nan_in_v_turns_the_lazy_shift_off(exact_tiles):
+    # a NaN value at key 5: rows 0..4 do not see it and stay finite. A lazy
+    # tile multiplies P = 0 by V at masked pairs (0 x NaN = NaN), so a head
+    # whose V holds a NaN is exact, with the guard, like a huge one
+    S, H = 16, 1
+    q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, D=4)
+    v[0, 5, 0, 0] = np.nan
+    out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=4)
+    ref_out, _ = attention(q, k, v)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    assert np.isfinite(out[:, :5]).all() and len(exact_tiles) == n_blocks(S, 4, H)
 
 
 def test_results_do_not_depend_on_the_worker_count():
@@ -241,18 +292,20 @@ UNIT_ROWS = sys.modules[forward_units.__module__].UNIT_ROWS     # where forward_
 def covered(plan, c, G):
     """{(query slice, key slice): kind} of the tiles `forward_units` computes,
     from its units, each block spread back over the plan's query tiles it
-    spans; and the query slices of the units, in order."""
+    spans, MASKED where the block's masked rows cover the tile; and the query
+    slices of the units, in order."""
     q_tiles = sorted({(qs.start, min(qs.stop, c)) for qs, _, _ in plan})
     tiles, units = {}, []
     for unit, blocks in forward_units(plan, c, G):
         units.append((unit.start, unit.stop))
-        for rows, ks, kind in blocks:
+        for rows, ks, part in blocks:
             lo, hi = unit.start + rows.start, unit.start + rows.stop
             spanned = [t for t in q_tiles if lo <= t[0] and t[1] <= hi]
             assert spanned and spanned[0][0] == lo and spanned[-1][1] == hi, (rows, ks)
             for t in spanned:
                 assert (t, (ks.start, ks.stop)) not in tiles, f"tile {t} x {ks} computed twice"
-                tiles[t, (ks.start, ks.stop)] = kind
+                masked = part is not None and lo + part.start <= t[0] and t[1] <= lo + part.stop
+                tiles[t, (ks.start, ks.stop)] = MASKED if masked else FULL
     return tiles, units
 
 
@@ -270,6 +323,9 @@ def check_units_cover_the_plan(q_pos, k_pos, tile_size, mask, G):
         assert stop <= next_start                    # units own their rows
     for start, stop in units:                        # a unit is one tile, or stacks at most UNIT_ROWS rows
         assert (start, stop) in q_tiles or (stop - start) * G <= UNIT_ROWS
+        inside = sorted(t for t in q_tiles if start <= t[0] < stop)      # of neighbouring tiles of the plan
+        assert inside[0][0] == start and inside[-1][1] == stop and all(
+            a[1] == b[0] for a, b in zip(inside, inside[1:])), f"unit {start}..{stop} holds rows of no tile"
 
 
 @settings(max_examples=60, deadline=None)

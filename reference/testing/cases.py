@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..layouts import LAYOUTS, padded_length
+from ..layouts import unit as layout_unit
 from ..masks import make_mask
 from .compare import BFLOAT16, LARGE_LOGITS_FACTOR, LARGE_LOGITS_GRAD_FACTOR
 
@@ -276,7 +277,7 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
         layout = draw(st.sampled_from(layouts))
         n = draw(st.sampled_from(devices))
         doc_unit = document_multiple(n) if callable(document_multiple) else document_multiple
-        unit = math.lcm(2 * n if layout == "zigzag" else n, seq_multiple,     # the layout's unit of division,
+        unit = math.lcm(layout_unit(n, layout), seq_multiple,                 # the layout's unit of division,
                         doc_unit if "cu_seqlens" in masks else 1)             # and the documents'
         S = unit * draw(st.integers(1, max(1, max_seq // unit)))
         if "padding" in masks:           # shrinks to 0: no padding

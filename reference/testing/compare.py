@@ -17,6 +17,7 @@ the kit, and never hypothesis):
 Shapes: out, dq, dk, dv as (B, c, H, D), lse as (B, H, c), c the rank's tokens.
 """
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,3 +149,16 @@ def assert_finite(*arrays, names=None):
     for i, x in enumerate(arrays):
         name = names[i] if names else f"array {i}"
         assert np.isfinite(np.asarray(x, np.float64)).all(), f"{name} has NaN or inf"
+
+
+def where_raised(text):
+    """The exception line of a rank's traceback and the deepest frame above it,
+    without this machine's paths (site-packages/...), for a report others read."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    where = ""
+    if frames:
+        i = frames[-1]
+        frame = re.sub(r'File "[^"]*/site-packages/', 'File "site-packages/', lines[i].strip())   # no local paths
+        where = f"\n  at {frame}\n     {lines[i + 1].strip() if i + 1 < len(lines) else ''}"
+    return f"{lines[-1].strip()}{where}"

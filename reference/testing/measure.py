@@ -13,6 +13,7 @@ import numpy as np
 
 from ..dense import attention, attention_backward
 from ..layouts import LAYOUTS, padded_length, positions, unshard
+from ..layouts import unit as layout_unit
 from .adapter import VirtualRingAdapter, make_shards
 from .cases import ALL_DTYPES, INPUT_KINDS, MAX_HEAD_DIM, MAX_SEQ, NAMES, Case
 from .compare import used_fraction
@@ -60,7 +61,7 @@ def random_case(rng, dtype, masks=True):
     documents, and any S (padding where the layout's unit does not divide it)."""
     layout = LAYOUTS[rng.integers(3)]
     n = int(rng.integers(1, 5))
-    unit = 2 * n if layout == "zigzag" else n
+    unit = layout_unit(n, layout)
     S = unit * int(rng.integers(1, max(2, MAX_SEQ // unit + 1)))
     if masks:
         S = max(1, S - int(rng.integers(unit)))

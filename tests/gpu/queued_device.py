@@ -14,16 +14,27 @@ streams are interleaved by a policy that is as unkind as CUDA allows:
   when forced. A kernel that does not wait for the upload of its block reads
   the buffer's old contents.
 
+Device memory comes from a pool that reuses it as CuPy's does (`MemoryPool`):
+an array's memory goes back to the pool as soon as the host holds no array on
+it, whatever the streams still have queued to read or write there, and the
+next allocation of its size on the same stream gets it at once. A launch or a
+copy takes the addresses of its arrays, not references (`by_address`), so a
+buffer allocated for a copy on another stream, in memory a queued kernel still
+reads, gives that kernel the copy's data here as on a GPU.
+
 Device arrays are `DeviceArray` (a NumPy array whose type says "cupy", so that
 `reference.layouts.array_module` picks the `fake_cupy` module). Every CuPy
 function and every arithmetic operation on a device array called from the host
 is a kernel on the compute stream: it runs after everything queued there
 before it (the host waits, as for any result it reads). ``a.get()`` is a host
-read: it waits for the compute stream, and is counted in ``host_reads``.
+read: it waits for the compute stream, and is counted in ``host_reads`` (and in
+``host_reads_in_steps`` while a `CountedStep` runs). A reduction gives a 0-d
+device array, as CuPy's, so ``bool(xp.isfinite(x).all())`` is such a read.
 `QueuedStep` wraps a step: it plans and counts on the host at once (positions
 are NumPy) and queues the tiles' work as one kernel, with the positions copied
 at launch as a real launch copies its arguments. A "kernel" runs the NumPy
-code of the wrapped step when its turn comes.
+code of the wrapped step when its turn comes. `CountedStep` runs a step from
+the host as it is, every CuPy call of it a kernel, and counts its host reads.
 
     gpu = QueuedDevice("copies-early")
     with gpu.installed():             # sys.modules["cupy"] is fake_cupy(gpu) inside
@@ -39,6 +50,8 @@ kernel, since CUDA cannot run on NumPy):
 """
 
 import contextlib
+import ctypes
+import dataclasses
 import runpy
 import sys
 import threading
@@ -67,7 +80,19 @@ def _host(x):
 
 
 def _device(x):
-    return x.view(DeviceArray) if type(x) is np.ndarray else x
+    """A result of NumPy as a device array: new memory from the installed
+    device's pool (a scalar becomes a 0-d array, as CuPy's reductions give),
+    a view of device memory as it is."""
+    if isinstance(x, np.generic):
+        x = np.asarray(x)
+    if type(x) is not np.ndarray:
+        return x
+    gpu = _gpu()
+    if gpu is not None and x.base is None:
+        pooled = gpu.pool.allocate(x.shape, x.dtype, gpu.current[-1])
+        np.copyto(_host(pooled), x)
+        return pooled
+    return x.view(DeviceArray)
 
 
 class DeviceArray(np.ndarray):
@@ -89,6 +114,13 @@ class DeviceArray(np.ndarray):
         if out is not None:
             return out[0] if len(out) == 1 else out
         return tuple(_device(r) for r in result) if isinstance(result, tuple) else _device(result)
+
+    def __setitem__(self, key, value):
+        """A write from the host is a kernel too (it runs after those queued)."""
+        gpu = _gpu()
+        if gpu is not None:
+            gpu.host_kernel()
+        _host(self)[key] = _host(value)
 
     def astype(self, dtype, *args, copy=True, **kwargs):
         if not copy and np.dtype(dtype) == self.dtype:
@@ -134,7 +166,7 @@ def fake_cupy():
             args = tuple(_host(a) for a in args)
             kwargs = {k: _host(a) for k, a in kwargs.items()}
             result = fn(*args, **kwargs)
-            return _device(result) if isinstance(result, np.ndarray) else result
+            return _device(result) if isinstance(result, (np.ndarray, np.generic)) else result
         return kernel
 
     cupy.__getattr__ = lambda name: wrap(getattr(np, name))
@@ -170,6 +202,68 @@ class _Device:
 
 
 FAKE_CUPY = fake_cupy()
+
+
+class MemoryPool:
+    """Device memory handed out as CuPy's pool does: in units of 512 bytes,
+    per stream, a block back in the pool as soon as no host object refers to
+    it (kernels and copies hold addresses: `by_address`), and the block freed
+    last handed out first. New memory is filled with 0xff bytes (NaN, -1)."""
+    UNIT = 512
+
+    def __init__(self):
+        self.in_use, self.free = [], []     # free: most recently freed last
+        self.reused = 0                     # allocations served from freed blocks
+
+    def allocate(self, shape, dtype, stream):
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = max(1, -(-nbytes // self.UNIT)) * self.UNIT
+        self._collect()
+        block = next((b for b in reversed(self.free) if b.size == size and b.stream is stream), None)
+        if block is None:
+            block = _Block(size, stream)
+        else:
+            self.free.remove(block)
+            self.reused += 1
+        self.in_use.append(block)
+        return block.memory[:nbytes].view(dtype).reshape(shape).view(DeviceArray)
+
+    def _collect(self):
+        """Blocks no host object refers to any more go back to the pool."""
+        for block in list(self.in_use):
+            if block.unreferenced():
+                self.in_use.remove(block)
+                self.free.append(block)
+
+    def by_address(self, a):
+        """What a launch or a copy holds of device array `a`: the same memory,
+        without keeping `a` (or its block) from going back to the pool."""
+        if not isinstance(a, DeviceArray):
+            return a
+        base = a
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        block = next((b for b in self.in_use if b.memory is base), None)
+        if block is None or a.size == 0:
+            return _host(a)                         # not pool memory: held as it is
+        offset = a.__array_interface__["data"][0] - block.address
+        return np.ndarray(a.shape, a.dtype, buffer=block.alias, offset=offset, strides=a.strides)
+
+
+class _Block:
+    """One block of the pool: its memory, owned here for ever, and an alias of
+    that memory that does not count as a reference to it."""
+
+    def __init__(self, size, stream):
+        self.size, self.stream = size, stream
+        self.memory = np.full(size, 0xFF, np.uint8)
+        self.address = self.memory.ctypes.data
+        self.alias = np.frombuffer((ctypes.c_uint8 * size).from_address(self.address), np.uint8)
+        self._baseline = sys.getrefcount(self.memory)
+
+    def unreferenced(self):
+        return sys.getrefcount(self.memory) <= self._baseline
 
 
 class Event:
@@ -230,7 +324,9 @@ class QueuedDevice:
         self.compute, self.copy = Stream(self, "compute"), Stream(self, "copy")
         self.clock = self.in_kernel = self.kernels_queued = self.kernels_run = 0
         self.host_reads, self.host_syncs = 0, []
+        self.in_step = self.host_reads_in_steps = 0     # CountedStep's
         self.current = [self.compute]       # the current stream (entered streams on top)
+        self.pool = MemoryPool()
         self.xp = FAKE_CUPY
 
     @contextlib.contextmanager
@@ -285,6 +381,7 @@ class QueuedDevice:
     def host_read(self):
         if not self.in_kernel:
             self.host_reads += 1
+            self.host_reads_in_steps += bool(self.in_step)
             self.host_kernel()
 
     def queue_kernel(self, fn, stream=None):
@@ -316,22 +413,48 @@ class QueuedDevice:
         return (end.time - start.time) * 1e-3          # a kernel "takes" a millisecond
 
     def empty(self, shape, dtype):
-        return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype).view(DeviceArray)
+        """From the pool, on the current stream (CupyDevice.empty: the compute stream)."""
+        return self.pool.allocate(shape, dtype, self.current[-1])
 
     def pinned_empty(self, shape, dtype):
         return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype)
 
     def download(self, a, host, stream):
-        stream.items.append(("run", lambda: np.copyto(host, _host(a))))
+        a = self.pool.by_address(a)
+        stream.items.append(("run", lambda: np.copyto(host, a)))
         self.eager()
 
     def upload(self, host, a, stream):
-        stream.items.append(("run", lambda: np.copyto(_host(a), host)))   # reads `host` when it runs
+        a = self.pool.by_address(a)
+        stream.items.append(("run", lambda: np.copyto(a, host)))   # reads `host` when it runs
         self.eager()
 
     def asarray(self, x):
         """A device copy of host data, made now (as a synchronous upload)."""
-        return np.array(x).view(DeviceArray)
+        a = self.pool.allocate(np.shape(x), np.asarray(x).dtype, self.current[-1])
+        np.copyto(_host(a), x)
+        return a
+
+    def by_address(self, obj):
+        """A step's argument (a dataclass or a named tuple of arrays) as a launch
+        holds it: its device arrays by address (`MemoryPool.by_address`)."""
+        if dataclasses.is_dataclass(obj):
+            fields = [f.name for f in dataclasses.fields(obj) if f.init]
+            return dataclasses.replace(obj, **self._addresses(obj, fields))
+        return obj._replace(**self._addresses(obj, obj._fields))
+
+    def _addresses(self, obj, names):
+        return {name: self.pool.by_address(getattr(obj, name)) for name in names
+                if isinstance(getattr(obj, name), DeviceArray)}
+
+    @contextlib.contextmanager
+    def counting_host_reads(self):
+        """Host reads from now until the end are counted in host_reads_in_steps."""
+        self.in_step += 1
+        try:
+            yield
+        finally:
+            self.in_step -= 1
 
 
 class QueuedStep(Step):
@@ -346,14 +469,17 @@ class QueuedStep(Step):
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, counts = self._plan(queries, block, mask, tile_size)
         acc.seen |= any_visible(queries.pos, block.pos, mask)
-        launched = block._replace(pos=np.array(block.pos))          # a launch copies its arguments
+        # a launch copies its arguments: the positions' values, the arrays' addresses
+        acc, queries, launched = (self.gpu.by_address(x) for x in
+                                  (acc, queries, block._replace(pos=np.array(block.pos))))
         self.gpu.queue_kernel(lambda: self.inner.forward_tiles(acc, queries, launched, plan))
         return counts
 
     def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None, progress=None):
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, counts = self._plan(queries, block, mask, tile_size)
-        launched = block._replace(pos=np.array(block.pos))
+        grads, queries, rows, launched = (self.gpu.by_address(x) for x in
+                                          (grads, queries, rows, block._replace(pos=np.array(block.pos))))
         self.gpu.queue_kernel(lambda: self.inner.backward_tiles(grads, queries, rows, launched, plan))
         return counts
 
@@ -362,6 +488,25 @@ class QueuedStep(Step):
         assert isinstance(block.pos, np.ndarray), "block positions must be on the host"
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)
         return plan, _count(plan, skipped, queries.pos, block.pos, mask)
+
+
+class CountedStep(Step):
+    """A step run from the host as it is, each of its CuPy calls a kernel on
+    the QueuedDevice, its host reads counted in ``gpu.host_reads_in_steps``
+    (a step that reads device memory on the host waits there for the GPU)."""
+
+    def __init__(self, gpu, inner="v1"):
+        self.gpu, self.inner = gpu, get_step(inner)
+        self.name, self.has_backward = f"counted {self.inner.name}", self.inner.has_backward
+        self.has_dropout, self.array_modules = self.inner.has_dropout, self.inner.array_modules
+
+    def forward(self, *args, **kwargs):
+        with self.gpu.counting_host_reads():
+            return self.inner.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        with self.gpu.counting_host_reads():
+            return self.inner.backward(*args, **kwargs)
 
 
 # -- a process on a QueuedDevice ---------------------------------------------------------
