@@ -160,27 +160,35 @@ register(FusedStep)
 def check_launch(acc, queries, block):
     """A ValueError unless the arrays are what the kernel indexes: it reads
     q, k, v, positions and the accumulator by these shapes, unchecked."""
+    check_arrays("fused", acc, queries, block)
+    for name, x in (("k", block.k), ("v", block.v)):
+        if x.dtype not in (np.float32, np.float16) or x.dtype != block.k.dtype or not x.flags.c_contiguous:
+            raise ValueError(f"step 'fused' needs C-contiguous k and v, both float32 or both float16, "
+                             f"got {name} {x.dtype}")
+
+
+def check_arrays(step, acc, queries, block):
+    """What both fused kernels index unchecked, whatever K, V hold: q (B, Hkv,
+    c, G, D), k and v (B, Hkv, ck, D), the accumulator as q, positions of c and
+    ck, and float32, C-contiguous q and accumulator. `step` names the kernel
+    in the message."""
     q, k, v = queries.q, block.k, block.v
     if q.ndim != 5 or k.ndim != 4:
-        raise ValueError(f"step 'fused' needs q (B, Hkv, c, G, D) and k, v (B, Hkv, ck, D), "
+        raise ValueError(f"step '{step}' needs q (B, Hkv, c, G, D) and k, v (B, Hkv, ck, D), "
                          f"got q {q.shape}, k {k.shape}")
     B, Hkv, c, G, D = q.shape
     want = {"k": (k, (B, Hkv, k.shape[2], D)), "v": (v, k.shape), "acc.o": (acc.o, q.shape),
             "acc.m": (acc.m, q.shape[:-1]), "acc.l": (acc.l, q.shape[:-1])}
     for name, (x, shape) in want.items():
         if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"step 'fused': {name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
+            raise ValueError(f"step '{step}': {name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
                              f"(q {tuple(q.shape)})")
     for name, x, length in (("queries.pos", queries.pos, c), ("block.pos", block.pos, k.shape[2])):
         if np.shape(x) != (length,):
-            raise ValueError(f"step 'fused': {name} has shape {np.shape(x)}, expected ({length},)")
+            raise ValueError(f"step '{step}': {name} has shape {np.shape(x)}, expected ({length},)")
     for name, x in (("q", q), ("acc.o", acc.o), ("acc.m", acc.m), ("acc.l", acc.l)):
         if x.dtype != np.float32 or not x.flags.c_contiguous:
-            raise ValueError(f"step 'fused' needs C-contiguous float32 {name}, got {x.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype not in (np.float32, np.float16) or x.dtype != k.dtype or not x.flags.c_contiguous:
-            raise ValueError(f"step 'fused' needs C-contiguous k and v, both float32 or both float16, "
-                             f"got {name} {x.dtype}")
+            raise ValueError(f"step '{step}' needs C-contiguous float32 {name}, got {x.dtype}")
 
 
 def launch_kernel(acc, queries, block, tile, causal):

@@ -225,27 +225,11 @@ register(TensorCoreStep, auto_for="cupy")       # "auto" on CuPy tries it first 
 
 def check_launch(acc, queries, block, kv_format):
     """A ValueError unless the arrays are what the kernel indexes (it reads
-    them by these shapes, unchecked)."""
-    q, k, v = queries.q, block.k, block.v
-    if q.ndim != 5 or k.ndim != 4:
-        raise ValueError(f"step 'fused_v2' needs q (B, Hkv, c, G, D) and k, v (B, Hkv, ck, D), "
-                         f"got q {q.shape}, k {k.shape}")
-    B, Hkv, c, G, D = q.shape
-    want = {"k": (k, (B, Hkv, k.shape[2], D)), "v": (v, k.shape), "acc.o": (acc.o, q.shape),
-            "acc.m": (acc.m, q.shape[:-1]), "acc.l": (acc.l, q.shape[:-1])}
-    for name, (x, shape) in want.items():
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"step 'fused_v2': {name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
-                             f"(q {tuple(q.shape)})")
-    for name, x, length in (("queries.pos", queries.pos, c), ("block.pos", block.pos, k.shape[2])):
-        if np.shape(x) != (length,):
-            raise ValueError(f"step 'fused_v2': {name} has shape {np.shape(x)}, expected ({length},)")
-    for name, x in (("q", q), ("acc.o", acc.o), ("acc.m", acc.m), ("acc.l", acc.l)):
-        if x.dtype != np.float32 or not x.flags.c_contiguous:
-            raise ValueError(f"step 'fused_v2' needs C-contiguous float32 {name}, got {x.dtype}")
-    for name, x in (("k", k), ("v", v)):
+    them by these shapes, unchecked; `fused.check_arrays`), K and V in `kv_format`."""
+    fused.check_arrays("fused_v2", acc, queries, block)
+    for name, x in (("k", block.k), ("v", block.v)):
         takes = kv_format_of(x.dtype) == kv_format if x.dtype != np.uint16 else kv_format == "bfloat16"
-        if not takes or x.dtype != k.dtype or not x.flags.c_contiguous:
+        if not takes or x.dtype != block.k.dtype or not x.flags.c_contiguous:
             raise ValueError(f"step 'fused_v2' needs C-contiguous {kv_format} k and v of one dtype, "
                              f"got {name} {x.dtype}")
 
