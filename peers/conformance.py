@@ -273,6 +273,7 @@ def strategy(peer, dtype, n, masks):
     plain = tuple(m for m in ("causal", "full") if m in peer.masks)
     return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8,
                  masks=plain + MASK_SETS[masks][0], document_multiple=peer.document_multiple,
+                 head_multiple=peer.head_multiple,
                  max_batch=getattr(peer, "max_batch", 2))
 
 

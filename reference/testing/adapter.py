@@ -62,6 +62,8 @@ class Adapter:
     accumulate_dtype(dtype) the dtype its sums run in (the error model's u_acc; default
                             float32, float64 for float64 inputs);
     document_multiple(n)    what every document's length must be a multiple of (default 1);
+    head_multiple(n)        what both head counts must be a multiple of (default 1; Ulysses
+                            deals heads to ranks);
     supports(case)          None, or why it cannot run the case (skipped, not failed);
     run(case, shards)       one dict per rank with "out" (B, c, Hq, D) in the input dtype,
                             "lse" (B, Hq, c) natural log of the scaled scores' sum, and,
@@ -86,6 +88,9 @@ class Adapter:
         return accumulation(dtype)
 
     def document_multiple(self, n_devices):
+        return 1
+
+    def head_multiple(self, n_devices):
         return 1
 
     def supports(self, case):

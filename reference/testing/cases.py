@@ -253,7 +253,7 @@ def check_masks(masks):
 def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEVICES, causal=None, *,
           masks=PLAIN, devices=None, max_seq=MAX_SEQ, max_head_dim=MAX_HEAD_DIM, max_kv_heads=3, max_group=3,
           max_batch=2, scales=(None, None, 0.3, 1.0, -0.7), poison=False, poison_values=("nan", "inf", "-inf"),
-          seq_multiple=1, document_multiple=1):
+          seq_multiple=1, document_multiple=1, head_multiple=1):
     """A hypothesis strategy of `Case`: every layout, N in 1..max_devices (or
     drawn from `devices`), c down to one token per device (two for zigzag),
     GQA (Hkv < Hq) and MQA (Hkv = 1), any D, tile and scale, every input kind.
@@ -265,8 +265,10 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
     S a multiple of it too (for implementations that cut the sequence more
     finely than the layout), `document_multiple` (an int, or a function of N)
     every document's length (varlen rings that split each document over the
-    ranks). Shrinks towards contiguous, one device, B = 1, one head, D = 1,
-    float64, causal, no mask, gaussian."""
+    ranks), `head_multiple` (an int, or a function of N) both head counts Hq
+    and Hkv (implementations that deal heads to ranks, as Ulysses does).
+    Shrinks towards contiguous, one device, B = 1, one head, D = 1, float64,
+    causal, no mask, gaussian."""
     _, st = _hypothesis()
     devices = tuple(devices) if devices is not None else tuple(range(1, max_devices + 1))
     masks = check_masks(masks)
@@ -283,7 +285,8 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
         if "padding" in masks:           # shrinks to 0: no padding
             S -= draw(st.integers(0, unit - 1)) if unit > 1 and doc_unit == 1 else 0
             S = max(S, 1)
-        Hkv = draw(st.integers(1, max_kv_heads))
+        heads = head_multiple(n) if callable(head_multiple) else head_multiple
+        Hkv = heads * draw(st.integers(1, max(1, max_kv_heads // heads)))
         Hq = Hkv * draw(st.integers(1, max_group))
         B, D = draw(st.integers(1, max_batch)), draw(st.integers(1, max_head_dim))
         case = Case(layout=layout, n_devices=n, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D,

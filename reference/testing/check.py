@@ -35,7 +35,7 @@ from .cases import INPUT_KINDS, MAX_SEQ, NAMES, cases, check_masks
 
 # what check_ring_attention and the command line read from an adapter
 PROTOCOL = ("name", "layouts", "dtypes", "masks", "backward", "outputs", "replicated", "world_sizes",
-            "positions", "accumulate_dtype", "document_multiple", "supports", "run")
+            "positions", "accumulate_dtype", "document_multiple", "head_multiple", "supports", "run")
 
 
 def load_adapter(spec):
@@ -134,9 +134,10 @@ def make_plan(adapter, *, world_sizes=None, layouts=None, dtypes=None, masks=Non
 
 
 def strategy(adapter, plan, n):
-    """Cases for world size n: what the plan names, documents cut as the adapter needs."""
+    """Cases for world size n: what the plan names, documents cut and heads counted as the adapter needs."""
     return cases(dtypes=plan.dtypes, layouts=plan.layouts, kinds=INPUT_KINDS, masks=plan.masks, devices=(n,),
-                 max_seq=max(plan.max_seq, 2 * n), document_multiple=adapter.document_multiple)
+                 max_seq=max(plan.max_seq, 2 * n), document_multiple=adapter.document_multiple,
+                 head_multiple=adapter.head_multiple)
 
 
 @dataclass
