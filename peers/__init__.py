@@ -16,6 +16,7 @@ disagreement to its smallest case); each says what one rank computes:
     peers/ringmaster_adapter.py               axolotl-ringmaster: all-gather and p2p rings, zigzag over
                                               packed documents
     peers/yunchang_adapter.py                 yunchang: its ring with the torch block kernel
+    peers/yunchang_usp_adapter.py             yunchang: its flash-attn rings, Ulysses and USP (Ulysses x ring)
     peers/bpt_adapter.py                      the paper authors' JAX ring (bpt.py, exists-forall/striped_attention
                                               at 0c3ef0f), striped and normal; on the JAX harness, only when
                                               BPT names the file (`make conformance BPT=path/to/bpt.py`)
@@ -38,6 +39,7 @@ from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
 from .ringmaster_adapter import Ringmaster
 from .torch_context_parallel_adapter import TorchContextParallel
 from .yunchang_adapter import Yunchang
+from .yunchang_usp_adapter import YunchangRing, YunchangUlysses, YunchangUSP
 
 
 class ExampleRing(TorchRing):
@@ -56,6 +58,9 @@ PEERS = {peer.key: peer for peer in (
     *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
     TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
     Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
+    *(YunchangRing(ring) for ring in ("basic", "zigzag", "strip")), YunchangUlysses(),
+    *(YunchangUSP(ring) for ring in ("basic", "zigzag", "strip")),
+    YunchangUlysses(torch_kernel=True), YunchangUSP("basic", torch_math=True),
     ExampleRing())}
 if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
     from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked

@@ -1,15 +1,21 @@
 """The peers' libraries, imported once by the PyTorch harness's forkserver
 (`TorchAdapter.preload`) before it forks the ranks: a world started after a
 peer raised then starts in a fraction of a second, not the seconds these
-imports take."""
+imports take. The flash-attn stand-in goes in first: yunchang reads whether
+flash-attn is there when it is imported (`HAS_FLASH_ATTN`, globals.py line 97)."""
 
-import ring_attention_pytorch  # noqa: F401
-import ringmaster.ring.loop  # noqa: F401
-import ringmaster.ring.zigzag  # noqa: F401
-import yunchang.ring.ring_pytorch_attn  # noqa: F401
-from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: F401
+from . import flash_attn_stand_in
 
-from .ring_flash_attn_adapter import load_rings
+flash_attn_stand_in.install()
+
+import ring_attention_pytorch  # noqa: E402, F401
+import ringmaster.ring.loop  # noqa: E402, F401
+import ringmaster.ring.zigzag  # noqa: E402, F401
+import ringmaster.strategies.usp  # noqa: E402, F401
+import yunchang  # noqa: E402, F401
+from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: E402, F401
+
+from .ring_flash_attn_adapter import load_rings  # noqa: E402
 
 load_rings()
 
