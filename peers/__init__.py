@@ -15,6 +15,7 @@ disagreement to its smallest case); each says what one rank computes:
                                               without its head-tail balancer, each rotation
     peers/ringmaster_adapter.py               axolotl-ringmaster: all-gather and p2p rings, zigzag over
                                               packed documents
+    peers/ringmaster_usp_adapter.py           axolotl-ringmaster: its Ulysses all-to-all and USP (Ulysses x ring)
     peers/yunchang_adapter.py                 yunchang: its ring with the torch block kernel
     peers/yunchang_usp_adapter.py             yunchang: its flash-attn rings, Ulysses and USP (Ulysses x ring)
     peers/bpt_adapter.py                      the paper authors' JAX ring (bpt.py, exists-forall/striped_attention
@@ -37,6 +38,7 @@ from .ring_attention_pytorch_adapter import RingAttentionPytorch
 from .ring_flash_attn_adapter import RingFlashAttn
 from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
 from .ringmaster_adapter import Ringmaster
+from .ringmaster_usp_adapter import RingmasterUSP
 from .torch_context_parallel_adapter import TorchContextParallel
 from .yunchang_adapter import Yunchang
 from .yunchang_usp_adapter import YunchangRing, YunchangUlysses, YunchangUSP
@@ -57,7 +59,8 @@ PEERS = {peer.key: peer for peer in (
     RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
     *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
     TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
-    Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
+    Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"),
+    *(RingmasterUSP(entry) for entry in ("ulysses", "usp-allgather", "usp-p2p")), Yunchang(),
     *(YunchangRing(ring) for ring in ("basic", "zigzag", "strip")), YunchangUlysses(),
     *(YunchangUSP(ring) for ring in ("basic", "zigzag", "strip")),
     YunchangUlysses(torch_kernel=True), YunchangUSP("basic", torch_math=True),
