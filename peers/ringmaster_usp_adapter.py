@@ -1,18 +1,23 @@
-"""axolotl-ringmaster (pip `axolotl-ringmaster` 0.2.7): its Ulysses all-to-all and
-USP (Ulysses x ring), on the CPU block kernel it ships for gloo:
+"""axolotl-ringmaster (pip `axolotl-ringmaster` 0.2.7): its Ulysses and USP
+(Ulysses x ring), the attention functions its `setup()` registers with
+transformers, called as transformers calls them (module, q, k, v, mask, ...):
 
-    make_usp_attention("math", "math", rotate_method)   strategies/usp.py lines 319-398: Ulysses all-to-all
-                                                        over the Ulysses group (comm.seq_all_to_all), ring
-                                                        attention over the ring group (ring/loop.py, `math_block`),
-                                                        all-to-all back; with sliding_window, the gathered
-                                                        doc-masked path (`varlen_ring_attention`)
+    make_ulysses_attention("sdpa")                      strategies/ulysses.py lines 100-225: all-to-all
+                                                        (sequence shard -> head shard, comm.seq_all_to_all),
+                                                        transformers' `sdpa_attention_forward` on the whole
+                                                        sequence, all-to-all back; with sliding_window, an
+                                                        explicit mask (`_ulysses_varlen`, lines 58-77)
+    make_usp_attention("math", "math", rotate_method)   strategies/usp.py lines 319-398: the all-to-all over
+                                                        the Ulysses group, ring attention over the ring group
+                                                        on `math_block`, the CPU block ringmaster ships for
+                                                        gloo (kernels.py line 54; `setup()` would pick a
+                                                        flash or aten block, both CUDA only), all-to-all back
 
-run with u x r = N Ulysses x ring ranks as ringmaster's `build_runtime` wires them
-(mesh.py lines 99-139): `ringmaster/ulysses` is u = N, r = 1 (the ring group is
-None and the block runs once on the whole sequence, loop.py lines 35-47: the
-Ulysses leg); `ringmaster/usp-allgather`, `ringmaster/usp-p2p` are the split of
+with u x r = N Ulysses x ring ranks as ringmaster's `build_runtime` wires them
+(mesh.py lines 99-139): `ringmaster/ulysses` is u = N (its Backend.ULYSSES);
+`ringmaster/usp-allgather`, `ringmaster/usp-p2p` are the split of
 peers.yunchang_usp_adapter.usp_split (1 x 2, 1 x 3, 2 x 2), K/V all-gathered
-or rotated.
+or rotated one hop a round.
 
 Its conventions, and what this adapter does about each:
 - layout in: (B, H, c, D) (the adapter transposes); out: (B, c, Hq, D). The
@@ -21,26 +26,33 @@ Its conventions, and what this adapter does about each:
   rank order (comm.py lines 17-52: on gloo an all_gather emulation), so rank g
   holds piece g % u of ring rank g // u's contiguous shard
   (`reference.layouts.ulysses_positions`, contiguous: the kit's contiguous
-  layout); ringmaster shards USP contiguously (runtime.py lines 152-163);
+  layout); ringmaster shards Ulysses and USP contiguously (runtime.py lines
+  152-163);
 - a Ulysses group of one rank (u = 1): ringmaster itself routes that to its
   ring backend (usp.py lines 308-313); here the USP function gets a one-rank
   group (`dist.new_group([rank])`), on which the all-to-all is the identity
-  (comm.py line 48), so at N = 2, 3 the USP rows run its ring;
-- heads: Hq and Hkv both multiples of u (the all-to-all chunks the head
-  dimension, comm.py line 51; `head_multiple`); the block repeats K/V heads
-  with `repeat_interleave` (kernels.py line 62): query head h reads key/value
-  head h // (Hq // Hkv), as here;
-- scale: `scaling`; no lse (the function returns out; `return out, None`), so
-  lse is not checked;
+  (comm.py line 48), so at N = 2, 3 the USP rows run its ring through USP;
+- heads: Hq and Hkv both multiples of u (ulysses.py lines 142-149 refuse
+  others; the all-to-all chunks the head dimension, comm.py line 51:
+  `head_multiple`); transformers' sdpa function reads the group size from
+  `module.num_key_value_groups` (sdpa_attention.py line 118; set on the
+  module handed in, as a model's attention layer has it) and `math_block`
+  repeats K/V heads with `repeat_interleave` (kernels.py line 62): query head
+  h reads key/value head h // (Hq // Hkv), as here;
+- scale: `scaling`; no lse (both return `out, None`), so lse is not checked;
 - precision: `math_block` computes in float32 (`.float()`) and returns the
-  input dtype: float64 is declared to accumulate in float32, as the code
-  does; the windowed path calls `scaled_dot_product_attention` on the input
-  dtype (loop.py line 189);
-- windows: ringmaster takes Hugging Face's `sliding_window` (W keys, causal:
+  input dtype: float64 is declared to accumulate in float32 for USP, as the
+  code does. Ulysses runs torch's CPU SDPA kernel in the input dtype, whose
+  16-bit results are held to the 16-bit line, as in the torch context
+  parallel rows (its C++ is not in the wheel; on float16 it is 1.2x over the
+  float32 line already at S = 4, N = 2);
+- windows: ringmaster takes Hugging Face's `sliding_window` (W keys, causal,
   `window = (W - 1, 0)`, usp.py line 351), passed as `sliding_window=W`; it
-  limits the left side only, so non-causal windows are the kit's to hold it to;
+  limits the left side only, so a non-causal window is the kit's to hold it to;
+- torch's CPU SDPA returns NaN for a causal call with a negative scale (see
+  the torch context parallel rows): the Ulysses rows skip those cases;
 - the backward is theirs (autograd through the all-to-alls, whose backward
-  is the inverse all-to-all, comm.py lines 80-84, and through the ring),
+  is the inverse all-to-all, comm.py lines 80-84, through SDPA or the ring),
   taken by the harness's autograd.
 """
 
@@ -68,9 +80,9 @@ class RingmasterUSP(TorchAdapter):
     def __init__(self, entry):
         self.entry = entry                       # "ulysses", "usp-allgather", "usp-p2p"
         self.key = f"ringmaster/{entry}"
-        self.name = {"ulysses": "axolotl-ringmaster Ulysses (USP function, ring_size 1)",
-                     "usp-allgather": "axolotl-ringmaster USP (all-gather ring)",
-                     "usp-p2p": "axolotl-ringmaster USP (p2p ring)"}[entry]
+        self.name = {"ulysses": "axolotl-ringmaster Ulysses (sdpa)",
+                     "usp-allgather": "axolotl-ringmaster USP (all-gather ring, math block)",
+                     "usp-p2p": "axolotl-ringmaster USP (p2p ring, math block)"}[entry]
         if entry == "usp-p2p":
             self.masks = ("causal", "full")      # the p2p ring refuses windows (loop.py lines 52-57)
 
@@ -85,18 +97,33 @@ class RingmasterUSP(TorchAdapter):
         return ulysses_positions(case.S, r, u, "contiguous")
 
     def accumulate_dtype(self, dtype):
-        return np.dtype(np.float32) if np.dtype(dtype) == np.float64 else super().accumulate_dtype(dtype)
+        if self.entry == "ulysses" and np.dtype(dtype).itemsize == 2:
+            return np.dtype(dtype)              # torch's CPU SDPA, as in the torch context parallel rows
+        if self.entry != "ulysses" and np.dtype(dtype) == np.float64:
+            return np.dtype(np.float32)         # math_block's .float()
+        return super().accumulate_dtype(dtype)
+
+    def supports(self, case):
+        if self.entry == "ulysses" and case.causal and case.scale is not None and case.scale < 0:
+            return "causal with a negative scale: torch's CPU SDPA kernel returns NaN (see the torch context parallel rows)"
+        return super().supports(case)
 
     def compute(self, case, shard):
         import torch
         from ringmaster.config import RotateMethod
         from ringmaster.runtime import set_runtime
+        from ringmaster.strategies.ulysses import make_ulysses_attention
         from ringmaster.strategies.usp import make_usp_attention
         set_runtime(_runtime(*self.split(case.n_devices), shard.rank))
-        rotate = RotateMethod.ALLTOALL if self.entry == "usp-p2p" else RotateMethod.ALLGATHER
-        forward = make_usp_attention("math", "math", rotate)
+        if self.entry == "ulysses":
+            forward = make_ulysses_attention("sdpa")
+        else:
+            rotate = RotateMethod.ALLTOALL if self.entry == "usp-p2p" else RotateMethod.ALLGATHER
+            forward = make_usp_attention("math", "math", rotate)
+        module = torch.nn.Module()
+        module.num_key_value_groups = case.Hq // case.Hkv                           # as a model's attention layer
         q, k, v = (x.transpose(1, 2) for x in (shard.q, shard.k, shard.v))        # (B, H, c, D)
-        out, _ = forward(torch.nn.Module(), q, k, v, None, scaling=case.scale_value, is_causal=case.causal,
+        out, _ = forward(module, q, k, v, None, scaling=case.scale_value, is_causal=case.causal,
                          sliding_window=case.window)
         return dict(out=out)                                                       # (B, c, Hq, D)
 
