@@ -161,6 +161,97 @@ FINDINGS = [
          text="float64 inputs come back with float32 precision: the merge casts every block's out to float32 "
               "(`block_out.to(torch.float32)`, ring/utils.py lines 17 and 40) and the result is cast back to the "
               "input dtype only at the end."),
+    dict(key="yunchang/ulysses-torch-attends-across-ranks",
+         peer="yunchang/ulysses-torch-flash", dtype=None, phase="forward", match=r"out: \d+ of",
+         kind="defect (attends to other ranks' heads)",
+         text="UlyssesAttention with a PyTorch attention type attends across ranks. For `AttnType.TORCH_FLASH` "
+              "(and TORCH_MATH, TORCH_EFFICIENT, TORCH_CUDNN) `select_flash_attn_impl(..., stage=\"fwd-bwd\")` "
+              "returns `ring_pytorch_attn_func` (kernels/__init__.py lines 133-175), a ring, and "
+              "`UlyssesAttention.forward` calls it without `group` (ulysses/attn_layer.py lines 101-113), so it runs "
+              "on `group=None` (ring/ring_pytorch_attn.py line 24), the whole world: after the all-to-all each rank "
+              "holds the whole sequence of its own heads, and the ring treats the other ranks' keys (other heads) "
+              "as earlier or later blocks of one longer sequence. Under the causal mask rank 0 sees only its own "
+              "block and is right; every other rank's heads are wrong. With flash-attn (`AttnType.FA`, "
+              "`flash_attn_func`) the same class agrees."),
+    dict(key="yunchang/torch-math-zero-lse",
+         peer="yunchang/usp-basic-torch-math", dtype=None, phase="forward", match=r"out: \d+ of",
+         kind="defect (blocks merged with a zero lse)",
+         text="With `AttnType.TORCH_MATH` the ring merges blocks with equal weights. The block kernel is "
+              "`pytorch_attn_forward(op_type=\"math\")` (kernels/__init__.py lines 133-135), which returns "
+              "`lse = torch.zeros(...)` (\"For math backend, LSE is not available, use zeros as fallback\", "
+              "kernels/attention.py lines 107-108); `update_out_and_lse` (ring/utils.py line 24) then weighs each "
+              "new block by sigmoid(0 - 0) = 1/2 whatever its softmax sum. A rank that sees one block (rank 0 "
+              "under the causal mask) is right; from the second block on out is wrong (N = 2, S = 2, rank 1: "
+              "half its own value and half its predecessor's instead of the softmax weights). TORCH_CUDNN "
+              "returns zeros the same way (line 130)."),
+    dict(key="yunchang/float32-buffer-alias",
+         peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
+         kind="defect (float32 only, which flash-attn's kernels refuse)",
+         text="float32 gradients are wrong, as in ring-flash-attn whose rings these are: the backward starts its "
+              "float32 accumulators with `dq = block_dq_buffer.to(torch.float32)` (and dk, dv; "
+              "ring/ring_flash_attn.py lines 123-125, zigzag_ring_flash_attn.py 147-149, stripe_flash_attn.py "
+              "164-166), which for float32 inputs is the buffer itself, not a copy: the next block's kernel "
+              "overwrites the running sum. USP inherits it from its ring (hybrid/attn_layer.py line 128). "
+              "flash-attn itself takes only float16 and bfloat16, where `.to` copies; the stand-in takes float32, "
+              "as a kernel that did would."),
+    dict(key="yunchang/float32-sigmoid-merge",
+         peer="yunchang/", dtype="float32", phase="forward", match=r"out: \d+ of",
+         when=lambda case: case.kind == "large_logits", kind="over the line (marginal)",
+         text="A float32 out element just over the kit's line (1.01x) on scores in the hundreds: the ring merges "
+              "blocks as `out - sigmoid(block_lse - lse) * (out - block_out)` (ring/utils.py line 24), which "
+              "rounds twice where the weighted sum rounds once; read as rounding at the edge of the error model, "
+              "not a wrong result (no smaller case fails)."),
+    dict(key="yunchang/window-block-local",
+         peer="yunchang/", dtype=None, phase=None, masks="window", match=r"(out|lse|d[qkv]): \d+ of",
+         kind="defect (windows)",
+         text="A sliding window is wrong beyond the diagonal block, as in ring-flash-attn whose rings these are: "
+              "each ring hands its `window_size` to every block's kernel (ring/ring_flash_attn.py lines 44 and "
+              "115, zigzag_ring_flash_attn.py 38 and 132, stripe_flash_attn.py 45, 60, 132 and 156), which "
+              "measures the window in the block's own local indices, bottom-right aligned, as if a block that "
+              "came round the ring held the query's own keys. USP passes the window to its ring "
+              "(hybrid/attn_layer.py lines 128-143) and inherits it; Ulysses alone, one kernel call on the whole "
+              "sequence, agrees."),
+    dict(key="ringmaster/ulysses-window-not-causal",
+         peer="ringmaster/ulysses", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|d[qkv]): \d+ of",
+         kind="defect (windows without the causal mask)",
+         text="A window without the causal mask is limited on the left only. ringmaster takes Hugging Face's "
+              "`sliding_window` and builds the mask `pos_q - pos_k < sliding_window` (strategies/ulysses.py line "
+              "68, `_ulysses_varlen`), with the causal part added only when `is_causal` is not False (lines "
+              "65-66): non-causal, a query sees every later key. (A causal sliding window, which is what Hugging "
+              "Face models declare, is the one it was written for.)"),
+    dict(key="ringmaster/usp-window-not-causal",
+         peer="ringmaster/usp-allgather", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|d[qkv]): \d+ of",
+         kind="defect (windows without the causal mask)",
+         text="A window without the causal mask is limited on the left only: with a sliding window USP takes "
+              "the gathered, doc-masked path (strategies/usp.py lines 360-382, `varlen_ring_attention`), whose "
+              "mask is `qidx - kidx <= window[0]` (ring/loop.py line 186) on top of the causal part only when "
+              "causal (lines 183-184): non-causal, a query sees every later key."),
+    dict(key="ringmaster/usp-window-16-bit-sdpa",
+         peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="forward", masks="window",
+         match=r"out: \d+ of", kind="over the line (the windowed path computes in 16 bits)",
+         text="With a sliding window, USP's out is rounded in the input dtype: the window sends it from "
+              "`math_block`, which computes in float32, to `varlen_ring_attention`, whose CPU path calls "
+              "`scaled_dot_product_attention` on the input dtype (ring/loop.py lines 188-197), and torch's CPU "
+              "SDPA rounds in it. Held to the 16-bit line (`--accumulate float16`, `--accumulate bfloat16`: the "
+              "smallest case here agrees), the same run's smallest failure is the non-causal window above "
+              "(left side only, loop.py line 186)."),
+    dict(key="ringmaster/usp-allgather-16-bit-dk-dv-sum",
+         peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit partial gradients summed in 16 bits)",
+         text="dK, dV of 16-bit inputs are summed across the ring's ranks in the input dtype, as in the all-gather "
+              "ring alone: `_AllGatherKV.backward` adds each rank's share with `dist.all_reduce` on gloo "
+              "(ring/loop.py lines 83-90) in that dtype, one rounding per rank where a float32 sum would round "
+              "once."),
+    dict(key="ringmaster/usp-p2p-16-bit-gqa-sum",
+         peer="ringmaster/usp-p2p", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit GQA gradients summed in 16 bits)",
+         text="With grouped heads, dK, dV of 16-bit inputs are rounded twice, as in the p2p ring alone: "
+              "`ring_p2p_attention` expands K, V with `repeat_interleave` before its autograd Function on a CPU "
+              "(ring/p2p_attn.py lines 286-290), whose backward returns each expanded head's float32 sum cast to "
+              "the input dtype (line 281); autograd of `repeat_interleave` then adds the G heads' gradients in "
+              "that dtype."),
     dict(key="bpt/float64-raises",
          peer="bpt/", dtype="float64", phase=None, match="output types match",
          kind="not supported (float64 raises)",
