@@ -41,7 +41,7 @@ from . import PEERS, results
 from .results import PASSES, WORLD_SIZES, Peer, Run
 
 LIBRARIES = ("striped-attention", "torch", "numpy", "ml_dtypes", "hypothesis", "ring-attention-pytorch",
-             "ring-flash-attn", "axolotl-ringmaster", "yunchang", "jax", "flax")
+             "ring-flash-attn", "axolotl-ringmaster", "yunchang", "transformers", "jax", "flax")
 # The matrix's mask columns: the kit's masks a set adds to causal / full, and what a case of it carries
 # (cases without it are drawn again). Windows and documents run in the 16-bit dtypes the rings in use run.
 MASK_SETS = {"causal / full": ((), lambda case: True),

@@ -225,7 +225,7 @@ FINDINGS = [
          match=r"(out|d[qkv]): \d+ of",
          kind="defect (windows without the causal mask)",
          text="A window without the causal mask is limited on the left only: with a sliding window USP takes "
-              "the gathered, doc-masked path (strategies/usp.py lines 360-382, `varlen_ring_attention`), whose "
+              "the gathered, doc-masked path (strategies/usp.py lines 126-148, `varlen_ring_attention`), whose "
               "mask is `qidx - kidx <= window[0]` (ring/loop.py line 186) on top of the causal part only when "
               "causal (lines 183-184): non-causal, a query sees every later key."),
     dict(key="ringmaster/usp-window-16-bit-sdpa",

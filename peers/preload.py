@@ -3,7 +3,7 @@
 peer raised then starts in a fraction of a second, not the seconds these
 imports take. The flash-attn stand-in goes in before yunchang, which reads
 whether flash-attn is there when it is imported (`HAS_FLASH_ATTN`, globals.py
-line 97), and after transformers (ringmaster's Ulysses finds its inner kernel
+lines 84-87), and after transformers (ringmaster's Ulysses finds its inner kernel
 there), which would take the stand-in for flash-attn and fail on it."""
 
 import transformers.modeling_utils  # noqa: F401

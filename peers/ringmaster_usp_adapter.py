@@ -7,7 +7,7 @@ transformers, called as transformers calls them (module, q, k, v, mask, ...):
                                                         transformers' `sdpa_attention_forward` on the whole
                                                         sequence, all-to-all back; with sliding_window, an
                                                         explicit mask (`_ulysses_varlen`, lines 58-77)
-    make_usp_attention("math", "math", rotate_method)   strategies/usp.py lines 319-398: the all-to-all over
+    make_usp_attention("math", "math", rotate_method)   strategies/usp.py lines 85-166: the all-to-all over
                                                         the Ulysses group, ring attention over the ring group
                                                         on `math_block`, the CPU block ringmaster ships for
                                                         gloo (kernels.py line 54; `setup()` would pick a
@@ -27,9 +27,9 @@ Its conventions, and what this adapter does about each:
   holds piece g % u of ring rank g // u's contiguous shard
   (`reference.layouts.ulysses_positions`, contiguous: the kit's contiguous
   layout); ringmaster shards Ulysses and USP contiguously (runtime.py lines
-  152-163);
+  62-73);
 - a Ulysses group of one rank (u = 1): ringmaster itself routes that to its
-  ring backend (usp.py lines 308-313); here the USP function gets a one-rank
+  ring backend (usp.py lines 74-79); here the USP function gets a one-rank
   group (`dist.new_group([rank])`), on which the all-to-all is the identity
   (comm.py line 48), so at N = 2, 3 the USP rows run its ring through USP;
 - heads: Hq and Hkv both multiples of u (ulysses.py lines 142-149 refuse
@@ -47,7 +47,7 @@ Its conventions, and what this adapter does about each:
   parallel rows (its C++ is not in the wheel; on float16 it is 1.2x over the
   float32 line already at S = 4, N = 2);
 - windows: ringmaster takes Hugging Face's `sliding_window` (W keys, causal,
-  `window = (W - 1, 0)`, usp.py line 351), passed as `sliding_window=W`; it
+  `window = (W - 1, 0)`, usp.py line 117), passed as `sliding_window=W`; it
   limits the left side only, so a non-causal window is the kit's to hold it to;
 - torch's CPU SDPA returns NaN for a causal call with a negative scale (see
   the torch context parallel rows): the Ulysses rows skip those cases;

@@ -3,7 +3,7 @@ torch ring: its own copies of ring-flash-attn's three rings, its Ulysses
 attention and USP (Ulysses x ring), with `peers.flash_attn_stand_in` computing
 flash-attn's kernels on the CPU (`peers.preload` installs it before yunchang is
 imported: yunchang decides at import whether flash-attn is there,
-`HAS_FLASH_ATTN`, globals.py line 97):
+`HAS_FLASH_ATTN`, globals.py lines 84-87):
 
     ring_flash_attn_func, zigzag_ring_flash_attn_func,    ring/ring_flash_attn.py, zigzag_ring_flash_attn.py,
     stripe_flash_attn_func (attn_type=AttnType.FA)        stripe_flash_attn.py: ring-flash-attn 0.1.x's rings,
@@ -20,10 +20,10 @@ Its conventions, and what this adapter does about each:
 - layout (B, c, H, D), the caller shards. The rings take the kit's contiguous,
   zigzag and striped layouts as they are. USP's ranks are numbered with the
   Ulysses groups innermost (`set_seq_parallel_pg(u, r, rank, N)`, default
-  `use_ulysses_low=True`, globals.py lines 51-69: Ulysses group i is ranks
+  `use_ulysses_low=True`, globals.py lines 39-57: Ulysses group i is ranks
   i*u .. i*u+u-1, ring group j is ranks j, j+u, ...), and the all-to-all
   concatenates a Ulysses group's shards in rank order (comm/all_to_all.py
-  lines 343-373), so rank g holds piece g % u of ring rank g // u's tokens:
+  lines 37-67), so rank g holds piece g % u of ring rank g // u's tokens:
   `reference.layouts.ulysses_positions`, which is what yunchang's own
   `basic_extract_local`, `zigzag_extract_local` and `stripe_extract_local`
   deal (comm/extract_local.py);
@@ -33,7 +33,7 @@ Its conventions, and what this adapter does about each:
   backward (ring_flash_attn.py line 141), which gloo refuses; Ulysses alone
   is UlyssesAttention (u = N);
 - heads: the all-to-all reshapes (B, c, u, H / u, D) (all_to_all.py line
-  352), so Hq and Hkv must both be multiples of u (`head_multiple`); after it
+  46), so Hq and Hkv must both be multiples of u (`head_multiple`); after it
   rank g holds query heads (g % u) * Hq / u ... and the matching key/value
   heads, and flash-attn's rule (query head h reads key/value head
   h // (Hq // Hkv)) holds within a rank as across the whole: as here;
@@ -58,7 +58,7 @@ Its conventions, and what this adapter does about each:
   lse and run their reverse rings (dq returned `.to(torch.bfloat16)` by the
   basic ring whatever the input, ring_flash_attn.py line 147); Ulysses'
   all-to-all is its own inverse in the backward (all_to_all.py lines
-  430-440); the PyTorch kernels' backward raises (kernels/attention.py
+  124-134); the PyTorch kernels' backward raises (kernels/attention.py
   line 159);
 - `AttnType.TORCH_FLASH` runs `aten._scaled_dot_product_flash_attention`, which
   has no CPU kernel: the module's name for it is pointed at the CPU op (as in
