@@ -77,6 +77,8 @@ from .ring_flash_attn_adapter import window_size
 FLASH_DTYPES = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
 NO_FLOAT64 = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge blocks in "
                          "float32 whatever the input (ring/utils.py lines 17, 40)"}
+ULYSSES_NO_FLOAT64 = {"float64": "flash-attn's `flash_attn_func` takes float16 and bfloat16 only (float32 runs "
+                                 "on the stand-in, as for the rings; in float64 the stand-in alone would be tested)"}
 TORCH_NO_FLOAT64 = {"float64": "not run: the ring merges blocks in float32 whatever the input (ring/utils.py lines "
                                "17, 40; the ring_pytorch_attn_func rows show it)"}
 # yunchang's ring_impl_type, the kit's layout it deals, the function it names (hybrid/utils.py RING_IMPL_DICT)
@@ -139,7 +141,7 @@ class YunchangUlysses(_Yunchang):
 
     @property
     def unsupported(self):
-        return TORCH_NO_FLOAT64 if self.torch_kernel else NO_FLOAT64
+        return TORCH_NO_FLOAT64 if self.torch_kernel else ULYSSES_NO_FLOAT64
 
     def head_multiple(self, n):
         return n
