@@ -171,7 +171,9 @@ FINDINGS = [
               "on `group=None` (ring/ring_pytorch_attn.py line 24), the whole world: after the all-to-all each rank "
               "holds the whole sequence of its own heads, and the ring treats the other ranks' keys (other heads) "
               "as earlier or later blocks of one longer sequence. Under the causal mask rank 0 sees only its own "
-              "block and is right; every other rank's heads are wrong. With flash-attn (`AttnType.FA`, "
+              "block and is right; every other rank's heads are wrong (the smallest case, N = 2, S = 2: head 1's "
+              "query 0, on rank 1, comes back as exactly the softmax over its own key 0 and rank 0's head-0 keys "
+              "0 and 1, -0.8668 where attention gives -1.2654). With flash-attn (`AttnType.FA`, "
               "`flash_attn_func`) the same class agrees."),
     dict(key="yunchang/torch-math-zero-lse",
          peer="yunchang/usp-basic-torch-math", dtype=None, phase="forward", match=r"out: \d+ of",
@@ -181,8 +183,9 @@ FINDINGS = [
               "`lse = torch.zeros(...)` (\"For math backend, LSE is not available, use zeros as fallback\", "
               "kernels/attention.py lines 107-108); `update_out_and_lse` (ring/utils.py line 24) then weighs each "
               "new block by sigmoid(0 - 0) = 1/2 whatever its softmax sum. A rank that sees one block (rank 0 "
-              "under the causal mask) is right; from the second block on out is wrong (N = 2, S = 2, rank 1: "
-              "half its own value and half its predecessor's instead of the softmax weights). TORCH_CUDNN "
+              "under the causal mask) is right; from the second block on out is wrong (the smallest case, N = 2, "
+              "S = 2, D = 1: rank 1's query comes back as exactly (v0 + v1) / 2, -0.0870, where the softmax "
+              "weights give -0.0712). TORCH_CUDNN "
               "returns zeros the same way (line 130)."),
     dict(key="yunchang/float32-buffer-alias",
          peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
