@@ -70,6 +70,7 @@ def _peers():
         *(RingmasterUSP(entry) for entry in ("ulysses", "usp-allgather", "usp-p2p")), Yunchang(),
         *(YunchangRing(ring) for ring in ("basic", "zigzag", "strip")), YunchangUlysses(),
         *(YunchangUSP(ring) for ring in ("basic", "zigzag", "strip")),
+        *(YunchangUSP(ring, ulysses_low=False) for ring in ("basic", "zigzag", "strip")),
         YunchangUlysses(torch_kernel=True), YunchangUSP("basic", torch_math=True),
         ExampleRing())}
     if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file

@@ -187,6 +187,20 @@ FINDINGS = [
               "S = 2, D = 1: rank 1's query comes back as exactly (v0 + v1) / 2, -0.0870, where the softmax "
               "weights give -0.0712). TORCH_CUDNN "
               "returns zeros the same way (line 130)."),
+    dict(key="yunchang/extract-local-by-global-rank",
+         peer="yunchang/usp-ring-groups-inner-", dtype=None, phase=None, masks="causal / full",
+         when=lambda case: case.n_devices == 4, match=r"(out|d[qkv]): \d+ of",
+         kind="defect (tokens dealt for the other rank numbering)",
+         text="With `set_seq_parallel_pg(..., use_ulysses_low=False)` the basic and stripe USP get the wrong "
+              "tokens from yunchang's own sharding helpers. That option makes the ring groups consecutive ranks "
+              "and the Ulysses groups strided (globals.py lines 59-78), but `basic_extract_local` and "
+              "`stripe_extract_local` cut the sequence by the global rank (`value.chunk(world_size)[rank]`, "
+              "comm/extract_local.py lines 19 and 26), which is right only for Ulysses groups of consecutive "
+              "ranks: with 2 x 2 on N = 4, S = 4, the Ulysses group {1, 3} gathers tokens 1 and 3 for ring rank 1, "
+              "whose ring holds tokens 0 and 2 on ring rank 0, so under the causal mask token 1 sees token 2. "
+              "`zigzag_extract_local` reads the ring and Ulysses group ranks (lines 38-45) and its rows agree; "
+              "with the default `use_ulysses_low=True` all three agree. (With u = 1, N = 2 and 3, the option "
+              "changes nothing.)"),
     dict(key="yunchang/float32-buffer-alias",
          peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
          kind="defect (float32 only, which flash-attn's kernels refuse)",

@@ -27,6 +27,13 @@ Its conventions, and what this adapter does about each:
   `reference.layouts.ulysses_positions`, which is what yunchang's own
   `basic_extract_local`, `zigzag_extract_local` and `stripe_extract_local`
   deal (comm/extract_local.py);
+- the `use_ulysses_low=False` rows (ring groups consecutive instead,
+  globals.py lines 59-78, rank g is ring rank g % r and Ulysses rank g // r:
+  `ulysses_positions(..., ulysses_inner=False)` is what the ring then needs)
+  deal the tokens as yunchang's own extract functions do: `basic_extract_local`
+  and `stripe_extract_local` cut by the global rank (comm/extract_local.py
+  lines 19, 26), whatever the groups; `zigzag_extract_local` by the ring and
+  Ulysses group ranks (lines 38-45);
 - the split: USP runs u x r = N with the ring at least as long as the
   Ulysses group (u the largest divisor of N with u * u <= N: 1 x 2, 1 x 3,
   2 x 2), because a ring of one rank sends its dK, dV to itself in the
@@ -84,7 +91,7 @@ TORCH_NO_FLOAT64 = {"float64": "not run: the ring merges blocks in float32 whate
 # yunchang's ring_impl_type, the kit's layout it deals, the function it names (hybrid/utils.py RING_IMPL_DICT)
 RINGS = {"basic": ("contiguous", "ring_flash_attn_func"), "zigzag": ("zigzag", "zigzag_ring_flash_attn_func"),
          "strip": ("striped", "stripe_flash_attn_func")}
-_GROUPS = {}                   # (u, r) -> yunchang's (Ulysses, ring) process groups, made once per world
+_GROUPS = {}                   # (u, r, low) -> yunchang's (Ulysses, ring) process groups, made once per world
 
 
 def usp_split(n):
@@ -170,22 +177,25 @@ class YunchangUSP(_Yunchang):
     """LongContextAttention: Ulysses over u ranks, a ring over r = N / u (`usp_split`)."""
     outputs = ("out", "dq", "dk", "dv")
 
-    def __init__(self, ring, torch_math=False):
-        self.ring, self.torch_math = ring, torch_math
+    def __init__(self, ring, torch_math=False, ulysses_low=True):
+        self.ring, self.torch_math, self.ulysses_low = ring, torch_math, ulysses_low
         self.layouts = (RINGS[ring][0],)
         self.masks = ("causal", "full") if torch_math else \
             ("causal", "full", "window") if ring == "basic" else ("causal", "window")
-        self.key = f"yunchang/usp-{ring}" + ("-torch-math" if torch_math else "")
+        self.key = "yunchang/usp-" + ("" if ulysses_low else "ring-groups-inner-") + ring + \
+            ("-torch-math" if torch_math else "")
         self.unsupported = TORCH_NO_FLOAT64 if torch_math else NO_FLOAT64
         self.name = f"yunchang LongContextAttention (USP, ring_impl_type={ring!r}" + \
-            (", AttnType.TORCH_MATH)" if torch_math else ")")
+            (", AttnType.TORCH_MATH" if torch_math else "") + ("" if ulysses_low else ", use_ulysses_low=False") + ")"
 
     def head_multiple(self, n):
         return usp_split(n)[0]
 
     def positions(self, case):
+        """Where yunchang's extract function for this ring puts the tokens (comm/extract_local.py)."""
         u, r = usp_split(case.n_devices)
-        return ulysses_positions(case.S, r, u, case.layout)
+        by_group_ranks = self.ring == "zigzag"           # the others cut by the global rank
+        return ulysses_positions(case.S, r, u, case.layout, ulysses_inner=self.ulysses_low or not by_group_ranks)
 
     def compute(self, case, shard):
         from yunchang import LongContextAttention
@@ -193,7 +203,7 @@ class YunchangUSP(_Yunchang):
         if not self.torch_math:
             _require_stand_in()
         u, r = usp_split(case.n_devices)
-        _seq_parallel_groups(u, r, shard.rank, case.n_devices)
+        _seq_parallel_groups(u, r, shard.rank, case.n_devices, self.ulysses_low)
         attn = LongContextAttention(ring_impl_type=self.ring,
                                     attn_type=AttnType.TORCH_MATH if self.torch_math else AttnType.FA)
         out = attn(shard.q, shard.k, shard.v, softmax_scale=case.scale_value, causal=case.causal,
@@ -201,15 +211,15 @@ class YunchangUSP(_Yunchang):
         return dict(out=out)                     # (B, c, Hq, D)
 
 
-def _seq_parallel_groups(u, r, rank, n):
+def _seq_parallel_groups(u, r, rank, n, ulysses_low=True):
     """yunchang's process groups for u x r, made by `set_seq_parallel_pg` (every
     rank makes every group, in one order) the first time, then set again."""
     from yunchang import set_seq_parallel_pg
     from yunchang.globals import PROCESS_GROUP
-    if (u, r) not in _GROUPS:
-        set_seq_parallel_pg(u, r, rank, n)
-        _GROUPS[(u, r)] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
-    PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _GROUPS[(u, r)]
+    if (u, r, ulysses_low) not in _GROUPS:
+        set_seq_parallel_pg(u, r, rank, n, use_ulysses_low=ulysses_low)
+        _GROUPS[(u, r, ulysses_low)] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
+    PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _GROUPS[(u, r, ulysses_low)]
 
 
 def _require_stand_in():

@@ -89,6 +89,7 @@ def test_ulysses_positions_docstring_example():
     assert ulysses_positions(8, 2, 2, "contiguous").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert ulysses_positions(8, 2, 2, "striped").tolist() == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert ulysses_positions(8, 2, 2, "zigzag").tolist() == [[0, 1], [6, 7], [2, 3], [4, 5]]
+    assert ulysses_positions(8, 2, 2, "zigzag", ulysses_inner=False).tolist() == [[0, 1], [2, 3], [6, 7], [4, 5]]
 
 
 def usp_by_definition(layout, S, r, u):
@@ -119,3 +120,6 @@ def test_ulysses_positions_follow_the_definition(sizes, u):
         assert pos.tolist() == positions(S, r, layout).tolist()
     if r == 1:
         assert pos.tolist() == positions(S, u, "contiguous").tolist()
+    # ring groups inner: rank g holds what rank (g % r) * u + g // r holds with Ulysses groups inner
+    outer = ulysses_positions(S, r, u, layout, ulysses_inner=False)
+    assert outer.tolist() == [pos[(g % r) * u + g // r].tolist() for g in range(r * u)]
