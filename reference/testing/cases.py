@@ -330,9 +330,9 @@ def shape_pool(probe, count, *, unit, padding, max_seq, max_head_dim, max_kv_hea
                keep=None, seed=0, tries=50):
     """`count` shapes (dicts of B, S, Hq, Hkv, D, tile_size, scale) for the
     probe case's world size and layout, the same for the same arguments: the
-    smallest (B = 1, S = one unit, one head, D = 1) first, then shapes drawn
-    from a NumPy generator within the limits `cases` draws in (S a multiple of
-    `unit`, less some padding where `padding`). With `keep`, only shapes whose
+    smallest (B = 1, S = one unit, one head, D = 1) and shapes drawn from a
+    NumPy generator within the limits `cases` draws in (S a multiple of
+    `unit`, less some padding where `padding`), smallest (B S Hq D) first. With `keep`, only shapes whose
     probe case (the probe with the shape) it keeps, as far as `tries` draws
     each find one."""
     rng = np.random.default_rng((seed, probe.n_devices, LAYOUTS.index(probe.layout), count))
@@ -356,7 +356,8 @@ def shape_pool(probe, count, *, unit, padding, max_seq, max_head_dim, max_kv_hea
         if shape is None:
             break
         found.append(shape)
-    return tuple(found) or (smallest,)
+    # smallest first: shrinking moves towards the front, so a failure ends on the smallest shape that shows it
+    return tuple(sorted(found, key=lambda x: (x["B"] * x["S"] * x["Hq"] * x["D"], x["S"]))) or (smallest,)
 
 
 def mask_options(S, masks, document_multiple=1):

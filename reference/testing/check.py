@@ -290,6 +290,8 @@ def summary(verdict):
         return (f"{verdict.adapter} disagrees, not every time (N = {n}, after {verdict.examples[n]} agreeing "
                 f"examples there): this case disagreed once and agreed when run again:")
     within = f" in {verdict.plan.shrink_seconds:g} s of shrinking (--shrink-seconds)" if verdict.shrink_cut else ""
+    if verdict.plan.shapes:
+        within += f", its shape one of a pool of {verdict.plan.shapes} (--shapes 0 shrinks the shape too)"
     return (f"{verdict.adapter} disagrees (N = {n}, after {verdict.examples[n]} agreeing examples there; "
             f"the smallest case hypothesis found{within}:)")
 
