@@ -65,7 +65,7 @@ def _peers():
         Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
         ExampleRing())}
     if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
-        from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked
+        from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedAsIs, BptStripedChunked
         peers.update({peer.key: peer for peer in (BptStriped(), BptContiguous(), BptStripedChunked(),
-                                                  BptContiguousChunked())})
+                                                  BptContiguousChunked(), BptStripedAsIs())})
     return peers

@@ -199,9 +199,14 @@ class BptContiguous(Bpt):
 
 
 class BptStripedAsIs(BptStriped):
-    """Striped, dQ and dK returned in the dtype bpt.py gives them."""
+    """Striped, dQ and dK returned in the dtype bpt.py gives them (16-bit: the rest is BptStriped's)."""
     name = "bpt.py ring_attention, striped, gradients as returned"
     cast_gradients = False
+    dtypes = ALL_DTYPES[2:]
+
+    @property
+    def key(self):
+        return "bpt/striped/gradients-as-returned"
 
 
 class BptStripedExactLogits(BptStriped):
