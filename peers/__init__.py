@@ -74,7 +74,7 @@ def _peers():
         YunchangUlysses(torch_kernel=True), YunchangUSP("basic", torch_math=True),
         ExampleRing())}
     if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
-        from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked
+        from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedAsIs, BptStripedChunked
         peers.update({peer.key: peer for peer in (BptStriped(), BptContiguous(), BptStripedChunked(),
-                                                  BptContiguousChunked())})
+                                                  BptContiguousChunked(), BptStripedAsIs())})
     return peers

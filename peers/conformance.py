@@ -101,7 +101,8 @@ def strategy(peer, dtype, n, masks):
     return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8,
                  masks=plain + MASK_SETS[masks][0], document_multiple=peer.document_multiple,
                  head_multiple=peer.head_multiple,
-                 max_batch=getattr(peer, "max_batch", 2))
+                 max_batch=getattr(peer, "max_batch", 2), shapes=getattr(peer, "shape_pool", 0),
+                 keep=lambda case: not peer.supports(case))     # (a compiled ring compiles once a shape)
 
 
 def run_one(peer, dtype, masks, phase, examples):

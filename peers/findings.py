@@ -279,14 +279,46 @@ FINDINGS = [
               "return different dtypes and JAX refuses. With `float32_logits=False` the forward runs and the "
               "backward raises the same way: its dQ accumulator is float32 (line 74) against float64 blocks "
               "(line 277)."),
-    dict(key="bpt/bfloat16-underflow",
-         peer="bpt/", dtype="bfloat16", phase="backward", match=r"d[qkv]: \d+ of.*got 0\.0, expected -?\d\.\d+e-3[78]",
-         when=lambda case: case.kind == "large_logits", kind="over the line (underflow near 1e-38)",
-         text="A bfloat16 gradient of about 3e-38 comes back 0 on scores in the hundreds: bpt.py computes the "
-              "backward in float32 (lines 74-76, 254-260), whose smallest normal is 1.2e-38 (bfloat16's too), "
-              "and a product below it comes back 0 (XLA on the CPU flushes float32 subnormals to zero); the "
-              "error is 3e-38 absolute, over the kit's line (1.4e-38) by a factor of 2-3. Read as underflow at "
-              "the edge of the error model, not a wrong gradient (not checked further)."),
+    dict(key="bpt/16-bit-gradients-in-float32",
+         peer="bpt/striped/gradients-as-returned", dtype=("float16", "bfloat16"), phase="backward",
+         match=r"d[qk]: rank \d+ returned float32, expected the input dtype", kind="defect (dQ, dK in float32)",
+         summary="16-bit inputs get dQ and dK back in float32: the backward casts to the dtypes of its residuals, "
+                 "q and k already cast to float32 (lines 29, 66, 107).",
+         text="16-bit inputs get dQ and dK back in float32 (dV in v's dtype): `_ring_attention_bwd` ends with "
+              "`dq.astype(q.dtype), dk.astype(k.dtype)` (bpt.py line 107), but its q and k are the residuals the "
+              "forward saved (line 66) after `q, k = q.astype(jnp.float32), k.astype(jnp.float32)` "
+              "(`float32_logits`, line 29). JAX lets the custom VJP's float32 cotangents through. The other bpt "
+              "rows cast them to the input dtype in the adapter (`gradient_in_dtype`), so that their values are "
+              "checked; this row takes them as returned."),
+    dict(key="bpt/16-bit-dP",
+         peer="bpt/", dtype=("float16", "bfloat16"), phase="backward", match=r"d[qkv]: \d+ of",
+         kind="over the line (16-bit dP)",
+         summary="16-bit gradients: each dP = dO V^T is rounded to 16 bits (`ds`, line 256); with that einsum in "
+                 "float32 the same runs agree.",
+         text="16-bit gradients go over the line: the backward computes each block's dP = dO V^T as "
+              "`ds = jnp.einsum(\"bqhd,bkhd->bhqk\", g_chunk, value_chunk)` (bpt.py line 256) from the cotangent "
+              "g, which is in v's dtype (out is returned in it, line 66), and v, so every dP is rounded to 16 bits "
+              "before the float32 `dl = (ds - dl_part) * exp_weights` (line 257) reads it: dS carries a relative "
+              "error of 2**-11 (float16) or 2**-8 (bfloat16) where the rest of the backward keeps float32. With the "
+              "einsum's operands cast to float32 (that line alone changed) the striped ring agrees on 40 examples "
+              "per world size, N = 2, 3, 4, float16 and bfloat16, causal, full and padding (`python -m "
+              "reference.testing check peers/bpt_adapter.py:BptStriped --dtypes float16,bfloat16 --masks "
+              "causal,full,padding --examples 40`, BPT naming the changed file). A loss of precision, not a "
+              "wrong formula."),
+    dict(key="bpt/padding-bias-chunks",
+         peer=("bpt/striped/chunked", "bpt/normal/chunked"), dtype=None, phase=None, masks="padding",
+         match=r"(out|lse|d[qkv]): \d+ of", kind="defect (padding with several chunks)",
+         summary="With several chunks a block, the padding bias is read at the wrong keys: the block's bias is "
+                 "sliced again at global key offsets (lines 52-54, 424-428).",
+         text="With several chunks a device block, the attention bias (here the padding mask llamabpt/llama.py "
+              "builds: finfo.min on padding keys) lands on the wrong keys. The ring first cuts the key block's "
+              "bias out of the whole (B, 1, 1, N c) bias (`attn_bias_slice`, bpt.py lines 52-54), then "
+              "`_chunk_attention_bias` cuts each key chunk's bias out of that slice at `key_offset = key_chunk_idx "
+              "* key_chunk_size` (lines 421-428) with `key_chunk_idx` global (`k_chunk_idx_start + k_chunk_idx`, "
+              "lines 58 and 156): for any block but device 0's the offset is past the slice and "
+              "`lax.dynamic_slice` clamps it to the block's last chunk, whose bias every chunk then gets, so real "
+              "keys are masked and padding keys seen. With one chunk a block (the other bpt rows) the clamp "
+              "lands on offset 0, which is right. Without padding the bias is all zero and nothing shows."),
 ]
 BY_KEY = {f["key"]: f for f in FINDINGS}
 
