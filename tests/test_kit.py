@@ -317,6 +317,13 @@ def test_head_multiple_makes_both_head_counts_multiples(case):
     assert case.Hq % case.n_devices == 0 and case.Hkv % case.n_devices == 0, case
 
 
+@settings(max_examples=30, deadline=None)
+@given(cases(devices=(2, 4), head_multiple=lambda n: n, shapes=3))
+def test_head_multiple_holds_in_a_shape_pool(case):
+    # a compiled Ulysses ring draws its shapes from a pool: the pool deals heads the same way
+    assert case.Hq % case.n_devices == 0 and case.Hkv % case.n_devices == 0, case
+
+
 def test_head_multiple_still_draws_grouped_heads():
     case = find(cases(devices=(4,), head_multiple=2), lambda case: case.Hq > case.Hkv, settings=SHRINK)
     assert (case.Hkv, case.Hq) == (2, 4), case
