@@ -33,8 +33,9 @@ class TilePos(NamedTuple):
         return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[0]     # (tq, tk) bool, True: visible
 
     def rows(self, s):
-        """The rows of `part` of the block's s (R, tk), R = tq * G query-major: a view (tq of part, G, tk)."""
-        return s.reshape(len(self.q_pos), -1, s.shape[1])[self.part]
+        """The rows of `part` of the block's s (..., R, tk), R = tq * G query-major:
+        a view (..., tq of part, G, tk)."""
+        return s.reshape(s.shape[:-2] + (len(self.q_pos), -1, s.shape[-1]))[..., self.part, :, :]
 
     def hidden(self):
         """(rows of `part`, tk) bool, True: masked."""
