@@ -1,0 +1,90 @@
+"""Step version 5 (NumPy): version 3 with all heads of a key tile in one batched product.
+
+What it changes from version 3 (`reference.step_v3`), and why. Version 3
+runs its forward one head at a time: for every block of stacked query tiles
+and every head, a dozen NumPy calls (two products, exp2, the mask, the row
+sums' check, the accumulation), each on a matrix of one head. What these calls
+cost beyond their arithmetic is paid once per head and block, and a
+triangular block (striped's, and every layout's own block in round 0) spreads
+it over fewer tiles than a full one. Version 5 computes a block for a group
+of heads at once: ``[Q, -m]`` of the group stacked as (heads, rows, D+1)
+against ``[K, 1]`` stacked as (heads, D+1, keys) in one ``np.matmul`` (with
+grouped-query heads, a key/value head's query heads are already its rows),
+then exp2, the mask, ``P @ [V, 1]`` and the check on arrays of all those
+heads; each pass runs once per block instead of once per head. Everything
+else is version 3's, from `reference.step_parts`: the lazy shift and its
+seeded first tile (`lazy_product`, `seeded_product`), and a head that would
+overflow, whose |V| is huge or not finite, or whose rows are not all in the
+same state goes alone through version 3's tile (`lazy_tile`, `exact_update`),
+so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
+
+Units and threads: a unit is a stack of query tiles of one group of heads;
+the heads are cut into `workers` groups (one group of all heads on one
+thread). A head's arithmetic is the same whichever group it is in: results
+do not depend on the number of workers, bit for bit.
+
+Measured (BENCHMARKS.md; AMD EPYC Zen 5, one thread, CPU time, against
+version 3 in the same process): see "A tile's cost by block shape" and the
+ring-sized blocks there.
+
+Shapes as in version 2, with a leading axis of ``Hg`` heads per group.
+"""
+
+import numpy as np
+
+from .step import no_progress
+from .step_parts import (SUM_LIMIT, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits, seeded_product,
+                         threaded_forward)
+from .step_v3 import LazyThreadedStep
+
+
+class HeadBatchedStep(LazyThreadedStep):
+    """Version 5: version 3 with a group of heads a product, `workers` threads;
+    the backward is version 3's."""
+    name = "v5"
+
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
+        # version 3's units and threads, each unit a group of heads, each tile `heads_tile`
+        threaded_forward(acc, queries, block, plan, heads_tile, self.workers, progress,
+                         groups=head_groups(queries.q.shape[1], self.workers))
+
+
+def head_groups(n_heads, workers):
+    """The heads 0..n_heads-1 cut into min(n_heads, workers) groups of neighbours, as slices."""
+    cuts = np.linspace(0, n_heads, min(n_heads, workers) + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def heads_tile(st, s, heads, ks, where):
+    """One tile of a group of heads (`step_parts.Base2Rows` st and scores s
+    with a leading axis of heads; `heads` a `KeyHead` of the group): lazy,
+    or seeded where no row has a shift yet, all heads in one pass each. A
+    head whose row sums do not pass the check is redone exactly alone; when
+    the heads are not all lazy or their rows not all in one state, each head
+    goes through version 3's `lazy_tile`."""
+    fits = seed = None
+    if heads.lazy.all() and np.isfinite(st.m2).all():
+        lazy_product(st, s, heads, ks, where)
+        fits = st.inc[..., -1].max(axis=-1) <= SUM_LIMIT      # (Hg,) False for inf and NaN too
+        if fits.all():
+            st.ol += st.inc
+            return
+    elif heads.lazy.all() and (st.m2 == -np.inf).all():
+        seed = seeded_product(st, s, heads, ks, where)
+        fits = seed_fits(st)                                  # (Hg,)
+        if fits.all():
+            keep_seeded(st, seed)
+            return
+    for h in range(len(s)):                                   # rare: one head at a time
+        one = st[h]
+        if fits is None:
+            lazy_tile(one, s[h], heads[h], ks, where)
+        elif not fits[h]:
+            exact_update(one, s[h], heads[h], ks, where)
+        elif seed is None:
+            one.ol += one.inc
+        else:
+            keep_seeded(one, seed[h])
+
+
+__all__ = ["HeadBatchedStep", "head_groups", "heads_tile"]
