@@ -1,4 +1,4 @@
-"""The pieces the tuned NumPy steps (`step_v2`, `step_v3`, `step_v4`) are built from.
+"""The pieces the tuned NumPy steps (`step_v2` to `step_v5`) are built from.
 
 Each version is a `reference.step.Step` that composes these functions; read a
 version top to bottom with `reference.step` (the contract, version 1) and this
@@ -12,7 +12,7 @@ module open. What the pieces do is version 1's arithmetic (the formulas of
   backward ``[Q, -lse] @ [K, 1]^T = S - lse`` and ``[dO, -delta] @ [V, 1]^T = dP - delta``;
 - mask after exp2: masked scores are cleared after ``exp2`` rather than set to
   -inf before it where a version can (NumPy's exp2 takes a slow path for -inf);
-- one (batch, head) at a time, on contiguous 2-D matrices;
+- one (batch, head) at a time, on contiguous 2-D matrices (`step_v5`: a group of heads);
 - the lazy shift (`lazy_tile`): a tile first tried with the current shift,
   redone exactly (`exact_tile`) only if a row sum could overflow;
 - the forward in stacks of query tiles and the backward by head, on worker
@@ -37,9 +37,9 @@ import numpy as np
 
 from .nonfinite import all_finite, mask_rows, masked_product
 from .step import no_progress
-from .step_masks import TilePos, hide, tile_masks, weigh
+from .step_masks import TilePos, exp2_visible, hide, weigh
 from .step_units import column_runs, forward_units, on_this_thread, run_units, scratch
-from .tiles import MASKED, by_tile
+from .tiles import by_tile
 
 LOG2E = float(np.log2(np.e))
 SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
@@ -196,13 +196,13 @@ def lazy_product(st, s, head, ks, where):
 
 def seeded_tile(st, s, head, ks, where):
     """The first tile of rows that have seen no key (m = -inf, O = l = 0),
-    shifted by the largest of every SEED_STRIDE-th score of each row, visible
-    or not: a strided max reads an eighth of the tile where the exact row max
-    reads all of it (about 1 ns a score, more than exp2). Kept, and True, if
+    shifted by the largest of each row's scores of every SEED_STRIDE-th key,
+    visible or not (the exact row max costs more than exp2). Kept, and True, if
     every row sum lies in [SUM_FLOOR, SUM_LIMIT]: no overflow, and no row whose
     visible scores all fell far below a masked score. Else nothing changed, False."""
     seed = seeded_product(st, s, head, ks, where)
     if not seed_fits(st):
+        set_shift(st.q2, st.m2)                          # the shift column back to 0
         return False
     keep_seeded(st, seed)
     return True
@@ -210,10 +210,16 @@ def seeded_tile(st, s, head, ks, where):
 
 def seeded_product(st, s, head, ks, where):
     """`seeded_tile`'s products, over any leading axes of heads: st.inc :=
-    [P V, rowsum(P)] under the seed, which it returns (..., rows)."""
-    shifted_scores(s, st.q2, head.k1[..., ks, :], None)  # S, base 2: the shift column is 0 where m = -inf
-    seed = s[..., ::SEED_STRIDE].max(axis=-1)            # (..., rows) NaN or inf fail the check below
-    s -= seed[..., None]
+    [P V, rowsum(P)] under the seed, which it returns (..., rows) and puts in
+    the shift column of [Q, -seed] (a caller that drops the tile sets it back).
+    A small product gives it: cheaper than a strided max over the scores and a pass to subtract it."""
+    k1 = head.k1[..., ks, :]
+    sample = k1[..., ::SEED_STRIDE, :]                   # every SEED_STRIDE-th key
+    few = scratch("seed", st.q2.shape[:-1] + sample.shape[-2:-1], s.dtype)
+    np.matmul(st.q2, sample.swapaxes(-1, -2), out=few)   # their S, base 2 (the shift column is 0 here)
+    seed = few.max(axis=-1)                              # (..., rows) NaN or inf fail the check below
+    st.q2[..., -1] = -seed
+    shifted_scores(s, st.q2, k1, None)                   # S - seed, base 2
     np.exp2(s, out=s)                                    # P under the seed; may overflow
     weigh(s, where)
     np.matmul(s, head.v1[..., ks, :], out=st.inc)        # [P V, rowsum(P)]
@@ -345,22 +351,6 @@ def shifted_scores(s, q2, kt, where):
     np.matmul(q2, kt.swapaxes(-1, -2), out=s)
     if where is not None:
         hide(where.rows(s), where.hidden(), -np.inf)
-
-
-def exp2_visible(p, hq, col, qs, members):
-    """p (R, tk) := exp2(p), then 0 at the masked pairs of the masked tiles
-    among `members` [(query slice, kind)] of the run `qs`. A masked entry may
-    overflow to inf or be NaN before it is cleared; it contributes nothing
-    either way. Returns the last masked tile's visible mask (tq, tk), None if
-    none: a guarded run holds one tile."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        np.exp2(p, out=p)
-    rows, mask = p.reshape(qs.stop - qs.start, -1, p.shape[1]), None
-    for ms, kind in members:
-        if kind == MASKED:
-            mask, hidden = tile_masks(hq.masks, hq.pos[ms], col.pos, hq.mask)[:2]
-            hide(rows[ms.start - qs.start:ms.stop - qs.start], hidden, 0)
-    return mask
 
 
 # -- on worker threads (reference.step_units) --------------------------------------
