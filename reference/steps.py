@@ -38,7 +38,7 @@ STEPS = {"v1": ReadableStep, "v2": ExactBase2Step, "v3": LazyThreadedStep, "v4":
 ALIASES = {"readable": "v1"}
 # per array module, the fastest validated steps first: "auto" takes the first
 # that takes the call (`check_step`), else the readable one
-AUTO = {"numpy": ["v3"]}
+AUTO = {"numpy": ["v5"]}
 DEFAULT = "v1"
 
 
