@@ -19,8 +19,11 @@ disagreement to its smallest case); each says what one rank computes:
     peers/bpt_adapter.py                      the paper authors' JAX ring (bpt.py, exists-forall/striped_attention
                                               at 0c3ef0f), striped and normal; on the JAX harness, only when
                                               BPT names the file (`make conformance BPT=path/to/bpt.py`)
-    peers/conformance.py                      the runner; writes CONFORMANCE.md
-    examples/torch_ring.py                    this project's example ring, run beside them as a control
+    peers/example_ring_adapter.py             examples/torch_ring.py, this project's example ring, run
+                                              beside them as a control
+    peers/conformance.py                      the runner: stores each run in peers/results/
+    peers/findings.py                         what explains each disagreement, read from the peers' code
+    peers/results.py                          the results store; renders CONFORMANCE.md from it (NumPy only)
 
     make conformance                          # installs the `peers` extra, runs, writes CONFORMANCE.md
     python -m peers.conformance --help
@@ -30,34 +33,39 @@ Nothing here is imported by the project or by `make test`.
 
 import os
 
-from examples.torch_ring import TorchRing
 
-from .ring_attention_pytorch_adapter import RingAttentionPytorch
-from .ring_flash_attn_adapter import RingFlashAttn
-from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
-from .ringmaster_adapter import Ringmaster
-from .torch_context_parallel_adapter import TorchContextParallel
-from .yunchang_adapter import Yunchang
-
-
-class ExampleRing(TorchRing):
-    """This project's example PyTorch ring (examples/torch_ring.py), run beside the
-    peers as a control: the harness and the kit agree with a correct ring."""
-    key, library = "examples/torch_ring", "striped-attention"
-    conventions = "examples.torch_ring"          # the module whose docstring CONFORMANCE.md quotes
+def __getattr__(name):
+    """`PEERS`, built on first use: importing the adapters imports torch, which
+    rendering the stored results (peers.results) does not need."""
+    if name == "PEERS":
+        global PEERS
+        PEERS = _peers()
+        return PEERS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# (the first peer to start a world names the modules its forkserver preloads: a peer's)
-PEERS = {peer.key: peer for peer in (
-    RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
-    RingAttentionPytorch.contiguous(whole_buckets=True), RingAttentionPytorch.striped(whole_buckets=True),
-    RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(),
-    RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
-    *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
-    TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
-    Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
-    ExampleRing())}
-if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
-    from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked
-    PEERS.update({peer.key: peer for peer in (BptStriped(), BptContiguous(), BptStripedChunked(),
-                                              BptContiguousChunked())})
+def _peers():
+    """Every adapter, by key (the first peer to start a world names the modules
+    its forkserver preloads: a peer's)."""
+    from .example_ring_adapter import ExampleRing
+    from .ring_attention_pytorch_adapter import RingAttentionPytorch
+    from .ring_flash_attn_adapter import RingFlashAttn
+    from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
+    from .ringmaster_adapter import Ringmaster
+    from .torch_context_parallel_adapter import TorchContextParallel
+    from .yunchang_adapter import Yunchang
+
+    peers = {peer.key: peer for peer in (
+        RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
+        RingAttentionPytorch.contiguous(whole_buckets=True), RingAttentionPytorch.striped(whole_buckets=True),
+        RingFlashAttn.ring(), RingFlashAttn.zigzag(), RingFlashAttn.stripe(),
+        RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
+        *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
+        TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
+        Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
+        ExampleRing())}
+    if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
+        from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked
+        peers.update({peer.key: peer for peer in (BptStriped(), BptContiguous(), BptStripedChunked(),
+                                                  BptContiguousChunked())})
+    return peers

@@ -1,0 +1,202 @@
+"""What explains each disagreement of the conformance runs, read from the peers' own code.
+
+    from peers.findings import classify
+    finding = classify(run)        # the first FINDINGS entry that applies, or None
+
+Each entry has a `key` (stored with the run it classified, peers/results/),
+`kind` (the matrix cell's words) and `text` (the explanation, with file and
+line of the version that ran). NumPy only: CONFORMANCE.md is rendered from
+the stored runs without torch.
+"""
+
+import re
+
+# What explains each disagreement, from reading the peer's code. A finding applies
+# to a run whose peer key starts with `peer`, whose dtype, pass and mask set match
+# (None or absent: any), whose message `match`es (a regular expression) and whose
+# smallest case passes `when` (absent: any).
+FINDINGS = [
+    dict(key="ring-attention-pytorch/16-bit-raises",
+         peer="ring-attention-pytorch/", dtype=("float16", "bfloat16"), phase=None,
+         match="expected scalar type Float but found", kind="defect (raises)",
+         text="16-bit inputs (float16, bfloat16) raise in the forward: the running row maxima and sums are "
+              "float32 (`all_row_sums`, `all_row_maxes`, ring_flash_attention.py lines 124-125), so `exp_weights` "
+              "is float32 and `einsum('b h i j, b j h d -> b i h d', exp_weights, vc)` (line 204) meets 16-bit "
+              "values."),
+    dict(key="ring-attention-pytorch/float64-raises",
+         peer="ring-attention-pytorch/", dtype="float64", phase=None, match="cannot be converted to type float",
+         kind="defect (raises)",
+         text="float64 inputs raise in the forward: `torch.full((batch, heads, seq, 1), max_neg_value)` "
+              "(ring_flash_attention.py line 125) makes a tensor of the default dtype, float32, filled with "
+              "`max_neg_value = -torch.finfo(q.dtype).max` (line 119), which float32 cannot hold."),
+    dict(key="ring-attention-pytorch/contiguous-buckets",
+         peer="ring-attention-pytorch/contiguous", dtype=None, phase="forward", match=r"(out|lse): \d+ of",
+         kind="defect",
+         text="With a bucket size that does not divide the rank's block c, a query sees keys after it. "
+              "Buckets are numbered `ring_rank * per_machine_buckets + index` (lines 152, 163) with "
+              "`per_machine_buckets = per_machine_seq_size // bucket_size` (line 111), which ignores the "
+              "shorter last bucket; `k.split(bucket_size)` makes it anyway, so bucket numbers of different "
+              "ranks collide and a remote block is masked as if it were the diagonal block (`triu(1)`, "
+              "line 189) or not at all. Divisibility is asserted only when `max_lookback_seq_len` is given "
+              "(line 100). With one bucket per rank (the 'bucket = c' rows) the forward agrees."),
+    dict(key="ring-attention-pytorch/striped-buckets",
+         peer="ring-attention-pytorch/striped", dtype=None, phase="forward", match=r"(out|lse): \d+ of",
+         kind="defect",
+         text="With more than one bucket per rank, the striped mask is wrong. It is "
+              "`triu(int(row_bucket_index >= col_bucket_index))` on each (query bucket, key bucket) pair "
+              "(lines 183-185), with bucket numbers `rank * per_machine_buckets + index`: the rule for "
+              "a whole striped block (the paper's GetMask: the diagonal is visible when the key's rank "
+              "is not after the query's), applied to sub-blocks whose local offsets differ. Striped "
+              "visibility between sub-blocks depends on the local offsets first (key local index < query "
+              "local index, or equal and rank not after), so whole key buckets are masked or unmasked "
+              "wrongly. With one bucket per rank (the 'bucket = c' rows) the forward agrees."),
+    dict(key="ring-attention-pytorch/dk-dv-swapped",
+         peer="ring-attention-pytorch/", dtype=None, phase="backward", match="dk:",
+         kind="defect",
+         text="dK and dV come back wrong. After the last round the backward does "
+              "`dkv = ring_pass(ring_size - max_ring_passes + 1, dkv)` and `dk, dv = dkv` "
+              "(ring_flash_attention.py lines 383-385), but `ring_pass` returns the pair "
+              "`(receive_buffer, x)` (ring.py line 77): `dk` is the received (dK, dV) stack, shape "
+              "(2, B, c, Hkv, D), which is the rank's own keys' (the shift home is right), and `dv` is the "
+              "stack it sent, rank r + 1's. Autograd sums each over the extra leading dimension instead "
+              "of raising, so rank r returns dK + dV of its own keys as dk and dK + dV of rank r + 1's "
+              "keys as dv (checked on N = 2 and 3: `peers/.venv/bin/python -m peers.conformance "
+              "--explain-dkv`)."),
+    dict(key="ring-flash-attn/float32-buffer-alias",
+         peer="ring-flash-attn/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
+         kind="defect (float32 only, which flash-attn's kernels refuse)",
+         text="float32 gradients are wrong: the backward starts its float32 accumulators with "
+              "`dq = block_dq_buffer.to(torch.float32)` (and dk, dv; ring_flash_attn.py lines 134-136, "
+              "zigzag_ring_flash_attn.py 164-166, stripe_flash_attn.py 202-204), which for float32 inputs returns "
+              "the buffer itself, not a copy: the next block's kernel writes into that buffer, overwriting the sum, "
+              "and `dq += block_dq_buffer` then adds the new block twice; dk and dv are sent from the buffer the "
+              "next kernel overwrites. flash-attn itself takes only float16 and bfloat16, where `.to` copies; the "
+              "stand-in takes float32, as a kernel that did would."),
+    dict(key="ring-flash-attn/float32-sigmoid-merge",
+         peer="ring-flash-attn/", dtype="float32", phase="forward", match=r"out: \d+ of",
+         when=lambda case: case.kind == "large_logits", kind="over the line (marginal)",
+         text="A float32 out element just over the kit's line on scores in the hundreds: the ring merges blocks "
+              "as `out - sigmoid(block_lse - lse) * (out - block_out)` (utils.py line 47), whose difference "
+              "`out - block_out` and product round twice where the textbook weighted sum rounds once; read as "
+              "rounding at the edge of the error model, not a wrong result (no smaller case fails)."),
+    dict(key="torch-cp/float32-sigmoid-merge",
+         peer="torch-cp/", dtype="float32", phase="forward", match=r"out: \d+ of",
+         when=lambda case: case.kind == "large_logits", kind="over the line (marginal)",
+         text="A float32 out element just over the kit's line on scores in the hundreds: `_SDPAMerger` merges "
+              "blocks with ring-flash-attn's `out - sigmoid(block_lse - lse) * (out - block_out)` "
+              "(_context_parallel/_attention.py line 186), which rounds twice where the weighted sum rounds "
+              "once; read as rounding at the edge of the error model, not a wrong result (no smaller case "
+              "fails)."),
+    dict(key="ring-flash-attn/llama3-window-not-causal",
+         peer="ring-flash-attn/llama3", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|lse|d[qkv]): \d+ of",
+         kind="defect (windows, not causal)",
+         text="A window without the causal mask is misplaced. `llama3_flash_attn_prepare_cu_seqlens` with "
+              "causal=False lets the keys of this rank's last document run on to the document's end "
+              "(llama3_flash_attn_varlen.py lines 49-52: 'when not causal, we hope the last k is full seq'), and "
+              "the kernel places a window bottom-right, aligning a query with the key as many tokens later as the "
+              "document runs past this rank: the window is measured from the wrong key. Causal windows, whose key "
+              "slice ends with this rank's queries (lines 44-47), agree."),
+    dict(key="ring-flash-attn/window-block-local",
+         peer="ring-flash-attn/", dtype=None, phase=None, masks="window", match=r"(out|lse|d[qkv]): \d+ of",
+         kind="defect (windows)",
+         text="A sliding window is wrong beyond the diagonal block. Every ring (ring_flash_attn.py lines 45-49 "
+              "and 123-127, zigzag_ring_flash_attn.py 44-48, stripe_flash_attn.py 48-52, ring_flash_attn_varlen.py "
+              "68-72, zigzag_ring_flash_attn_varlen.py 129-133, and their backwards) passes its `window_size` on to "
+              "each block's kernel, which measures the window in the block's own local indices, bottom-right "
+              "aligned, as if the block's keys were the query's own; a block that came round the ring holds keys "
+              "whole blocks earlier, so keys inside the window are dropped and keys outside it kept. "
+              "llama3_flash_attn_varlen_func gathers the keys each rank's queries need and calls the kernel once "
+              "with aligned cu_seqlens: its causal windows agree."),
+    dict(key="torch-cp/float64-in-float32",
+         peer="torch-cp/", dtype="float64", phase=None, match=r"(out|lse|d[qkv]): \d+ of",
+         kind="defect (float64 computed in float32)",
+         text="float64 inputs come back with float32 precision: `_SDPAMerger.step` converts every block's out "
+              "and lse to float32 before merging (`if self._convert_to_f32: out = out.to(torch.float32)`, "
+              "_context_parallel/_attention.py lines 213-215; `convert_to_f32` is on by default, line 75, meant "
+              "as an upcast for 16-bit inputs), and the backward accumulates dQ, dK, dV in float32 "
+              "(`accum_dtype`, line 512). Held to the float32 line (`--accumulate float32`) it agrees."),
+    dict(key="torch-cp/cpu-sdpa-negative-scale",
+         peer="torch-cp/no-balance/ALL_GATHER/negative-scale", dtype=None, phase=None,
+         match=r"got nan", kind="defect (torch's CPU SDPA kernel)",
+         text="Causal attention with a negative scale is NaN on every row, and not because of the ring: torch's "
+              "CPU SDPA kernel (`aten._scaled_dot_product_flash_attention_for_cpu`, what "
+              "`torch.nn.functional.scaled_dot_product_attention` runs on a CPU) returns NaN for "
+              "`scaled_dot_product_attention(q, k, v, is_causal=True, scale=-0.7)` on one process, and agrees "
+              "with is_causal=False or a positive scale. Its C++ source (FlashAttentionKernel.cpp) is not in the "
+              "wheel and was not read; NaN everywhere is what a mask of -inf multiplied by a negative scale "
+              "(+inf) would give. The other rows skip these cases."),
+    dict(key="ringmaster/allgather-window-not-causal",
+         peer="ringmaster/allgather", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|d[qkv]): \d+ of",
+         kind="defect (windows without the causal mask)",
+         text="A window without the causal mask is misplaced. `math_block` places the window bottom-right: "
+              "`idx_q = arange(sq) + (sk - sq)` against all S gathered keys (kernels.py line 72), which is a "
+              "query's global position only on the last rank, and it reads only the left size "
+              "(`left, _ = window`, line 71), so keys after the query are never limited. Causal windows, whose "
+              "gathered keys end with this rank's queries (`end = rank + 1`, loop.py), agree."),
+    dict(key="ringmaster/allgather-16-bit-dk-dv-sum",
+         peer="ringmaster/allgather", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit partial gradients summed in 16 bits)",
+         text="dK, dV of 16-bit inputs are summed across ranks in the input dtype: each rank's share comes back "
+              "through `.float()` in the input dtype, and `_AllGatherKV.backward` adds the shares with "
+              "`dist.all_reduce` on gloo (loop.py lines 83-90) in that dtype, one rounding per rank where a "
+              "float32 sum would round once."),
+    dict(key="ringmaster/p2p-16-bit-gqa-sum",
+         peer="ringmaster/p2p", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit GQA gradients summed in 16 bits)",
+         text="With grouped heads, dK, dV of 16-bit inputs are rounded twice: `ring_p2p_attention` expands K, V "
+              "with `repeat_interleave` before its autograd Function on a CPU (p2p_attn.py lines 286-290), whose "
+              "backward returns each expanded head's float32 sum cast to the input dtype (line 281); autograd of "
+              "`repeat_interleave` then adds the G heads' gradients in that dtype."),
+    dict(key="yunchang/backward-raises",
+         peer="yunchang/", dtype=None, phase="backward", match="Not implemented backward",
+         kind="not supported (its backward raises)",
+         text="The backward raises: `RingAttentionFunc.backward` calls `pytorch_attn_backward`, whose body is "
+              "`raise RuntimeError(\"Not implemented backward for PyTorch attention types\")` "
+              "(kernels/attention.py line 159); only the forward of this ring runs."),
+    dict(key="yunchang/float64-in-float32",
+         peer="yunchang/", dtype="float64", phase="forward", match=r"out: \d+ of",
+         kind="defect (float64 computed in float32)",
+         text="float64 inputs come back with float32 precision: the merge casts every block's out to float32 "
+              "(`block_out.to(torch.float32)`, ring/utils.py lines 17 and 40) and the result is cast back to the "
+              "input dtype only at the end."),
+    dict(key="bpt/float64-raises",
+         peer="bpt/", dtype="float64", phase=None, match="output types match",
+         kind="not supported (float64 raises)",
+         text="float64 inputs raise while tracing: with `float32_logits=True` (what llamabpt/llama.py passes, "
+              "line 574) q and k are cast to float32 (bpt.py lines 28-29), so the running numerator, sum and max "
+              "are float32 (lines 32-33, 62), while a block's `exp_values` meet float64 values (line 162) and a "
+              "float64 bias (line 157, `dtype`): the two branches of the chunk skip's `lax.cond` (lines 182-188) "
+              "return different dtypes and JAX refuses. With `float32_logits=False` the forward runs and the "
+              "backward raises the same way: its dQ accumulator is float32 (line 74) against float64 blocks "
+              "(line 277)."),
+    dict(key="bpt/bfloat16-underflow",
+         peer="bpt/", dtype="bfloat16", phase="backward", match=r"d[qkv]: \d+ of.*got 0\.0, expected -?\d\.\d+e-3[78]",
+         when=lambda case: case.kind == "large_logits", kind="over the line (underflow near 1e-38)",
+         text="A bfloat16 gradient of about 3e-38 comes back 0 on scores in the hundreds: bpt.py computes the "
+              "backward in float32 (lines 74-76, 254-260), whose smallest normal is 1.2e-38 (bfloat16's too), "
+              "and a product below it comes back 0 (XLA on the CPU flushes float32 subnormals to zero); the "
+              "error is 3e-38 absolute, over the kit's line (1.4e-38) by a factor of 2-3. Read as underflow at "
+              "the edge of the error model, not a wrong gradient (not checked further)."),
+]
+BY_KEY = {f["key"]: f for f in FINDINGS}
+
+
+def classify(run):
+    """The first finding that applies to `run` (a peers.results.Run that failed), or None."""
+    if run.failure is None:
+        return None
+    case, message = run.failure
+    for f in FINDINGS:
+        if run.peer.key.startswith(f["peer"]) and _dtype_matches(f["dtype"], run.dtype) \
+                and f.get("masks", run.masks) == run.masks and f["phase"] in (None, run.phase) \
+                and re.search(f["match"], message) \
+                and ("when" not in f or (case is not None and f["when"](case))):
+            return f
+    return None
+
+
+def _dtype_matches(dtypes, name):
+    """A finding's dtype: None (any), a name, or a tuple of names."""
+    return dtypes is None or name in (dtypes if isinstance(dtypes, tuple) else (dtypes,))
