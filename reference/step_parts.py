@@ -196,13 +196,12 @@ def lazy_product(st, s, head, ks, where):
 
 def seeded_tile(st, s, head, ks, where):
     """The first tile of rows that have seen no key (m = -inf, O = l = 0),
-    shifted by the largest of each row's scores of every SEED_STRIDE-th key,
-    visible or not (the exact row max costs more than exp2). Kept, and True, if
+    shifted by the largest of every SEED_STRIDE-th score of each row, visible
+    or not (the exact row max costs more than exp2). Kept, and True, if
     every row sum lies in [SUM_FLOOR, SUM_LIMIT]: no overflow, and no row whose
     visible scores all fell far below a masked score. Else nothing changed, False."""
     seed = seeded_product(st, s, head, ks, where)
     if not seed_fits(st):
-        set_shift(st.q2, st.m2)                          # the shift column back to 0
         return False
     keep_seeded(st, seed)
     return True
@@ -210,16 +209,10 @@ def seeded_tile(st, s, head, ks, where):
 
 def seeded_product(st, s, head, ks, where):
     """`seeded_tile`'s products, over any leading axes of heads: st.inc :=
-    [P V, rowsum(P)] under the seed, which it returns (..., rows) and puts in
-    the shift column of [Q, -seed] (a caller that drops the tile sets it back).
-    A small product gives it: cheaper than a strided max over the scores and a pass to subtract it."""
-    k1 = head.k1[..., ks, :]
-    sample = k1[..., ::SEED_STRIDE, :]                   # every SEED_STRIDE-th key
-    few = scratch("seed", st.q2.shape[:-1] + sample.shape[-2:-1], s.dtype)
-    np.matmul(st.q2, sample.swapaxes(-1, -2), out=few)   # their S, base 2 (the shift column is 0 here)
-    seed = few.max(axis=-1)                              # (..., rows) NaN or inf fail the check below
-    st.q2[..., -1] = -seed
-    shifted_scores(s, st.q2, k1, None)                   # S - seed, base 2
+    [P V, rowsum(P)] under the seed, which it returns (..., rows)."""
+    shifted_scores(s, st.q2, head.k1[..., ks, :], None)  # S, base 2: the shift column is 0 where m = -inf
+    seed = s[..., ::SEED_STRIDE].max(axis=-1)            # (..., rows) NaN or inf fail the check below
+    s -= seed[..., None]
     np.exp2(s, out=s)                                    # P under the seed; may overflow
     weigh(s, where)
     np.matmul(s, head.v1[..., ks, :], out=st.inc)        # [P V, rowsum(P)]

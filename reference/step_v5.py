@@ -41,7 +41,7 @@ import numpy as np
 
 from .step import no_progress
 from .step_parts import (SUM_LIMIT, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits, seeded_product,
-                         set_shift, threaded_forward)
+                         threaded_forward)
 from .step_v3 import LazyThreadedStep
 
 
@@ -87,7 +87,6 @@ def heads_tile(st, s, heads, ks, where):
         if fits is None:
             lazy_tile(one, s[h], heads[h], ks, where)
         elif not fits[h]:
-            set_shift(one.q2, one.m2)                         # a seed's shift column back to 0
             exact_update(one, s[h], heads[h], ks, where)
         elif seed is None:
             one.ol += one.inc
