@@ -19,9 +19,10 @@ same state goes alone through version 3's tile (`lazy_tile`, `exact_update`),
 so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
 
 Units and threads: a unit is a stack of query tiles of one group of heads;
-the heads are cut into `workers` groups (one group of all heads on one
-thread). A head's arithmetic is the same whichever group it is in: results
-do not depend on the number of workers, bit for bit.
+the heads are cut into at least `workers` groups, of at most as many heads
+as keep a block's scores within ``GROUP_SCORES`` (in cache: 8 heads at tiles
+of 128, 4 at 256). A head's arithmetic is the same whichever group it is
+in: results do not depend on the number of workers, bit for bit.
 
 Measured (BENCHMARKS.md, "Step v5"; AMD EPYC Zen 5, one thread, CPU time,
 against version 3 in the same process, a busy machine): the forward of a
@@ -42,7 +43,13 @@ import numpy as np
 from .step import no_progress
 from .step_parts import (SUM_LIMIT, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits, seeded_product,
                          threaded_forward)
+from .step_units import UNIT_ROWS
 from .step_v3 import LazyThreadedStep
+
+# a group's scores (heads x stacked rows x keys of a tile) at most this many: 2 MiB of float32, so that
+# they stay in a core's cache (groups of 8 heads at tiles of 256, 4 MiB, measured 1.03 to 1.04 times
+# version 3's time on blocks of 4096 and 8192 tokens; 4 heads 0.97 to 0.99)
+GROUP_SCORES = 2 ** 19
 
 
 class HeadBatchedStep(LazyThreadedStep):
@@ -52,13 +59,17 @@ class HeadBatchedStep(LazyThreadedStep):
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         # version 3's units and threads, each unit a group of heads, each tile `heads_tile`
+        _, Hkv, _, G, _ = queries.q.shape
+        tk = max(ks.stop - ks.start for _, ks, _ in plan)
         threaded_forward(acc, queries, block, plan, heads_tile, self.workers, progress,
-                         groups=head_groups(queries.q.shape[1], self.workers))
+                         groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (UNIT_ROWS * tk))))
 
 
-def head_groups(n_heads, workers):
-    """The heads 0..n_heads-1 cut into min(n_heads, workers) groups of neighbours, as slices."""
-    cuts = np.linspace(0, n_heads, min(n_heads, workers) + 1).round().astype(int)
+def head_groups(n_heads, workers, most=None):
+    """The heads 0..n_heads-1 cut into groups of neighbours, as slices: at
+    least min(n_heads, workers) groups, and none of more than `most` heads."""
+    n = max(min(n_heads, workers), -(-n_heads // (most or n_heads)))
+    cuts = np.linspace(0, n_heads, n + 1).round().astype(int)
     return [slice(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
@@ -94,4 +105,4 @@ def heads_tile(st, s, heads, ks, where):
             keep_seeded(one, seed[h])
 
 
-__all__ = ["HeadBatchedStep", "head_groups", "heads_tile"]
+__all__ = ["HeadBatchedStep", "GROUP_SCORES", "head_groups", "heads_tile"]

@@ -105,10 +105,12 @@ def test_large_logits_in_every_head(exact_tiles):
     assert len(exact_tiles) > 3 * 2
 
 
-@pytest.mark.parametrize("n_heads, workers, sizes", [(8, 1, [8]), (8, 2, [4, 4]), (3, 2, [2, 1]),
-                                                     (2, 5, [1, 1]), (7, 3, [2, 3, 2])])
-def test_head_groups_cover_every_head_once(n_heads, workers, sizes):
-    groups = head_groups(n_heads, workers)
+@pytest.mark.parametrize("n_heads, workers, most, sizes", [
+    (8, 1, None, [8]), (8, 2, None, [4, 4]), (3, 2, None, [2, 1]), (2, 5, None, [1, 1]), (7, 3, None, [2, 3, 2]),
+    (8, 1, 4, [4, 4]), (8, 1, 3, [3, 2, 3]), (8, 4, 4, [2, 2, 2, 2]), (5, 1, 1, [1] * 5), (2, 1, 8, [2])])
+def test_head_groups_cover_every_head_once(n_heads, workers, most, sizes):
+    # at least `workers` groups, none of more than `most` heads
+    groups = head_groups(n_heads, workers, most)
     assert [g.stop - g.start for g in groups] == sizes
     assert [h for g in groups for h in range(g.start, g.stop)] == list(range(n_heads))
 
