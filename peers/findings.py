@@ -201,6 +201,17 @@ FINDINGS = [
               "`zigzag_extract_local` reads the ring and Ulysses group ranks (lines 38-45) and its rows agree; "
               "with the default `use_ulysses_low=True` all three agree. (With u = 1, N = 2 and 3, the option "
               "changes nothing.)"),
+    dict(key="yunchang/varlen-flash-attn-before-2.6.3",
+         peer="yunchang/", dtype=None, phase=None, match="unexpected keyword argument 'window_size'",
+         kind="not supported (written for flash-attn before 2.6.3)",
+         text="yunchang's varlen rings raise TypeError with flash-attn's current kernel API. They call "
+              "`_flash_attn_varlen_forward(..., causal=..., window_size=window_size, ...)` and unpack eight "
+              "results (ring/ring_flash_attn_varlen.py lines 56-67, zigzag_ring_flash_attn_varlen.py lines "
+              "98-110), the API of flash-attn before 2.6.3; from 2.6.3 the kernel takes `window_size_left`, "
+              "`window_size_right` and returns four results, which yunchang's dense kernel wrapper handles "
+              "(`if flash_attn.__version__ < '2.6.3'`, kernels/attention.py lines 176-202) and its varlen rings "
+              "do not. The stand-in takes the 2.6.3+ API. With an older flash-attn they are ring-flash-attn's "
+              "varlen rings (its rows)."),
     dict(key="yunchang/float32-buffer-alias",
          peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
          kind="defect (float32 only, which flash-attn's kernels refuse)",

@@ -15,6 +15,10 @@ imported: yunchang decides at import whether flash-attn is there,
                                                           Ulysses group, then the ring over the ring group
     UlyssesAttention(attn_type=AttnType.TORCH_FLASH)      the same Ulysses with a PyTorch kernel, and USP's
     LongContextAttention("basic", AttnType.TORCH_MATH)    basic ring with PyTorch's math kernel
+    ring_flash_attn_varlen_func,                          ring/ring_flash_attn_varlen.py,
+    zigzag_ring_flash_attn_varlen_func                    zigzag_ring_flash_attn_varlen.py: ring-flash-attn's varlen
+                                                          rings, run as peers.ring_flash_attn_varlen_adapter runs
+                                                          those (its conventions)
 
 Its conventions, and what this adapter does about each:
 - layout (B, c, H, D), the caller shards. The rings take the kit's contiguous,
@@ -80,6 +84,7 @@ from reference.testing import ALL_DTYPES
 from reference.testing.harness.torch import TorchAdapter
 
 from .ring_flash_attn_adapter import window_size
+from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
 
 FLASH_DTYPES = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
 NO_FLOAT64 = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge blocks in "
@@ -209,6 +214,26 @@ class YunchangUSP(_Yunchang):
         out = attn(shard.q, shard.k, shard.v, softmax_scale=case.scale_value, causal=case.causal,
                    window_size=window_size(case))
         return dict(out=out)                     # (B, c, Hq, D)
+
+
+class YunchangVarlen(RingFlashAttnVarlen):
+    """yunchang's copies of ring-flash-attn's varlen rings, on the same sharding and call. They
+    call flash-attn's varlen kernels as flash-attn before 2.6.3 took them (`window_size=`, eight
+    results: ring_flash_attn_varlen.py lines 56-67), not as the stand-in (2.6+) does."""
+    library = "yunchang"
+    conventions = __name__
+    unsupported = NO_FLOAT64
+
+    def __init__(self, function):
+        super().__init__(function)
+        self.key = f"yunchang/{function}-varlen"
+        self.name = f"yunchang {function}_flash_attn_varlen_func" if function == "zigzag" else \
+            "yunchang ring_flash_attn_varlen_func"
+
+    def rings(self):
+        import yunchang.ring as rings
+        _require_stand_in()
+        return rings
 
 
 def _seq_parallel_groups(u, r, rank, n, ulysses_low=True):
