@@ -265,6 +265,14 @@ FINDINGS = [
               "SDPA rounds in it. Held to the 16-bit line (`--accumulate float16`, `--accumulate bfloat16`: the "
               "smallest case here agrees), the same run's smallest failure is the non-causal window above "
               "(left side only, loop.py line 186)."),
+    dict(key="ringmaster/usp-documents-16-bit-sdpa",
+         peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="forward", masks="documents",
+         match=r"out: \d+ of", kind="over the line (the documents' path computes in 16 bits)",
+         text="With packed documents, USP's out is rounded in the input dtype: documents send it from "
+              "`math_block`, which computes in float32, to `varlen_ring_attention`, whose CPU path calls "
+              "`scaled_dot_product_attention` on the input dtype with the document mask (ring/loop.py lines "
+              "178-197), and torch's CPU SDPA rounds in it. Held to the 16-bit line (`--accumulate float16`, "
+              "`--accumulate bfloat16`: 120 examples each, N = 2, 3, 4) the documents agree."),
     dict(key="ringmaster/usp-allgather-16-bit-dk-dv-sum",
          peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
          kind="over the line (16-bit partial gradients summed in 16 bits)",
