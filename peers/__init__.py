@@ -72,7 +72,7 @@ def _peers():
         *(YunchangUSP(ring) for ring in ("basic", "zigzag", "strip")),
         *(YunchangUSP(ring, ulysses_low=False) for ring in ("basic", "zigzag", "strip")),
         YunchangUlysses(torch_kernel=True), YunchangUSP("basic", torch_math=True),
-        YunchangVarlen("ring"), YunchangVarlen("zigzag"),
+        YunchangUSP("basic", pack_qkv=True), YunchangVarlen("ring"), YunchangVarlen("zigzag"),
         ExampleRing())}
     if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
         from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked

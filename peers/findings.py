@@ -212,6 +212,12 @@ FINDINGS = [
               "(`if flash_attn.__version__ < '2.6.3'`, kernels/attention.py lines 176-202) and its varlen rings "
               "do not. The stand-in takes the 2.6.3+ API. With an older flash-attn they are ring-flash-attn's "
               "varlen rings (its rows)."),
+    dict(key="yunchang/pack-qkv-continous",
+         peer="yunchang/usp-basic-pack-qkv", dtype=None, phase=None, match="has no attribute 'continous'",
+         kind="defect (raises)",
+         text="`LongContextAttention(use_pack_qkv=True)` raises on every call: it packs q, k, v with "
+              "`torch.cat([query, key, value]).continous()` (hybrid/attn_layer.py line 88), a misspelling of "
+              "`contiguous`, so the packed path has never run as released."),
     dict(key="yunchang/float32-buffer-alias",
          peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
          kind="defect (float32 only, which flash-attn's kernels refuse)",

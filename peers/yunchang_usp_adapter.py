@@ -15,6 +15,7 @@ imported: yunchang decides at import whether flash-attn is there,
                                                           Ulysses group, then the ring over the ring group
     UlyssesAttention(attn_type=AttnType.TORCH_FLASH)      the same Ulysses with a PyTorch kernel, and USP's
     LongContextAttention("basic", AttnType.TORCH_MATH)    basic ring with PyTorch's math kernel
+    LongContextAttention("basic", use_pack_qkv=True)      q, k, v in one all-to-all (hybrid/attn_layer.py lines 86-109)
     ring_flash_attn_varlen_func,                          ring/ring_flash_attn_varlen.py,
     zigzag_ring_flash_attn_varlen_func                    zigzag_ring_flash_attn_varlen.py: ring-flash-attn's varlen
                                                           rings, run as peers.ring_flash_attn_varlen_adapter runs
@@ -71,6 +72,9 @@ Its conventions, and what this adapter does about each:
   all-to-all is its own inverse in the backward (all_to_all.py lines
   124-134); the PyTorch kernels' backward raises (kernels/attention.py
   line 159);
+- not run: `AsyncLongContextAttention` makes a CUDA stream in its constructor
+  (`torch.cuda.Stream()`, hybrid/async_attn_layer.py line 34); the
+  qkv-packed entry points; the flashinfer, NPU and sage attention types;
 - `AttnType.TORCH_FLASH` runs `aten._scaled_dot_product_flash_attention`, which
   has no CPU kernel: the module's name for it is pointed at the CPU op (as in
   peers/yunchang_adapter.py), and causal cases with a negative scale are
@@ -183,16 +187,22 @@ class YunchangUSP(_Yunchang):
     """LongContextAttention: Ulysses over u ranks, a ring over r = N / u (`usp_split`)."""
     outputs = ("out", "dq", "dk", "dv")
 
-    def __init__(self, ring, torch_math=False, ulysses_low=True):
-        self.ring, self.torch_math, self.ulysses_low = ring, torch_math, ulysses_low
+    def __init__(self, ring, torch_math=False, ulysses_low=True, pack_qkv=False):
+        self.ring, self.torch_math, self.ulysses_low, self.pack_qkv = ring, torch_math, ulysses_low, pack_qkv
         self.layouts = (RINGS[ring][0],)
         self.masks = ("causal", "full") if torch_math else \
             ("causal", "full", "window") if ring == "basic" else ("causal", "window")
         self.key = "yunchang/usp-" + ("" if ulysses_low else "ring-groups-inner-") + ring + \
-            ("-torch-math" if torch_math else "")
+            ("-torch-math" if torch_math else "") + ("-pack-qkv" if pack_qkv else "")
         self.unsupported = TORCH_NO_FLOAT64 if torch_math else NO_FLOAT64
         self.name = f"yunchang LongContextAttention (USP, ring_impl_type={ring!r}" + \
-            (", AttnType.TORCH_MATH" if torch_math else "") + ("" if ulysses_low else ", use_ulysses_low=False") + ")"
+            (", AttnType.TORCH_MATH" if torch_math else "") + ("" if ulysses_low else ", use_ulysses_low=False") + \
+            (", use_pack_qkv=True" if pack_qkv else "") + ")"
+        if pack_qkv:                            # it raises before any arithmetic: one dtype, no mask options
+            self.dtypes, self.masks = (np.float16,), ("causal", "full")
+            self.unsupported = {**NO_FLOAT64, **{name: "not run: `use_pack_qkv=True` raises before any arithmetic, "
+                                                       "in every dtype (the float16 rows)"
+                                                 for name in ("float32", "bfloat16")}}
 
     def head_multiple(self, n):
         return usp_split(n)[0]
@@ -210,7 +220,7 @@ class YunchangUSP(_Yunchang):
             _require_stand_in()
         u, r = usp_split(case.n_devices)
         _seq_parallel_groups(u, r, shard.rank, case.n_devices, self.ulysses_low)
-        attn = LongContextAttention(ring_impl_type=self.ring,
+        attn = LongContextAttention(ring_impl_type=self.ring, use_pack_qkv=self.pack_qkv,
                                     attn_type=AttnType.TORCH_MATH if self.torch_math else AttnType.FA)
         out = attn(shard.q, shard.k, shard.v, softmax_scale=case.scale_value, causal=case.causal,
                    window_size=window_size(case))
