@@ -57,7 +57,7 @@ def _peers():
     from .ringmaster_usp_adapter import RingmasterUSP
     from .torch_context_parallel_adapter import TorchContextParallel
     from .yunchang_adapter import Yunchang
-    from .yunchang_usp_adapter import YunchangRing, YunchangUlysses, YunchangUSP
+    from .yunchang_usp_adapter import YunchangRing, YunchangUlysses, YunchangUSP, YunchangVarlen
 
     peers = {peer.key: peer for peer in (
         RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
@@ -72,6 +72,7 @@ def _peers():
         *(YunchangUSP(ring) for ring in ("basic", "zigzag", "strip")),
         *(YunchangUSP(ring, ulysses_low=False) for ring in ("basic", "zigzag", "strip")),
         YunchangUlysses(torch_kernel=True), YunchangUSP("basic", torch_math=True),
+        YunchangUSP("basic", pack_qkv=True), YunchangVarlen("ring"), YunchangVarlen("zigzag"),
         ExampleRing())}
     if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
         from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedAsIs, BptStripedChunked

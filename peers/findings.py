@@ -201,6 +201,23 @@ FINDINGS = [
               "`zigzag_extract_local` reads the ring and Ulysses group ranks (lines 38-45) and its rows agree; "
               "with the default `use_ulysses_low=True` all three agree. (With u = 1, N = 2 and 3, the option "
               "changes nothing.)"),
+    dict(key="yunchang/varlen-flash-attn-before-2.6.3",
+         peer="yunchang/", dtype=None, phase=None, match="unexpected keyword argument 'window_size'",
+         kind="not supported (written for flash-attn before 2.6.3)",
+         text="yunchang's varlen rings raise TypeError with flash-attn's current kernel API. They call "
+              "`_flash_attn_varlen_forward(..., causal=..., window_size=window_size, ...)` and unpack eight "
+              "results (ring/ring_flash_attn_varlen.py lines 56-67, zigzag_ring_flash_attn_varlen.py lines "
+              "98-110), the API of flash-attn before 2.6.3; from 2.6.3 the kernel takes `window_size_left`, "
+              "`window_size_right` and returns four results, which yunchang's dense kernel wrapper handles "
+              "(`if flash_attn.__version__ < '2.6.3'`, kernels/attention.py lines 176-202) and its varlen rings "
+              "do not. The stand-in takes the 2.6.3+ API. With an older flash-attn they are ring-flash-attn's "
+              "varlen rings (its rows)."),
+    dict(key="yunchang/pack-qkv-continous",
+         peer="yunchang/usp-basic-pack-qkv", dtype=None, phase=None, match="has no attribute 'continous'",
+         kind="defect (raises)",
+         text="`LongContextAttention(use_pack_qkv=True)` raises on every call: it packs q, k, v with "
+              "`torch.cat([query, key, value]).continous()` (hybrid/attn_layer.py line 88), a misspelling of "
+              "`contiguous`, so the packed path has never run as released."),
     dict(key="yunchang/float32-buffer-alias",
          peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
          kind="defect (float32 only, which flash-attn's kernels refuse)",
@@ -254,6 +271,14 @@ FINDINGS = [
               "SDPA rounds in it. Held to the 16-bit line (`--accumulate float16`, `--accumulate bfloat16`: the "
               "smallest case here agrees), the same run's smallest failure is the non-causal window above "
               "(left side only, loop.py line 186)."),
+    dict(key="ringmaster/usp-documents-16-bit-sdpa",
+         peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="forward", masks="documents",
+         match=r"out: \d+ of", kind="over the line (the documents' path computes in 16 bits)",
+         text="With packed documents, USP's out is rounded in the input dtype: documents send it from "
+              "`math_block`, which computes in float32, to `varlen_ring_attention`, whose CPU path calls "
+              "`scaled_dot_product_attention` on the input dtype with the document mask (ring/loop.py lines "
+              "178-197), and torch's CPU SDPA rounds in it. Held to the 16-bit line (`--accumulate float16`, "
+              "`--accumulate bfloat16`: 120 examples each, N = 2, 3, 4) the documents agree."),
     dict(key="ringmaster/usp-allgather-16-bit-dk-dv-sum",
          peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
          kind="over the line (16-bit partial gradients summed in 16 bits)",

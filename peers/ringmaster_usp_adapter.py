@@ -46,6 +46,13 @@ Its conventions, and what this adapter does about each:
   16-bit results are held to the 16-bit line, as in the torch context
   parallel rows (its C++ is not in the wheel; on float16 it is 1.2x over the
   float32 line already at S = 4, N = 2);
+- packed documents: the global `cu_seqlens` of the step and their longest
+  length in `runtime.varlen`, as its context manager sets them
+  (runtime.py lines 33-36; one packed sequence, B = 1); Ulysses then masks
+  the gathered sequence by document (ulysses.py lines 58-77), USP takes
+  the gathered doc-masked path (`varlen_ring_attention`, usp.py lines
+  126-148), whatever the rotation: the p2p rows take neither documents nor
+  windows, which would run the all-gather rows' path;
 - windows: ringmaster takes Hugging Face's `sliding_window` (W keys, causal,
   `window = (W - 1, 0)`, usp.py line 117), passed as `sliding_window=W`; it
   limits the left side only, so a non-causal window is the kit's to hold it to;
@@ -71,7 +78,7 @@ class RingmasterUSP(TorchAdapter):
     library = "axolotl-ringmaster"
     layouts = ("contiguous",)
     dtypes = ALL_DTYPES
-    masks = ("causal", "full", "window")
+    masks = ("causal", "full", "window", "cu_seqlens")
     outputs = ("out", "dq", "dk", "dv")
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
@@ -84,7 +91,7 @@ class RingmasterUSP(TorchAdapter):
                      "usp-allgather": "axolotl-ringmaster USP (all-gather ring, math block)",
                      "usp-p2p": "axolotl-ringmaster USP (p2p ring, math block)"}[entry]
         if entry == "usp-p2p":
-            self.masks = ("causal", "full")      # the p2p ring refuses windows (loop.py lines 52-57)
+            self.masks = ("causal", "full")      # its windows and documents take the all-gather rows' path
 
     def split(self, n):
         return (n, 1) if self.entry == "ulysses" else usp_split(n)
@@ -104,6 +111,8 @@ class RingmasterUSP(TorchAdapter):
         return super().accumulate_dtype(dtype)
 
     def supports(self, case):
+        if case.cu_seqlens is not None and case.B != 1:
+            return "packed documents: one packed sequence (B = 1)"
         if self.entry == "ulysses" and case.causal and case.scale is not None and case.scale < 0:
             return "causal with a negative scale: torch's CPU SDPA kernel returns NaN (see the torch context parallel rows)"
         return super().supports(case)
@@ -114,7 +123,10 @@ class RingmasterUSP(TorchAdapter):
         from ringmaster.runtime import set_runtime
         from ringmaster.strategies.ulysses import make_ulysses_attention
         from ringmaster.strategies.usp import make_usp_attention
-        set_runtime(_runtime(*self.split(case.n_devices), shard.rank))
+        runtime = _runtime(*self.split(case.n_devices), shard.rank)
+        runtime.varlen = None if case.cu_seqlens is None else \
+            (torch.tensor(case.cu_seqlens, dtype=torch.int32), max(np.diff(case.cu_seqlens)))
+        set_runtime(runtime)
         if self.entry == "ulysses":
             forward = make_ulysses_attention("sdpa")
         else:

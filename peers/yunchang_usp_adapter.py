@@ -15,6 +15,11 @@ imported: yunchang decides at import whether flash-attn is there,
                                                           Ulysses group, then the ring over the ring group
     UlyssesAttention(attn_type=AttnType.TORCH_FLASH)      the same Ulysses with a PyTorch kernel, and USP's
     LongContextAttention("basic", AttnType.TORCH_MATH)    basic ring with PyTorch's math kernel
+    LongContextAttention("basic", use_pack_qkv=True)      q, k, v in one all-to-all (hybrid/attn_layer.py lines 86-109)
+    ring_flash_attn_varlen_func,                          ring/ring_flash_attn_varlen.py,
+    zigzag_ring_flash_attn_varlen_func                    zigzag_ring_flash_attn_varlen.py: ring-flash-attn's varlen
+                                                          rings, run as peers.ring_flash_attn_varlen_adapter runs
+                                                          those (its conventions)
 
 Its conventions, and what this adapter does about each:
 - layout (B, c, H, D), the caller shards. The rings take the kit's contiguous,
@@ -67,6 +72,9 @@ Its conventions, and what this adapter does about each:
   all-to-all is its own inverse in the backward (all_to_all.py lines
   124-134); the PyTorch kernels' backward raises (kernels/attention.py
   line 159);
+- not run: `AsyncLongContextAttention` makes a CUDA stream in its constructor
+  (`torch.cuda.Stream()`, hybrid/async_attn_layer.py line 34); the
+  qkv-packed entry points; the flashinfer, NPU and sage attention types;
 - `AttnType.TORCH_FLASH` runs `aten._scaled_dot_product_flash_attention`, which
   has no CPU kernel: the module's name for it is pointed at the CPU op (as in
   peers/yunchang_adapter.py), and causal cases with a negative scale are
@@ -80,6 +88,8 @@ from reference.testing import ALL_DTYPES
 from reference.testing.harness.torch import TorchAdapter
 
 from .ring_flash_attn_adapter import window_size
+from .ring_flash_attn_varlen_adapter import FUNCTIONS as VARLEN_FUNCTIONS
+from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
 
 FLASH_DTYPES = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
 NO_FLOAT64 = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge blocks in "
@@ -177,16 +187,22 @@ class YunchangUSP(_Yunchang):
     """LongContextAttention: Ulysses over u ranks, a ring over r = N / u (`usp_split`)."""
     outputs = ("out", "dq", "dk", "dv")
 
-    def __init__(self, ring, torch_math=False, ulysses_low=True):
-        self.ring, self.torch_math, self.ulysses_low = ring, torch_math, ulysses_low
+    def __init__(self, ring, torch_math=False, ulysses_low=True, pack_qkv=False):
+        self.ring, self.torch_math, self.ulysses_low, self.pack_qkv = ring, torch_math, ulysses_low, pack_qkv
         self.layouts = (RINGS[ring][0],)
         self.masks = ("causal", "full") if torch_math else \
             ("causal", "full", "window") if ring == "basic" else ("causal", "window")
         self.key = "yunchang/usp-" + ("" if ulysses_low else "ring-groups-inner-") + ring + \
-            ("-torch-math" if torch_math else "")
+            ("-torch-math" if torch_math else "") + ("-pack-qkv" if pack_qkv else "")
         self.unsupported = TORCH_NO_FLOAT64 if torch_math else NO_FLOAT64
         self.name = f"yunchang LongContextAttention (USP, ring_impl_type={ring!r}" + \
-            (", AttnType.TORCH_MATH" if torch_math else "") + ("" if ulysses_low else ", use_ulysses_low=False") + ")"
+            (", AttnType.TORCH_MATH" if torch_math else "") + ("" if ulysses_low else ", use_ulysses_low=False") + \
+            (", use_pack_qkv=True" if pack_qkv else "") + ")"
+        if pack_qkv:                            # it raises before any arithmetic: one dtype, no mask options
+            self.dtypes, self.masks = (np.float16,), ("causal", "full")
+            self.unsupported = {**NO_FLOAT64, **{name: "not run: `use_pack_qkv=True` raises before any arithmetic, "
+                                                       "in every dtype (the float16 rows)"
+                                                 for name in ("float32", "bfloat16")}}
 
     def head_multiple(self, n):
         return usp_split(n)[0]
@@ -204,11 +220,32 @@ class YunchangUSP(_Yunchang):
             _require_stand_in()
         u, r = usp_split(case.n_devices)
         _seq_parallel_groups(u, r, shard.rank, case.n_devices, self.ulysses_low)
-        attn = LongContextAttention(ring_impl_type=self.ring,
+        attn = LongContextAttention(ring_impl_type=self.ring, use_pack_qkv=self.pack_qkv,
                                     attn_type=AttnType.TORCH_MATH if self.torch_math else AttnType.FA)
         out = attn(shard.q, shard.k, shard.v, softmax_scale=case.scale_value, causal=case.causal,
                    window_size=window_size(case))
         return dict(out=out)                     # (B, c, Hq, D)
+
+
+class YunchangVarlen(RingFlashAttnVarlen):
+    """yunchang's copies of ring-flash-attn's varlen rings, on the same sharding and call. They
+    call flash-attn's varlen kernels as flash-attn before 2.6.3 took them (`window_size=`, eight
+    results: ring_flash_attn_varlen.py lines 56-67), not as the stand-in (2.6+) does."""
+    library = "yunchang"
+    conventions = __name__
+    dtypes = (np.float16,)
+    unsupported = {**NO_FLOAT64, **{name: "not run: the varlen kernel call raises before any arithmetic, in every "
+                                          "dtype (the float16 rows)" for name in ("float32", "bfloat16")}}
+
+    def __init__(self, function):
+        super().__init__(function)
+        self.key = f"yunchang/{function}-varlen"
+        self.name = f"yunchang {VARLEN_FUNCTIONS[function]}"
+
+    def rings(self):
+        import yunchang.ring as rings
+        _require_stand_in()
+        return rings
 
 
 def _seq_parallel_groups(u, r, rank, n, ulysses_low=True):
