@@ -21,7 +21,7 @@ so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
 Units and threads: a unit is a stack of query tiles of one group of heads;
 the heads are cut into at least `workers` groups, of at most as many heads
 as keep a block's scores within ``GROUP_SCORES`` (in cache: 8 heads at tiles
-of 128, 4 at 256). A head's arithmetic is the same whichever group it is
+of 128, 4 at 256, fewer with grouped-query heads, whose rows are taller). A head's arithmetic is the same whichever group it is
 in: results do not depend on the number of workers, bit for bit.
 
 Measured (BENCHMARKS.md, "Step v5"; AMD EPYC Zen 5, one thread, CPU time,
@@ -60,9 +60,11 @@ class HeadBatchedStep(LazyThreadedStep):
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         # version 3's units and threads, each unit a group of heads, each tile `heads_tile`
         _, Hkv, _, G, _ = queries.q.shape
+        tq = max(qs.stop - qs.start for qs, _, _ in plan)
         tk = max(ks.stop - ks.start for _, ks, _ in plan)
+        rows = max(UNIT_ROWS, tq * G)                    # a unit's rows at most (`forward_units`)
         threaded_forward(acc, queries, block, plan, heads_tile, self.workers, progress,
-                         groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (UNIT_ROWS * tk))))
+                         groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (rows * tk))))
 
 
 def head_groups(n_heads, workers, most=None):

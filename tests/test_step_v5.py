@@ -121,9 +121,10 @@ def test_v5_is_registered_and_refuses_dropout():
         steps.check_step("v5", np, dropout=True)
 
 
-@pytest.mark.parametrize("scores, sizes", [(None, {4}), (512 * 8 * 2, {2})])
-def test_a_group_holds_as_many_heads_as_its_scores_allow(scores, sizes, monkeypatch):
-    # tiles of 8 keys: GROUP_SCORES of 512 rows x 8 keys x 2 heads makes groups of 2 of the 4 heads
+@pytest.mark.parametrize("scores, G, sizes", [(None, 1, {4}), (512 * 8 * 2, 1, {2}), (512 * 8 * 2, 128, {1})])
+def test_a_group_holds_as_many_heads_as_its_scores_allow(scores, G, sizes, monkeypatch):
+    # tiles of 8 keys: GROUP_SCORES of 512 rows x 8 keys x 2 heads makes groups of 2 of the 4 heads; with
+    # 128 query heads a key/value head, a tile of 8 queries is 1024 rows: groups of one head
     if scores is not None:
         monkeypatch.setattr(step_v5, "GROUP_SCORES", scores)
     seen, real = set(), step_parts.forward_rows
@@ -132,6 +133,6 @@ def test_a_group_holds_as_many_heads_as_its_scores_allow(scores, sizes, monkeypa
         seen.add(run.q.shape[0])                       # the group's heads (a leading axis)
         return real(run, *args, **kwargs)
     monkeypatch.setattr(step_parts, "forward_rows", recording)
-    q, k, v, _ = problem(B=1, S=32, Hq=4, Hkv=4, dtype=np.float32)
+    q, k, v, _ = problem(B=1, S=32, Hq=4 * G, Hkv=4, D=4, dtype=np.float32)
     forward_against_dense(q, k, v, [np.arange(32)], tile_size=8)
     assert seen == sizes
