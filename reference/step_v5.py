@@ -40,11 +40,10 @@ Shapes as in version 2, with a leading axis of ``Hg`` heads per group.
 
 import numpy as np
 
-from .step import no_progress
-from .step_parts import (SUM_LIMIT, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits, seeded_product,
-                         threaded_forward)
-from .step_units import UNIT_ROWS
-from .step_v3 import LazyThreadedStep
+from .step import Step, no_progress
+from .step_parts import (SUM_LIMIT, backward_cols, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits,
+                         seeded_product, threaded_backward, threaded_forward)
+from .step_units import UNIT_ROWS, check_workers, workers_label
 
 # a group's scores (heads x stacked rows x keys of a tile) at most this many: 2 MiB of float32, so that
 # they stay in a core's cache (groups of 8 heads at tiles of 256, 4 MiB, measured 1.03 to 1.04 times
@@ -52,10 +51,17 @@ from .step_v3 import LazyThreadedStep
 GROUP_SCORES = 2 ** 19
 
 
-class HeadBatchedStep(LazyThreadedStep):
+class HeadBatchedStep(Step):
     """Version 5: version 3 with a group of heads a product, `workers` threads;
     the backward is version 3's."""
     name = "v5"
+    array_modules = ("numpy",)
+    takes_workers = True
+
+    def __init__(self, workers=1):
+        self.workers = check_workers(workers)
+
+    label = property(lambda self: workers_label(self.name, self.workers))
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         # version 3's units and threads, each unit a group of heads, each tile `heads_tile`
@@ -65,6 +71,10 @@ class HeadBatchedStep(LazyThreadedStep):
         rows = max(UNIT_ROWS, tq * G)                    # a unit's rows at most (`forward_units`)
         threaded_forward(acc, queries, block, plan, heads_tile, self.workers, progress,
                          groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (rows * tk))))
+
+    def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
+        # version 3's: heads stacked measured slower (module docstring)
+        threaded_backward(grads, queries, rows, block, plan, backward_cols, self.workers, progress)
 
 
 def head_groups(n_heads, workers, most=None):
