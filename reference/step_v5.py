@@ -28,8 +28,9 @@ Measured (BENCHMARKS.md, "Step v5"; AMD EPYC Zen 5, one thread, CPU time,
 against version 3 in the same process, a busy machine): the forward of one
 causal block of c = 1024 to 8192 tokens and 8 heads takes 0.89 to 0.97
 times version 3's time; at tiles of 128 it reaches 44% (c = 1024) and 52%
-(c = 2048) of one core's sgemm. A triangular block's tile costs 1.14 to
-1.22 times a full one's forward (version 3: 1.16 to 1.26). On bench.kernel's
+(c = 2048) of one core's sgemm. A triangular block's tile costs 1.02 to
+1.24 times a full one's forward, 1.12 in the middle (version 3: 1.14 to
+1.26). On bench.kernel's
 S = 8192 with 2 workers the forward read 0.81 to 1.06 times version 3's wall
 time (median of four runs 0.90), so ``auto`` takes it on NumPy. The backward
 computed the same way, all heads of a key tile together, was 1.06 times
