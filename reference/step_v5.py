@@ -21,15 +21,16 @@ so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
 Units and threads: a unit is a stack of query tiles of one group of heads;
 the heads are cut into at least `workers` groups, of at most as many heads
 as keep a block's scores within ``GROUP_SCORES`` (in cache: 8 heads at tiles
-of 128, 4 at 256). A head's arithmetic is the same whichever group it is
+of 128, 4 at 256, fewer with grouped-query heads, whose rows are taller). A head's arithmetic is the same whichever group it is
 in: results do not depend on the number of workers, bit for bit.
 
 Measured (BENCHMARKS.md, "Step v5"; AMD EPYC Zen 5, one thread, CPU time,
 against version 3 in the same process, a busy machine): the forward of one
 causal block of c = 1024 to 8192 tokens and 8 heads takes 0.89 to 0.97
 times version 3's time; at tiles of 128 it reaches 44% (c = 1024) and 52%
-(c = 2048) of one core's sgemm. A triangular block's tile costs 1.14 to
-1.22 times a full one's forward (version 3: 1.16 to 1.26). On bench.kernel's
+(c = 2048) of one core's sgemm. A triangular block's tile costs 1.02 to
+1.24 times a full one's forward, 1.12 in the middle (version 3: 1.14 to
+1.26). On bench.kernel's
 S = 8192 with 2 workers the forward read 0.81 to 1.06 times version 3's wall
 time (median of four runs 0.90), so ``auto`` takes it on NumPy. The backward
 computed the same way, all heads of a key tile together, was 1.06 times
@@ -40,11 +41,10 @@ Shapes as in version 2, with a leading axis of ``Hg`` heads per group.
 
 import numpy as np
 
-from .step import no_progress
-from .step_parts import (SUM_LIMIT, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits, seeded_product,
-                         threaded_forward)
-from .step_units import UNIT_ROWS
-from .step_v3 import LazyThreadedStep
+from .step import Step, no_progress
+from .step_parts import (SUM_LIMIT, backward_cols, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits,
+                         seeded_product, threaded_backward, threaded_forward)
+from .step_units import UNIT_ROWS, check_workers, workers_label
 
 # a group's scores (heads x stacked rows x keys of a tile) at most this many: 2 MiB of float32, so that
 # they stay in a core's cache (groups of 8 heads at tiles of 256, 4 MiB, measured 1.03 to 1.04 times
@@ -52,17 +52,30 @@ from .step_v3 import LazyThreadedStep
 GROUP_SCORES = 2 ** 19
 
 
-class HeadBatchedStep(LazyThreadedStep):
+class HeadBatchedStep(Step):
     """Version 5: version 3 with a group of heads a product, `workers` threads;
     the backward is version 3's."""
     name = "v5"
+    array_modules = ("numpy",)
+    takes_workers = True
+
+    def __init__(self, workers=1):
+        self.workers = check_workers(workers)
+
+    label = property(lambda self: workers_label(self.name, self.workers))
 
     def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
         # version 3's units and threads, each unit a group of heads, each tile `heads_tile`
         _, Hkv, _, G, _ = queries.q.shape
+        tq = max(qs.stop - qs.start for qs, _, _ in plan)
         tk = max(ks.stop - ks.start for _, ks, _ in plan)
+        rows = max(UNIT_ROWS, tq * G)                    # a unit's rows at most (`forward_units`)
         threaded_forward(acc, queries, block, plan, heads_tile, self.workers, progress,
-                         groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (UNIT_ROWS * tk))))
+                         groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (rows * tk))))
+
+    def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
+        # version 3's: heads stacked measured slower (module docstring)
+        threaded_backward(grads, queries, rows, block, plan, backward_cols, self.workers, progress)
 
 
 def head_groups(n_heads, workers, most=None):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import LARGE_LOGITS_FACTOR, assert_close
-from reference import attention, steps
+from reference import attention, step_parts, step_v5, steps
 from reference.step_v5 import head_groups
 from test_step_v3 import exact_tiles, n_blocks  # noqa: F401 (a fixture)
 from test_step import check_against_dense, growing_scores, problem, step_forward
@@ -119,3 +119,20 @@ def test_v5_is_registered_and_refuses_dropout():
     assert "v5" in steps.names() and steps.get("v5", workers=2).workers == 2
     with pytest.raises(ValueError, match="step 'v5' has no dropout; use step='v1'"):
         steps.check_step("v5", np, dropout=True)
+
+
+@pytest.mark.parametrize("scores, G, sizes", [(None, 1, {4}), (512 * 8 * 2, 1, {2}), (512 * 8 * 2, 128, {1})])
+def test_a_group_holds_as_many_heads_as_its_scores_allow(scores, G, sizes, monkeypatch):
+    # tiles of 8 keys: GROUP_SCORES of 512 rows x 8 keys x 2 heads makes groups of 2 of the 4 heads; with
+    # 128 query heads a key/value head, a tile of 8 queries is 1024 rows: groups of one head
+    if scores is not None:
+        monkeypatch.setattr(step_v5, "GROUP_SCORES", scores)
+    seen, real = set(), step_parts.forward_rows
+
+    def recording(run, *args, **kwargs):
+        seen.add(run.q.shape[0])                       # the group's heads (a leading axis)
+        return real(run, *args, **kwargs)
+    monkeypatch.setattr(step_parts, "forward_rows", recording)
+    q, k, v, _ = problem(B=1, S=32, Hq=4 * G, Hkv=4, D=4, dtype=np.float32)
+    forward_against_dense(q, k, v, [np.arange(32)], tile_size=8)
+    assert seen == sizes
