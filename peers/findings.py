@@ -193,7 +193,7 @@ FINDINGS = [
               "before the float32 `dl = (ds - dl_part) * exp_weights` (line 257) reads it: dS carries a relative "
               "error of 2**-11 (float16) or 2**-8 (bfloat16) where the rest of the backward keeps float32. With the "
               "einsum's operands cast to float32 (that line alone changed) the striped ring agrees on 40 examples "
-              "per world size, N = 2, 3, 4, float16 and bfloat16, causal, full and padding (`python -m "
+              "per world size, N = 2, 3, 4, float16 and bfloat16 cases drawn, causal, full and padding (`python -m "
               "reference.testing check peers/bpt_adapter.py:BptStriped --dtypes float16,bfloat16 --masks "
               "causal,full,padding --examples 40`, BPT naming the changed file). A loss of precision, not a "
               "wrong formula."),
