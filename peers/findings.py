@@ -182,6 +182,21 @@ FINDINGS = [
               "(`float32_logits`, line 29). JAX lets the custom VJP's float32 cotangents through. The other bpt "
               "rows cast them to the input dtype in the adapter (`gradient_in_dtype`), so that their values are "
               "checked; this row takes them as returned."),
+    # (before the 16-bit dP: a padding case of the chunked rows fails by the bias first)
+    dict(key="bpt/padding-bias-chunks",
+         peer=("bpt/striped/chunked", "bpt/normal/chunked"), dtype=None, phase=None, masks="padding",
+         match=r"(out|lse|d[qkv]): \d+ of", kind="defect (padding with several chunks)",
+         summary="With several chunks a block, the padding bias is read at the wrong keys: the block's bias is "
+                 "sliced again at global key offsets (lines 52-54, 424-428).",
+         text="With several chunks a device block, the attention bias (here the padding mask llamabpt/llama.py "
+              "builds: finfo.min on padding keys) lands on the wrong keys. The ring first cuts the key block's "
+              "bias out of the whole (B, 1, 1, N c) bias (`attn_bias_slice`, bpt.py lines 52-54), then "
+              "`_chunk_attention_bias` cuts each key chunk's bias out of that slice at `key_offset = key_chunk_idx "
+              "* key_chunk_size` (lines 421-428) with `key_chunk_idx` global (`k_chunk_idx_start + k_chunk_idx`, "
+              "lines 58 and 156): for any block but device 0's the offset is past the slice and "
+              "`lax.dynamic_slice` clamps it to the block's last chunk, whose bias every chunk then gets, so real "
+              "keys are masked and padding keys seen. With one chunk a block (the other bpt rows) the clamp "
+              "lands on offset 0, which is right. Without padding the bias is all zero and nothing shows."),
     dict(key="bpt/16-bit-dP",
          peer="bpt/", dtype=("float16", "bfloat16"), phase="backward", match=r"d[qkv]: \d+ of",
          kind="over the line (16-bit dP)",
@@ -197,20 +212,6 @@ FINDINGS = [
               "reference.testing check peers/bpt_adapter.py:BptStriped --dtypes float16,bfloat16 --masks "
               "causal,full,padding --examples 40`, BPT naming the changed file). A loss of precision, not a "
               "wrong formula."),
-    dict(key="bpt/padding-bias-chunks",
-         peer=("bpt/striped/chunked", "bpt/normal/chunked"), dtype=None, phase=None, masks="padding",
-         match=r"(out|lse|d[qkv]): \d+ of", kind="defect (padding with several chunks)",
-         summary="With several chunks a block, the padding bias is read at the wrong keys: the block's bias is "
-                 "sliced again at global key offsets (lines 52-54, 424-428).",
-         text="With several chunks a device block, the attention bias (here the padding mask llamabpt/llama.py "
-              "builds: finfo.min on padding keys) lands on the wrong keys. The ring first cuts the key block's "
-              "bias out of the whole (B, 1, 1, N c) bias (`attn_bias_slice`, bpt.py lines 52-54), then "
-              "`_chunk_attention_bias` cuts each key chunk's bias out of that slice at `key_offset = key_chunk_idx "
-              "* key_chunk_size` (lines 421-428) with `key_chunk_idx` global (`k_chunk_idx_start + k_chunk_idx`, "
-              "lines 58 and 156): for any block but device 0's the offset is past the slice and "
-              "`lax.dynamic_slice` clamps it to the block's last chunk, whose bias every chunk then gets, so real "
-              "keys are masked and padding keys seen. With one chunk a block (the other bpt rows) the clamp "
-              "lands on offset 0, which is right. Without padding the bias is all zero and nothing shows."),
 ]
 BY_KEY = {f["key"]: f for f in FINDINGS}
 
