@@ -41,6 +41,11 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   chunks of `query_chunk_size`, `key_chunk_size`, which must divide c
   (lines 122-123, 440-441). The *chunk = c* adapters use one chunk per
   block; the *chunked* ones use c's largest proper divisor (1 for prime c).
+  Each key chunk's bias is cut from the block's bias slice at the chunk's
+  global offset (lines 421-428, `k_chunk_idx_start`, line 58), which
+  `lax.dynamic_slice` clamps: with several chunks a block, the padding bias
+  of any block but device 0's lands on the wrong keys (the chunked rows'
+  padding cells).
 - dtypes: with `float32_logits=True` (what llama.py passes, line 574) q and
   k are cast to float32 (lines 28-29), so numerator, denominator and max
   are float32 (lines 32-33, 62) and out is cast back to v's dtype (line 66);
