@@ -55,16 +55,16 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   inputs' dtypes (line 107); but q and k there are the residuals of line
   66, already cast to float32 (line 29), so dQ and dK of 16-bit inputs come
   back in float32 (dV in v's dtype), which JAX lets through the custom VJP.
-  Each block's dP = dO V^T is an einsum of two 16-bit arrays (`ds`, line
-  256: the cotangent g in v's dtype, and v), so it is rounded to 16 bits
-  before the float32 sums read it.
   The adapters cast them to the input dtype (`gradient_in_dtype`), so that
   their values are checked (BptStripedAsIs does not: the kit then reports
-  the dtype). float64 raises: with float32_logits=True the numerator carry is
-  float32 (lines 29, 32) and the block's `exp_values` float64 (v, line 162),
-  so the two branches of the chunk skip's `lax.cond` differ (line 182); with
-  float32_logits=False the forward runs and the backward raises the same way
-  (float32 dQ, line 74, against float64 blocks, line 277). The adapters
+  the dtype). Each block's dP = dO V^T is an einsum of two 16-bit arrays
+  (`ds`, line 256: the cotangent g in v's dtype, and v), so it is rounded
+  to 16 bits before the float32 sums read it. float64 raises: with
+  float32_logits=True the numerator carry is float32 (lines 29, 32) and the
+  block's `exp_values` float64 (v, line 162), so the two branches of the
+  chunk skip's `lax.cond` differ (line 182); with float32_logits=False the
+  forward runs and the backward raises the same way (float32 dQ, line 74,
+  against float64 blocks, line 277). The adapters
   hold every dtype to the float32 line (`accumulate_dtype`); float64 is
   declared (the harness turns jax_enable_x64 on) to show it raising.
 - lse: `ring_attention` returns out only; its forward keeps the row max
