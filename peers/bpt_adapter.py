@@ -41,6 +41,11 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   chunks of `query_chunk_size`, `key_chunk_size`, which must divide c
   (lines 122-123, 440-441). The *chunk = c* adapters use one chunk per
   block; the *chunked* ones use c's largest proper divisor (1 for prime c).
+  Each key chunk's bias is cut from the block's bias slice at the chunk's
+  global offset (lines 421-428, `k_chunk_idx_start`, line 58), which
+  `lax.dynamic_slice` clamps: with several chunks a block, the padding bias
+  of any block but device 0's lands on the wrong keys (the chunked rows'
+  padding cells).
 - dtypes: with `float32_logits=True` (what llama.py passes, line 574) q and
   k are cast to float32 (lines 28-29), so numerator, denominator and max
   are float32 (lines 32-33, 62) and out is cast back to v's dtype (line 66);
@@ -50,16 +55,16 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   inputs' dtypes (line 107); but q and k there are the residuals of line
   66, already cast to float32 (line 29), so dQ and dK of 16-bit inputs come
   back in float32 (dV in v's dtype), which JAX lets through the custom VJP.
-  Each block's dP = dO V^T is an einsum of two 16-bit arrays (`ds`, line
-  256: the cotangent g in v's dtype, and v), so it is rounded to 16 bits
-  before the float32 sums read it.
   The adapters cast them to the input dtype (`gradient_in_dtype`), so that
   their values are checked (BptStripedAsIs does not: the kit then reports
-  the dtype). float64 raises: with float32_logits=True the numerator carry is
-  float32 (lines 29, 32) and the block's `exp_values` float64 (v, line 162),
-  so the two branches of the chunk skip's `lax.cond` differ (line 182); with
-  float32_logits=False the forward runs and the backward raises the same way
-  (float32 dQ, line 74, against float64 blocks, line 277). The adapters
+  the dtype). Each block's dP = dO V^T is an einsum of two 16-bit arrays
+  (`ds`, line 256: the cotangent g in v's dtype, and v), so it is rounded
+  to 16 bits before the float32 sums read it. float64 raises: with
+  float32_logits=True the numerator carry is float32 (lines 29, 32) and the
+  block's `exp_values` float64 (v, line 162), so the two branches of the
+  chunk skip's `lax.cond` differ (line 182); with float32_logits=False the
+  forward runs and the backward raises the same way (float32 dQ, line 74,
+  against float64 blocks, line 277). The adapters
   hold every dtype to the float32 line (`accumulate_dtype`); float64 is
   declared (the harness turns jax_enable_x64 on) to show it raising.
 - lse: `ring_attention` returns out only; its forward keeps the row max

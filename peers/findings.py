@@ -315,21 +315,7 @@ FINDINGS = [
               "(`float32_logits`, line 29). JAX lets the custom VJP's float32 cotangents through. The other bpt "
               "rows cast them to the input dtype in the adapter (`gradient_in_dtype`), so that their values are "
               "checked; this row takes them as returned."),
-    dict(key="bpt/16-bit-dP",
-         peer="bpt/", dtype=("float16", "bfloat16"), phase="backward", match=r"d[qkv]: \d+ of",
-         kind="over the line (16-bit dP)",
-         summary="16-bit gradients: each dP = dO V^T is rounded to 16 bits (`ds`, line 256); with that einsum in "
-                 "float32 the same runs agree.",
-         text="16-bit gradients go over the line: the backward computes each block's dP = dO V^T as "
-              "`ds = jnp.einsum(\"bqhd,bkhd->bhqk\", g_chunk, value_chunk)` (bpt.py line 256) from the cotangent "
-              "g, which is in v's dtype (out is returned in it, line 66), and v, so every dP is rounded to 16 bits "
-              "before the float32 `dl = (ds - dl_part) * exp_weights` (line 257) reads it: dS carries a relative "
-              "error of 2**-11 (float16) or 2**-8 (bfloat16) where the rest of the backward keeps float32. With the "
-              "einsum's operands cast to float32 (that line alone changed) the striped ring agrees on 40 examples "
-              "per world size, N = 2, 3, 4, float16 and bfloat16, causal, full and padding (`python -m "
-              "reference.testing check peers/bpt_adapter.py:BptStriped --dtypes float16,bfloat16 --masks "
-              "causal,full,padding --examples 40`, BPT naming the changed file). A loss of precision, not a "
-              "wrong formula."),
+    # (before the 16-bit dP: a padding case of the chunked rows fails by the bias first)
     dict(key="bpt/padding-bias-chunks",
          peer=("bpt/striped/chunked", "bpt/normal/chunked"), dtype=None, phase=None, masks="padding",
          match=r"(out|lse|d[qkv]): \d+ of", kind="defect (padding with several chunks)",
@@ -344,6 +330,21 @@ FINDINGS = [
               "`lax.dynamic_slice` clamps it to the block's last chunk, whose bias every chunk then gets, so real "
               "keys are masked and padding keys seen. With one chunk a block (the other bpt rows) the clamp "
               "lands on offset 0, which is right. Without padding the bias is all zero and nothing shows."),
+    dict(key="bpt/16-bit-dP",
+         peer="bpt/", dtype=("float16", "bfloat16"), phase="backward", match=r"d[qkv]: \d+ of",
+         kind="over the line (16-bit dP)",
+         summary="16-bit gradients: each dP = dO V^T is rounded to 16 bits (`ds`, line 256); with that einsum in "
+                 "float32 the same runs agree.",
+         text="16-bit gradients go over the line: the backward computes each block's dP = dO V^T as "
+              "`ds = jnp.einsum(\"bqhd,bkhd->bhqk\", g_chunk, value_chunk)` (bpt.py line 256) from the cotangent "
+              "g, which is in v's dtype (out is returned in it, line 66), and v, so every dP is rounded to 16 bits "
+              "before the float32 `dl = (ds - dl_part) * exp_weights` (line 257) reads it: dS carries a relative "
+              "error of 2**-11 (float16) or 2**-8 (bfloat16) where the rest of the backward keeps float32. With the "
+              "einsum's operands cast to float32 (that line alone changed) the striped ring agrees on 40 examples "
+              "per world size, N = 2, 3, 4, float16 and bfloat16 cases drawn, causal, full and padding (`python -m "
+              "reference.testing check peers/bpt_adapter.py:BptStriped --dtypes float16,bfloat16 --masks "
+              "causal,full,padding --examples 40`, BPT naming the changed file). A loss of precision, not a "
+              "wrong formula."),
 ]
 BY_KEY = {f["key"]: f for f in FINDINGS}
 
