@@ -112,7 +112,8 @@ assert (threaded_out == lock_out).all() and (threaded_lse == lock_lse).all()
 # ## Watching the blocks travel
 #
 # We wrap each device's communication object so that it notes what it sends, then run
-# `ring_forward` on four threads with `run_devices`, exactly as `ring_attention` does.
+# `ring_forward` on four threads with `run_devices`, as `ring_attention` does (which
+# also has the threads take turns at the cores: here all four run at once).
 # A block travels as `(K, V, positions of its keys, the device it started on)`:
 # positions travel with the tokens, so each mask is computed from them.
 

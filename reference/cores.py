@@ -12,7 +12,13 @@ before its devices start:
 - BLAS threads per product: the share (1 with more devices than cores);
 - worker threads of a step that takes them (v3, v4, v5): the share, and then
   one BLAS thread per product (two levels of threads on the same cores
-  oversubscribe them), so a device never uses more than its share.
+  oversubscribe them), so a device never uses more than its share;
+- devices computing at once: as many as the cores hold (``cores // (workers
+  x BLAS threads)``, at least 1). With more devices than that, a device waits
+  for its turn before each step (`reference.virtual`), so the ones computing
+  keep their core and its caches instead of taking turns with the others
+  every few milliseconds: 8 devices on 2 cores, striped, took 0.75 times the
+  time (BENCHMARKS.md, "Devices that take turns at the cores").
 
 Arguments override both (``threads=``, ``blas_threads=``; ``--threads`` and
 ``--blas-threads`` on the command lines), and the trace says what ran
@@ -46,6 +52,11 @@ class Share:
     workers: int         # worker threads per device, for steps that take them
     blas: int            # BLAS threads per product
 
+    @property
+    def at_once(self):
+        """How many devices compute at a time: as many as the cores hold."""
+        return max(1, min(self.devices, self.cores // (self.workers * self.blas)))
+
     def held(self):
         """Hold BLAS to this share's threads inside a `with` block."""
         return blas_limit(self.blas)
@@ -55,7 +66,8 @@ class Share:
         """What ran, as the trace and the tables print it."""
         return (f"{self.devices} device{'s' if self.devices > 1 else ''} on {self.cores} "
                 f"core{'s' if self.cores > 1 else ''}: {self.blas} BLAS thread{'s' if self.blas > 1 else ''} "
-                f"per product, {self.workers} worker{'s' if self.workers > 1 else ''} per device")
+                f"per product, {self.workers} worker{'s' if self.workers > 1 else ''} per device"
+                + (f", {self.at_once} computing at once" if self.at_once < self.devices else ""))
 
 
 def share(n_devices, *, takes_workers=True, threads=None, blas_threads=None, cores=None):

@@ -34,6 +34,8 @@ object on every device; it and the `step` come checked from the entry point
 (`reference.call`), and nothing here checks them again.
 """
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
@@ -60,7 +62,7 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
         in_flight = comm.start_shift(block, KV) if t < n - 1 else None
         # "Out_j <- AccumulateAttentionFragment(Out_j, Q_j, K_k, V_k, Mask)",
         # the mask made from the positions that travel with the block
-        with log.computing(t):
+        with turn(comm), log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step),
                                   mask=mask, tile_size=tile_size, progress=comm.progress)
         log.record(t, counts, block, sent=block if in_flight is not None else ())
@@ -91,7 +93,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         in_flight = comm.start_shift(block, KV) if t < n - 1 else None
         # this round's share of the block's gradients
         grads = Grads(dq, *new_kv_grads(block, acc))
-        with log.computing(t):
+        with turn(comm), log.computing(t):
             counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
                                    mask=mask, tile_size=tile_size, progress=comm.progress)
         log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
@@ -116,6 +118,12 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
 
 
 # -- pieces of the loops ---------------------------------------------------
+
+def turn(comm):
+    """A `with` block for one round's step: virtual devices take turns at the
+    cores (`VirtualRing.turn`); a rank or a GPU has its own and computes at once."""
+    return comm.turn() if hasattr(comm, "turn") else nullcontext()
+
 
 def own_block(k, v, k_pos, rank):
     """This device's own K, V (compute layout, as they came: blocks travel in

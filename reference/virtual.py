@@ -15,6 +15,7 @@ Shapes: q (B, S, Hq, D), k and v (B, S, Hkv, D), lse (B, Hq, S).
 
 import queue
 import threading
+from contextlib import nullcontext
 
 from . import cores, ring, steps
 from .call import check_call
@@ -27,11 +28,18 @@ POLL_S = 0.05
 class VirtualRing:
     """One device's end of a ring of N threads: `start_shift` posts a copy of
     the arrays to the next device's mailbox, `finish_shift` takes what the
-    previous device posted with the same tag."""
+    previous device posted with the same tag; `turn` holds one of the cores
+    while the device computes."""
 
-    def __init__(self, rank, size, mailboxes, failed):
+    def __init__(self, rank, size, mailboxes, failed, turns=None):
         self.rank, self.size = rank, size
         self._mailboxes, self._failed = mailboxes, failed
+        self._turns = turns
+
+    def turn(self):
+        """A `with` block that computes on one of the cores: with more devices
+        than the cores hold, it waits until one is free (`reference.cores`)."""
+        return nullcontext() if self._turns is None else self._turns
 
     def start_shift(self, arrays, tag):
         self._mailboxes[(self.rank + 1) % self.size][tag].put(tuple(a.copy() for a in arrays))
@@ -50,16 +58,18 @@ class VirtualRing:
                     raise RuntimeError("another virtual device failed") from None
 
 
-def run_devices(n_devices, device_fn):
+def run_devices(n_devices, device_fn, at_once=None):
     """Run ``device_fn(rank, comm)`` on N threads; return their results in rank
-    order, or raise the first device's exception."""
+    order, or raise the first device's exception. `at_once`: how many devices
+    compute at a time (their `turn`s; None: all)."""
     mailboxes = [{ring.KV: queue.Queue(), ring.DKV: queue.Queue()} for _ in range(n_devices)]
     failed = threading.Event()
+    turns = None if at_once is None or at_once >= n_devices else threading.BoundedSemaphore(at_once)
     results, errors = [None] * n_devices, [None] * n_devices
 
     def run(rank):
         try:
-            results[rank] = device_fn(rank, VirtualRing(rank, n_devices, mailboxes, failed))
+            results[rank] = device_fn(rank, VirtualRing(rank, n_devices, mailboxes, failed, turns))
         except BaseException as e:      # noqa: BLE001 - re-raised below
             errors[rank] = e
             failed.set()
@@ -133,5 +143,5 @@ def run_shards(call, shards, *, threads=None, blas_threads=None):
                     step=step, mask=call.mask)
 
     with share.held():
-        *results, logs = zip(*run_devices(n, device))
+        *results, logs = zip(*run_devices(n, device, at_once=share.at_once))
     return tuple(results), Trace.from_logs(logs, threads=share.label)

@@ -66,6 +66,12 @@ def test_the_share_of_each_device():
     assert cores.share(2, cores=8) == cores.Share(cores=8, devices=2, workers=4, blas=1)
     assert cores.share(8, cores=2, threads=2, blas_threads=3) == cores.Share(2, 8, workers=2, blas=3)
     assert "1 BLAS thread per product" in cores.share(8, cores=2).label
+    # devices computing at once: as many as the cores hold
+    assert [cores.share(n, cores=2).at_once for n in (1, 2, 8)] == [1, 2, 2]
+    assert cores.share(8, cores=2, threads=2, blas_threads=3).at_once == 1
+    assert cores.share(2, cores=8).at_once == 2
+    assert "2 computing at once" in cores.share(8, cores=2).label
+    assert "at once" not in cores.share(2, cores=2).label
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="threads must be a positive int"):
             cores.share(8, threads=bad)
@@ -120,3 +126,32 @@ def test_threads_need_a_step_that_takes_workers():
         ring_attention(q, q, q, n_devices=2, step="v1", threads=2)
     with pytest.raises(ValueError, match="blas_threads must be a positive int"):
         ring_attention(q, q, q, n_devices=2, step="v1", blas_threads=0)
+
+
+class Crowded(ReadableStep):
+    """Version 1, counting the devices inside a step at the same time."""
+
+    def __init__(self):
+        self.lock, self.inside, self.most = threading.Lock(), 0, 0
+
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        threading.Event().wait(0.005)          # room for others to come in, if they may
+        super().forward_tiles(acc, queries, block, plan, progress)
+        with self.lock:
+            self.inside -= 1
+
+
+@pytest.mark.parametrize("options", [{}, {"blas_threads": 2}])
+def test_the_virtual_devices_take_turns_at_the_cores(options):
+    # 8 devices: at most as many compute at once as the cores hold; the answer is the same
+    q = np.random.default_rng(0).standard_normal((1, 64, 2, 8))
+    step, want = Crowded(), cores.share(8, takes_workers=False, **options)
+    if want.at_once >= 8:
+        pytest.skip(f"{want.cores} cores hold 8 devices: none waits for a turn")
+    out, lse, trace = ring_attention(q, q, q, n_devices=8, tile_size=4, step=step, trace=True, **options)
+    assert 1 <= step.most <= want.at_once, (step.most, want)
+    assert trace.threads == want.label
+    np.testing.assert_allclose(out, ring_attention(q, q, q, n_devices=8, tile_size=4)[0], rtol=1e-12, atol=1e-12)
