@@ -4,11 +4,12 @@
     peers/.venv/bin/python -m peers.conformance            # every peer: stores each run, renders CONFORMANCE.md
     peers/.venv/bin/python -m peers.conformance --peer ring-flash-attn/zigzag --examples 10
     peers/.venv/bin/python -m peers.conformance --render   # CONFORMANCE.md from the stored runs, nothing run
+    peers/.venv/bin/python -m peers.conformance --missing  # only the runs not stored yet
     peers/.venv/bin/python -m peers.conformance --repro ring-attention-pytorch/striped backward "Case(...)"
 
 For each peer (peers.PEERS), each dtype it takes, each mask set (causal /
-full; a sliding window; packed documents: the last two where the peer takes
-them, in float16 and bfloat16) and each pass (forward: out and lse; backward:
+full; a sliding window; packed documents; padding: the last three where the
+peer takes them) and each pass (forward: out and lse; backward:
 dq, dk, dv from autograd of sum(out * dout)), hypothesis draws cases
 (`reference.testing.cases`, the peer's layout and positions, N in WORLD_SIZES)
 and `check_ring_attention` holds every rank's results against the float64
@@ -43,11 +44,11 @@ from .results import PASSES, WORLD_SIZES, Peer, Run
 LIBRARIES = ("striped-attention", "torch", "numpy", "ml_dtypes", "hypothesis", "ring-attention-pytorch",
              "ring-flash-attn", "axolotl-ringmaster", "yunchang", "jax", "flax")
 # The matrix's mask columns: the kit's masks a set adds to causal / full, and what a case of it carries
-# (cases without it are drawn again). Windows and documents run in the 16-bit dtypes the rings in use run.
+# (cases without it are drawn again). Each runs in every dtype the peer takes.
 MASK_SETS = {"causal / full": ((), lambda case: True),
              "window": (("window",), lambda case: case.window is not None),
-             "documents": (("cu_seqlens",), lambda case: case.cu_seqlens is not None and len(case.cu_seqlens) > 2)}
-MASKED_DTYPES = ("float16", "bfloat16")
+             "documents": (("cu_seqlens",), lambda case: case.cu_seqlens is not None and len(case.cu_seqlens) > 2),
+             "padding": (("padding",), lambda case: case.padded > case.S)}
 
 
 class Check:
@@ -87,19 +88,18 @@ def for_pass(peer, phase):
     return adapter
 
 
-def mask_sets(peer, dtype):
-    """The mask sets a peer runs in `dtype`: causal / full always, a window and
-    documents where it takes them (in MASKED_DTYPES)."""
-    sets = ["causal / full"]
-    if np.dtype(dtype).name in MASKED_DTYPES:
-        sets += [name for name, (extra, _) in MASK_SETS.items() if extra and set(extra) <= set(peer.masks)]
-    return sets
+def mask_sets(peer):
+    """The mask sets a peer runs: causal / full always; a window, documents,
+    padding where it takes them."""
+    return [name for name, (extra, _) in MASK_SETS.items() if set(extra) <= set(peer.masks)]
 
 
 def strategy(peer, dtype, n, masks):
     plain = tuple(m for m in ("causal", "full") if m in peer.masks)
-    return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8,
-                 masks=plain + MASK_SETS[masks][0], document_multiple=peer.document_multiple,
+    extra = MASK_SETS[masks][0]
+    return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8, masks=plain + extra,
+                 # (the kit draws padding only where documents need no multiple: here none are drawn with it)
+                 document_multiple=peer.document_multiple if "cu_seqlens" in extra else 1,
                  max_batch=getattr(peer, "max_batch", 2))
 
 
@@ -187,6 +187,7 @@ def main(argv=None):
     ap.add_argument("--results", default=str(results.RESULTS), help="the results store (a folder of JSON files)")
     ap.add_argument("--out", default=str(results.ROOT / "CONFORMANCE.md"), help="the page ('-': stdout)")
     ap.add_argument("--render", action="store_true", help="only render the page from the stored runs")
+    ap.add_argument("--missing", action="store_true", help="only the runs not stored yet")
     ap.add_argument("--accumulate", help="hold every peer to this accumulation dtype's line instead of its own")
     ap.add_argument("--repro", nargs=3, metavar=("PEER", "PASS", "CASE"), help="check one case and print the result")
     ap.add_argument("--explain-dkv", action="store_true", help="check the ring-attention-pytorch dK/dV finding")
@@ -214,10 +215,14 @@ def main(argv=None):
 
 def plan(args):
     """(peer, dtype, mask set, pass) of every run the options ask for."""
-    return [(PEERS[key], dtype, masks, phase) for key in args.peer or PEERS for dtype in PEERS[key].dtypes
+    runs = [(PEERS[key], dtype, masks, phase) for key in args.peer or PEERS for dtype in PEERS[key].dtypes
             if not args.dtype or np.dtype(dtype).name in args.dtype
-            for masks in mask_sets(PEERS[key], dtype) if not args.masks or masks in args.masks
+            for masks in mask_sets(PEERS[key]) if not args.masks or masks in args.masks
             for phase in PASSES if not args.passes or phase in args.passes]
+    if args.missing:
+        stored = {(run.peer.key, *run.cell) for run in results.load(args.results)}
+        runs = [r for r in runs if (r[0].key, np.dtype(r[1]).name, r[2], r[3]) not in stored]
+    return runs
 
 
 def run_plan(runs, examples, directory):

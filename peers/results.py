@@ -31,7 +31,7 @@ RESULTS = ROOT / "peers" / "results"
 WORLD_SIZES = (2, 3, 4)        # gloo cannot send a rank to itself, which every ring here does at N = 1
 PASSES = {"forward": FORWARD, "backward": BACKWARD}
 DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
-MASK_ORDER = ("causal / full", "window", "documents", "padding")
+MASK_ORDER = ("causal / full", "window", "documents", "padding", "padding, full")
 # the packages every run names; each peer's own library is added to these
 COMMON = ("striped-attention", "numpy", "ml_dtypes", "hypothesis", "torch")
 REPRO = "{env}peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{case!r}\""
@@ -45,7 +45,7 @@ class Peer:
     library: str
     layouts: tuple
     conventions: str = ""             # the adapter module's docstring
-    unsupported: dict = field(default_factory=dict)     # dtype -> why
+    unsupported: dict = field(default_factory=dict)     # a dtype or a mask set ("padding, full") -> why
     repro_env: str = ""               # what --repro needs in front (BPT=path/to/bpt.py )
 
     @classmethod
@@ -234,7 +234,9 @@ def matrix(runs):
         version = _stated(mine, peer.library, lambda run: run.versions.get(peer.library, ""))
         rows = [(dtype, masks, [cell(by_phase.get(phase)) for phase in PASSES])
                 for (k, dtype, masks), by_phase in table.items() if k == key]
-        rows += [(dtype, "any", [f"not supported: {why}"] * len(PASSES)) for dtype, why in peer.unsupported.items()]
+        # (what it does not take: a dtype, with any mask; or a mask set, "padding, full", in any dtype)
+        rows += [(what, "any", [f"not supported: {why}"] * len(PASSES)) if what in DTYPE_ORDER else
+                 ("any", what, [f"not supported: {why}"] * len(PASSES)) for what, why in peer.unsupported.items()]
         rows.sort(key=lambda row: _order(row[0], row[1], "forward"))
         lines += [f"| {peer.name} | {version} | {', '.join(peer.layouts)} | {dtype} | {masks} | " +
                   " | ".join(cells) + " |" for dtype, masks, cells in rows]

@@ -119,3 +119,12 @@ def test_a_finding_stored_with_a_run_explains_it_where_findings_no_longer_match(
     (back,) = results.load(tmp_path)
     assert back.finding()["key"] == "ring-flash-attn/float32-buffer-alias"
     assert "**defect (float32 only, which flash-attn's kernels refuse)** (0; )" in results.render([back])
+
+
+def test_what_a_peer_does_not_take_is_a_row_of_a_dtype_or_of_a_mask_set():
+    peer = Peer(key="p/q", name="p q", library="p", layouts=("contiguous",),
+                unsupported={"float64": "no float64", "padding, full": "no key mask"})
+    page = results.render([agreeing(peer=peer)])
+    assert "| p q | p ? | contiguous | float64 | any | not supported: no float64 | not supported: no float64 |" in page
+    assert "| p q | p ? | contiguous | any | padding, full | not supported: no key mask | not supported: no key mask |" \
+        in page
