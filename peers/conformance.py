@@ -177,6 +177,23 @@ def explain_dkv():
     return 0
 
 
+def explain_merge():
+    """Checks the sigmoid-merge finding: each float32 case over the line agrees
+    once the merge is the weighted sum (peers/weighted_merge.py)."""
+    from reference.testing import FORWARD
+    from .weighted_merge import CASES
+    for which, label in ((0, "as shipped (sigmoid merge)"), (1, "weighted-sum merge")):   # (shipped first)
+        for key, weighted, text in CASES:
+            adapter, case = for_pass((PEERS[key], weighted)[which], "forward"), parse_case(text)
+            try:
+                check_ring_attention(adapter, case, names=FORWARD)
+                verdict = "agrees"
+            except AssertionError as e:
+                verdict = str(e).strip().splitlines()[-1].strip()
+            print(f"{key} on {case!r}, {label}: {verdict}")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m peers.conformance", description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=40, help="hypothesis examples per world size of each run")
@@ -191,6 +208,7 @@ def main(argv=None):
     ap.add_argument("--accumulate", help="hold every peer to this accumulation dtype's line instead of its own")
     ap.add_argument("--repro", nargs=3, metavar=("PEER", "PASS", "CASE"), help="check one case and print the result")
     ap.add_argument("--explain-dkv", action="store_true", help="check the ring-attention-pytorch dK/dV finding")
+    ap.add_argument("--explain-merge", action="store_true", help="check the float32 sigmoid-merge finding")
     args = ap.parse_args(argv)
     if args.accumulate:
         for peer in PEERS.values():
@@ -200,6 +218,8 @@ def main(argv=None):
             return repro(*args.repro)
         if args.explain_dkv:
             return explain_dkv()
+        if args.explain_merge:
+            return explain_merge()
         if not args.render:
             run_plan(plan(args), args.examples, args.results)
     finally:
