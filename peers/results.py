@@ -200,25 +200,81 @@ def _stated(runs, label, value, skip=None):
 
 
 def summary(runs):
-    """Per implementation: agrees everywhere it ran, or each kind of disagreement in one sentence."""
-    lines = ["## Summary", ""]
-    for key in dict.fromkeys(run.peer.key for run in runs):
-        mine = [run for run in runs if run.peer.key == key]
-        failed = [run for run in mine if run.failure is not None]
-        ran = f"{len(mine)} runs: " + ", ".join(dict.fromkeys(run.dtype for run in mine)) + "; " + \
-            ", ".join(dict.fromkeys(run.masks for run in mine))
-        if not failed:
-            lines.append(f"- **{mine[0].peer.name}** agrees in every run ({ran}).")
-            continue
-        kinds = {}
+    """Which implementations agree everywhere they claim to work, and each defect in one sentence."""
+    peers = {}
+    for run in runs:
+        peers.setdefault(run.peer.key, []).append(run)
+    agree, defects, other = [], [], []
+    for mine in peers.values():
+        name, failed = mine[0].peer.name, [run for run in mine if run.failure is not None]
+        by_verdict = {}
         for run in failed:
-            finding = run.finding()
-            label = finding["kind"] if finding else "not classified"
-            first = finding["text"].split(". ")[0].rstrip(".") + "." if finding else "see below."
-            kinds.setdefault((label, first), []).append(f"{run.dtype} {run.masks} {run.phase}")
-        lines.append(f"- **{mine[0].peer.name}** disagrees in {len(failed)} of {len(mine)} runs ({ran}):")
-        lines += [f"  - {label} ({'; '.join(where)}): {first}" for (label, first), where in kinds.items()]
-    return lines + [""]
+            by_verdict.setdefault(verdict(run.finding()), []).append(run)
+        ran = (f"{len(mine)} runs, {len(mine) - len(failed)} agree: " + ", ".join(dict.fromkeys(r.dtype for r in mine))
+               + "; " + ", ".join(dict.fromkeys(r.masks for r in mine)))
+        if "defect" not in by_verdict:
+            notes = [f"{_first(group[0])} ({_where(group)})" for v in ("marginal", "unclaimed")
+                     for group in _by_finding(by_verdict.get(v, []))]
+            agree.append(f"- **{name}** ({ran})" + (": " + " ".join(notes) if notes else "."))
+        else:
+            defects.append(f"- **{name}** ({ran}):")
+            defects += [f"  - {_label(group[0])} ({_where(group)}): {_first(group[0])}"
+                        for v in ("defect", "unclaimed", "marginal") for group in _by_finding(by_verdict.get(v, []))]
+    return ["## Summary", "",
+            "**Agree everywhere they claim to work** (what disagrees is outside what they claim, or rounding "
+            "just over the line, as said):", "", *agree, "",
+            "**Disagree** (each defect in one sentence, where it shows; the sections below give the smallest "
+            "case, the first bad element, the lines of their code that explain it and the command that "
+            "reproduces it):", "", *defects, ""]
+
+
+def verdict(finding):
+    """defect; marginal (rounding just over the line); unclaimed (outside what the peer claims: a
+    dtype its kernels refuse, a pass it does not implement). A failure no finding explains: defect."""
+    if finding is None:
+        return "defect"
+    kind = finding["kind"]
+    return finding.get("verdict") or ("marginal" if kind.startswith("over the line") else
+                                      "unclaimed" if kind.startswith("not supported") else "defect")
+
+
+def _by_finding(runs):
+    groups = {}
+    for run in runs:
+        finding = run.finding()
+        groups.setdefault(finding["key"] if finding else None, []).append(run)
+    return list(groups.values())
+
+
+def _label(run):
+    finding = run.finding()
+    return finding["kind"] if finding else "not classified"
+
+
+def _first(run):
+    """The finding in one sentence: its summary, or its text's first sentence."""
+    finding = run.finding()
+    if finding is None:
+        return "not classified: see below."
+    return finding.get("summary") or finding["text"].split(". ")[0].rstrip(".") + "."
+
+
+def _where(runs):
+    """Where a group of runs failed, shortest first: 'float16, bfloat16: window (forward, backward)'."""
+    cells = {}
+    for run in runs:
+        cells.setdefault((run.masks, run.phase), []).append(run.dtype)
+    by_dtypes = {}
+    for (masks, phase), dtypes in cells.items():
+        by_dtypes.setdefault(", ".join(dtypes), []).append((masks, phase))
+    parts = []
+    for dtypes, where in by_dtypes.items():
+        masks, phases = list(dict.fromkeys(m for m, _ in where)), list(dict.fromkeys(p for _, p in where))
+        if len(where) == len(masks) * len(phases):          # every mask set in every pass
+            parts.append(f"{dtypes}: {', '.join(masks)} ({', '.join(phases)})")
+        else:
+            parts.append(f"{dtypes}: " + ", ".join(f"{m} ({p})" for m, p in where))
+    return "; ".join(parts)
 
 
 def matrix(runs):

@@ -128,3 +128,20 @@ def test_what_a_peer_does_not_take_is_a_row_of_a_dtype_or_of_a_mask_set():
     assert "| p q | p ? | contiguous | float64 | any | not supported: no float64 | not supported: no float64 |" in page
     assert "| p q | p ? | contiguous | any | padding, full | not supported: no key mask | not supported: no key mask |" \
         in page
+
+
+def test_the_summary_puts_a_peer_whose_only_disagreement_is_rounding_among_those_that_agree():
+    marginal = Run(CONTROL, "float32", "causal / full", "forward", examples=50, world_sizes=Counter({2: 40, 3: 10}),
+                   failure=(SMALLEST, "out: 1 of 4 elements out of tolerance; first at (0, 3, 0, 0): got 0.5, "
+                                      "expected 0.25, error 3e-08 > tolerance 2e-08 (1.5x)"),
+                   stored_finding="ring-flash-attn/float32-sigmoid-merge", date="2026-12-02")
+    lines = results.summary([agreeing(), marginal, failing()])
+    agree, disagree = lines[lines.index("**Agree everywhere they claim to work** (what disagrees is outside what "
+                                        "they claim, or rounding just over the line, as said):"):], []
+    split = next(i for i, line in enumerate(agree) if line.startswith("**Disagree**"))
+    agree, disagree = agree[:split], agree[split:]
+    assert any(line.startswith("- **examples.torch_ring** (2 runs, 1 agree") and "sigmoid merge" in line
+               for line in agree)
+    assert "- **ring-flash-attn zigzag_ring_flash_attn_func** (1 runs, 0 agree: float16; window):" in disagree
+    assert any("defect (windows) (float16: window (forward)): A sliding window is measured" in line
+               for line in disagree)
