@@ -306,27 +306,35 @@ def matrix(runs):
 
 def sections(runs):
     """Per library: the adapters' conventions, then each failure: its smallest case, the
-    kit's message, the command that reproduces it and what explains it."""
+    kit's message, the command that reproduces it and what explains it (written out
+    the first time, then pointed to)."""
     lines = []
     for library in dict.fromkeys(run.peer.library for run in runs):
         mine = [run for run in runs if run.peer.library == library]
-        lines += [f"## {_stated(mine, library, lambda run: run.versions.get(library, ''))}", "",
-                  "Conventions (from the adapter):", ""]
-        lines += ["> " + line if line else ">" for line in mine[0].peer.conventions.splitlines()] + [""]
+        lines += [f"## {_stated(mine, library, lambda run: run.versions.get(library, ''))}", ""]
+        for conventions in dict.fromkeys(run.peer.conventions for run in mine):
+            lines += ["Conventions (from the adapter):", ""]
+            lines += ["> " + line if line else ">" for line in conventions.splitlines()] + [""]
+        explained = {}                  # finding key -> the heading that gives its text
         for run in mine:
             if run.failure is None:
                 continue
             case, message = run.failure
             finding = run.finding()
-            lines += [f"### {run.peer.name}, {run.dtype}, {run.masks}, {run.phase}: "
-                      f"{finding['kind'] if finding else 'not classified'}", ""]
+            heading = f"{run.peer.name}, {run.dtype}, {run.masks}, {run.phase}: " + \
+                (finding["kind"] if finding else "not classified")
+            lines += [f"### {heading}", ""]
             if case is not None:
                 command = REPRO.format(env=run.peer.repro_env, peer=run.peer.key, phase=run.phase, case=case)
                 lines += [f"Smallest case: `{case!r}`", "", "```", message.strip(), "```", "",
                           f"Reproduce: `{command}`", ""]
             else:
                 lines += ["```", _last_lines(message, 20), "```", ""]
-            if finding:
+            if finding and finding["key"] in explained:
+                lines += [f"{finding['summary'] if 'summary' in finding else ''} (Explained under "
+                          f"\"{explained[finding['key']]}\" above.)".lstrip(), ""]
+            elif finding:
+                explained[finding["key"]] = heading
                 lines += [finding["text"], ""]
     return lines
 

@@ -145,3 +145,11 @@ def test_the_summary_puts_a_peer_whose_only_disagreement_is_rounding_among_those
     assert "- **ring-flash-attn zigzag_ring_flash_attn_func** (1 runs, 0 agree: float16; window):" in disagree
     assert any("defect (windows) (float16: window (forward)): A sliding window is measured" in line
                for line in disagree)
+
+
+def test_a_finding_is_written_out_once_per_library_and_pointed_to_after():
+    page = results.render([failing("forward"), failing("backward")])
+    text = "A sliding window is wrong beyond the diagonal block. Every ring"
+    assert page.count(text) == 1
+    assert ('(Explained under "ring-flash-attn zigzag_ring_flash_attn_func, float16, window, forward: '
+            'defect (windows)" above.)') in page
