@@ -51,6 +51,10 @@ MASK_SETS = {"causal / full": ((), lambda case: True),
              "padding": (("padding",), lambda case: case.padded > case.S)}
 
 
+FLAKY = ("\n  (not shrunk: hypothesis ran this case again and it agreed, so the result depends on what the "
+         "ranks ran before it; the command below may agree)")
+
+
 class Check:
     """What hypothesis calls with each drawn case: counts it in `run` and keeps the
     last failure (hypothesis replays the smallest one last)."""
@@ -123,9 +127,11 @@ def run_one(peer, dtype, masks, phase, examples):
 
         try:
             body()
-        except Exception:              # noqa: BLE001 - the failure is recorded in run.failure
+        except Exception as e:         # noqa: BLE001 - the failure is recorded in run.failure
             if run.failure is None:
                 run.failure = (None, traceback.format_exc())
+            elif "Flaky" in type(e).__name__:      # hypothesis ran the failing case again and it agreed
+                run.failure = (run.failure[0], run.failure[1] + FLAKY)
             break
     run.seconds = time.monotonic() - start
     return run
