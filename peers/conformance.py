@@ -230,7 +230,9 @@ def main(argv=None):
             run_plan(plan(args), args.examples, args.results)
     finally:
         close_worlds()
-    text = results.render(results.load(args.results, order=PEERS))
+    planned = [(Peer.of(peer), np.dtype(dtype).name, masks) for peer, dtype, masks, _ in plan(argparse.Namespace(
+        peer=None, dtype=None, masks=None, passes=None, missing=False))]        # (every cell of every peer)
+    text = results.render(results.load(args.results, order=PEERS), planned)
     if args.out == "-":
         print(text)
     else:

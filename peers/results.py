@@ -152,11 +152,25 @@ def _order(dtype, masks, phase):
 
 # -- the page ---------------------------------------------------------------
 
-def render(runs):
-    """CONFORMANCE.md from `runs` (in the order given)."""
+def render(runs, planned=()):
+    """CONFORMANCE.md from `runs` (in the order given); `planned`: (Peer, dtype, mask set) of
+    every cell the runner would run, so that those not stored show as not run."""
+    missing = _missing(runs, planned)
     lines = ["# Conformance: other projects' ring attention against this project's oracle", "",
-             header(runs), "", *summary(runs), *matrix(runs), *sections(runs)]
+             header(runs), "", *summary(runs, missing), *matrix(runs, missing), *sections(runs)]
     return "\n".join(lines) + "\n"
+
+
+def _missing(runs, planned):
+    """{peer key: (Peer, [(dtype, mask set), ...])} of the planned cells no run is stored for."""
+    stored = {(run.peer.key, run.dtype, run.masks) for run in runs}
+    missing = {}
+    for peer, dtype, masks in planned:
+        if (peer.key, dtype, masks) not in stored:
+            cells = missing.setdefault(peer.key, (peer, []))[1]
+            if (dtype, masks) not in cells:
+                cells.append((dtype, masks))
+    return missing
 
 
 def header(runs):
@@ -199,7 +213,7 @@ def _stated(runs, label, value, skip=None):
     return prefix + " and ".join(f"{v} ({', '.join(dict.fromkeys(keys))})" for v, keys in by_value.items())
 
 
-def summary(runs):
+def summary(runs, missing={}):
     """Which implementations agree everywhere they claim to work, and each defect in one sentence."""
     peers = {}
     for run in runs:
@@ -212,6 +226,8 @@ def summary(runs):
             by_verdict.setdefault(verdict(run.finding()), []).append(run)
         ran = (f"{len(mine)} runs, {len(mine) - len(failed)} agree: " + ", ".join(dict.fromkeys(r.dtype for r in mine))
                + "; " + ", ".join(dict.fromkeys(r.masks for r in mine)))
+        if mine[0].peer.key in missing:
+            ran += f"; {len(missing[mine[0].peer.key][1])} rows not run"
         if "defect" not in by_verdict:
             notes = [f"{_first(group[0])} ({_where(group)})" for v in ("marginal", "unclaimed")
                      for group in _by_finding(by_verdict.get(v, []))]
@@ -220,12 +236,14 @@ def summary(runs):
             defects.append(f"- **{name}** ({ran}):")
             defects += [f"  - {_label(group[0])} ({_where(group)}): {_first(group[0])}"
                         for v in ("defect", "unclaimed", "marginal") for group in _by_finding(by_verdict.get(v, []))]
+    unrun = [peer.name for key, (peer, _) in missing.items() if key not in peers]
     return ["## Summary", "",
             "**Agree everywhere they claim to work** (what disagrees is outside what they claim, or rounding "
             "just over the line, as said):", "", *agree, "",
             "**Disagree** (each defect in one sentence, where it shows; the sections below give the smallest "
             "case, the first bad element, the lines of their code that explain it and the command that "
-            "reproduces it):", "", *defects, ""]
+            "reproduces it):", "", *defects, "",
+            *([f"**Not run yet**: {', '.join(unrun)} (`python -m peers.conformance --missing`).", ""] if unrun else [])]
 
 
 def verdict(finding):
@@ -277,19 +295,20 @@ def _where(runs):
     return "; ".join(parts)
 
 
-def matrix(runs):
+def matrix(runs, missing={}):
     lines = ["## Matrix", "",
              "| implementation | version | layout | dtype | masks | forward | backward |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     table = {}
     for run in runs:
         table.setdefault((run.peer.key, run.dtype, run.masks), {})[run.phase] = run
-    for key in dict.fromkeys(run.peer.key for run in runs):
+    for key in dict.fromkeys([run.peer.key for run in runs] + list(missing)):
         mine = [run for run in runs if run.peer.key == key]
-        peer = mine[0].peer
-        version = _stated(mine, peer.library, lambda run: run.versions.get(peer.library, ""))
+        peer = mine[0].peer if mine else missing[key][0]
+        version = _stated(mine, peer.library, lambda run: run.versions.get(peer.library, "")) if mine else peer.library
         rows = [(dtype, masks, [cell(by_phase.get(phase)) for phase in PASSES])
                 for (k, dtype, masks), by_phase in table.items() if k == key]
+        rows += [(dtype, masks, ["not run"] * len(PASSES)) for dtype, masks in missing.get(key, (None, []))[1]]
         # (what it does not take: a dtype, with any mask; or a mask set, "padding, full", in any dtype)
         rows += [(what, "any", [f"not supported: {why}"] * len(PASSES)) if what in DTYPE_ORDER else
                  ("any", what, [f"not supported: {why}"] * len(PASSES)) for what, why in peer.unsupported.items()]

@@ -153,3 +153,14 @@ def test_a_finding_is_written_out_once_per_library_and_pointed_to_after():
     assert page.count(text) == 1
     assert ('(Explained under "ring-flash-attn zigzag_ring_flash_attn_func, float16, window, forward: '
             'defect (windows)" above.)') in page
+
+
+def test_a_planned_cell_that_is_not_stored_shows_as_not_run():
+    never = Peer(key="x/y", name="x y", library="x", layouts=("striped",))
+    page = results.render([agreeing()], planned=[(CONTROL, "float32", "causal / full"), (CONTROL, "float16", "window"),
+                                                 (never, "float64", "causal / full")])
+    assert "| examples.torch_ring | striped-attention 0.1.0 | contiguous, striped | float16 | window | not run | " \
+           "not run |" in page
+    assert "| x y | x | striped | float64 | causal / full | not run | not run |" in page
+    assert "**Not run yet**: x y (`python -m peers.conformance --missing`)." in page
+    assert "(1 runs, 1 agree: float32; causal / full; 1 rows not run)" in page
