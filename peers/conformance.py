@@ -107,9 +107,10 @@ def strategy(peer, dtype, n, masks):
                  max_batch=getattr(peer, "max_batch", 2))
 
 
-def run_one(peer, dtype, masks, phase, examples):
+def run_one(peer, dtype, masks, phase, examples, progress=lambda n, checked: None):
     """`examples` cases on each world size in turn, up to the first that disagrees
-    (its smallest case is then on the smallest world size that shows it)."""
+    (its smallest case is then on the smallest world size that shows it);
+    `progress(n, checked)` after each world size that agrees."""
     from hypothesis import HealthCheck, Phase, given, seed, settings
     run = Run(Peer.of(peer), np.dtype(dtype).name, masks, phase, asked=examples,
               date=datetime.date.today().isoformat(), versions=versions(peer))
@@ -133,6 +134,7 @@ def run_one(peer, dtype, masks, phase, examples):
             elif "Flaky" in type(e).__name__:      # hypothesis ran the failing case again and it agreed
                 run.failure = (run.failure[0], run.failure[1] + FLAKY)
             break
+        progress(n, run.world_sizes[n])
     run.seconds = time.monotonic() - start
     return run
 
@@ -255,11 +257,18 @@ def plan(args):
 
 def run_plan(runs, examples, directory):
     """Each run in turn, stored as it finishes, with a progress line: which run, how far, how long."""
-    start = time.monotonic()
+    start, terminal = time.monotonic(), sys.stdout.isatty()
+
+    def progress(n, checked):          # (on a terminal: each world size as it agrees, on the run's line)
+        if terminal:
+            print(f"{' ' if n == WORLD_SIZES[0] else ', '}N={n}: {checked} agree", end="", flush=True)
+
     for i, (peer, dtype, masks, phase) in enumerate(runs, start=1):
         print(f"[{i}/{len(runs)} {time.monotonic() - start:4.0f} s] {peer.name} | {np.dtype(dtype).name} | "
-              f"{masks} | {phase} ...", flush=True)
-        run = run_one(peer, dtype, masks, phase, examples)
+              f"{masks} | {phase} ...", end="" if terminal else "\n", flush=True)
+        run = run_one(peer, dtype, masks, phase, examples, progress)
+        if terminal:
+            print()
         results.save(run, directory)
         print(f"[{i}/{len(runs)} {time.monotonic() - start:4.0f} s]   {results.cell(run)} ({run.seconds:.0f} s)",
               flush=True)
