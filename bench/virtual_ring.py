@@ -12,7 +12,7 @@ The devices share the cores as `reference.cores` decides (one BLAS thread per
 product with more devices than cores); the table says what ran.
 
     python -m bench.virtual_ring --repeats 3                # S = 8192, N = 8, tiles of 128
-    python -m bench.virtual_ring --repeats 3 --tile 256
+    python -m bench.virtual_ring --repeats 3 --tile 256 --steps v3 v5
     python -m bench.run --only virtual
 """
 
@@ -27,8 +27,8 @@ from reference import LAYOUTS, cost, ring_attention, ring_attention_backward, st
 
 from . import RESULTS, markdown_table
 
-QUICK = dict(seq_len=8192, n_devices=8, tile=128, heads=4, head_dim=64, repeats=2, steps=("v3", "v4"))
-FULL = dict(QUICK, repeats=3, steps=("v1", "v2", "v3", "v4"))
+QUICK = dict(seq_len=8192, n_devices=8, tile=128, heads=4, head_dim=64, repeats=2, steps=("v3", "v4", "v5"))
+FULL = dict(QUICK, repeats=3, steps=("v1", "v2", "v3", "v4", "v5"))
 
 
 def total_tile_area(S, N, layout, tile):
@@ -74,7 +74,7 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, **overrides):
                          f"{measured:.2f}", f"{cpus['contiguous']:.3f}", f"{cpus[layout]:.3f}", f"{by_cpu:.2f}",
                          f"{predicted:.2f}", f"{measured / predicted:.0%}", f"{by_cpu / predicted:.0%}"])
     text = "\n".join([
-        f"Made by `python -m bench.virtual_ring --tile {tile}` on {os.cpu_count()} cores ({cpu_model()}), "
+        f"Made by `python -m bench.virtual_ring --tile {tile} --steps {' '.join(cfg['steps'])}` on {os.cpu_count()} cores ({cpu_model()}), "
         f"BLAS {blas_name()}{kernels_note('')}; {threads}: "
         f"S = {S}, N = {N} virtual devices (threads), tiles of {tile}, H = {cfg['heads']}, D = {cfg['head_dim']}, "
         f"float32, forward + backward, best of {cfg['repeats']}. Predicted: total tile area of contiguous over "
@@ -97,9 +97,12 @@ def main(argv=None):
     ap.add_argument("--n-devices", type=int, default=QUICK["n_devices"], help="virtual devices (default %(default)s)")
     ap.add_argument("--tile", type=int, default=QUICK["tile"], help="tile size (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=QUICK["repeats"], help="best of (default %(default)s)")
+    ap.add_argument("--steps", nargs="+", choices=steps.names(), metavar="STEP",
+                    help="step versions (default: v3 v4 v5; --full: every NumPy step)")
     args = ap.parse_args(argv)
+    chosen = {} if args.steps is None else dict(steps=tuple(args.steps))
     text, _ = run(quick=not args.full, seq_len=args.seq_len, n_devices=args.n_devices, tile=args.tile,
-                  repeats=args.repeats)
+                  repeats=args.repeats, **chosen)
     print(text)
 
 

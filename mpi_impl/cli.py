@@ -130,7 +130,7 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--step", choices=steps.names(), default="auto",
                     help="block step version (reference.steps): auto is the fastest validated one for the arrays")
     ap.add_argument("--threads", type=int, default=None,
-                    help="worker threads per rank, for steps that take them (v3, v4) (default: the rank's share "
+                    help="worker threads per rank, for steps that take them (v3, v4, v5) (default: the rank's share "
                          "of this machine's cores, reference.cores)")
     ap.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per product (default: the rank's share of the cores; 1 with workers)")

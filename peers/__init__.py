@@ -15,7 +15,9 @@ disagreement to its smallest case); each says what one rank computes:
                                               without its head-tail balancer, each rotation
     peers/ringmaster_adapter.py               axolotl-ringmaster: all-gather and p2p rings, zigzag over
                                               packed documents
+    peers/ringmaster_usp_adapter.py           axolotl-ringmaster: its Ulysses and USP (Ulysses x ring)
     peers/yunchang_adapter.py                 yunchang: its ring with the torch block kernel
+    peers/yunchang_usp_adapter.py             yunchang: its flash-attn rings, Ulysses and USP (Ulysses x ring)
     peers/bpt_adapter.py                      the paper authors' JAX ring (bpt.py, exists-forall/striped_attention
                                               at 0c3ef0f), striped and normal; on the JAX harness, only when
                                               BPT names the file (`make conformance BPT=path/to/bpt.py`)
@@ -52,8 +54,10 @@ def _peers():
     from .ring_flash_attn_adapter import RingFlashAttn
     from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
     from .ringmaster_adapter import Ringmaster
+    from .ringmaster_usp_adapter import RingmasterUSP
     from .torch_context_parallel_adapter import TorchContextParallel
     from .yunchang_adapter import Yunchang
+    from .yunchang_usp_adapter import YunchangRing, YunchangUlysses, YunchangUSP, YunchangVarlen
 
     peers = {peer.key: peer for peer in (
         RingAttentionPytorch.contiguous(), RingAttentionPytorch.striped(),
@@ -62,10 +66,16 @@ def _peers():
         RingFlashAttnVarlen("ring"), RingFlashAttnVarlen("zigzag"), RingFlashAttnVarlen("llama3"),
         *(TorchContextParallel(balance, rotate) for balance in (True, False) for rotate in ("ALL_GATHER", "ALL_TO_ALL")),
         TorchContextParallel(False, "ALL_GATHER", negative_scales=True),
-        Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"), Yunchang(),
+        Ringmaster("allgather"), Ringmaster("p2p"), Ringmaster("zigzag-packed"),
+        *(RingmasterUSP(entry) for entry in ("ulysses", "usp-allgather", "usp-p2p")), Yunchang(),
+        *(YunchangRing(ring) for ring in ("basic", "zigzag", "strip")), YunchangUlysses(),
+        *(YunchangUSP(ring) for ring in ("basic", "zigzag", "strip")),
+        *(YunchangUSP(ring, ulysses_low=False) for ring in ("basic", "zigzag", "strip")),
+        YunchangUlysses(torch_kernel=True), YunchangUSP("basic", torch_math=True),
+        YunchangUSP("basic", pack_qkv=True), YunchangVarlen("ring"), YunchangVarlen("zigzag"),
         ExampleRing())}
     if os.environ.get("BPT"):            # bpt.py is not on the package index: the user names the file
-        from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedChunked
+        from .bpt_adapter import BptContiguous, BptContiguousChunked, BptStriped, BptStripedAsIs, BptStripedChunked
         peers.update({peer.key: peer for peer in (BptStriped(), BptContiguous(), BptStripedChunked(),
-                                                  BptContiguousChunked())})
+                                                  BptContiguousChunked(), BptStripedAsIs())})
     return peers

@@ -41,6 +41,11 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   chunks of `query_chunk_size`, `key_chunk_size`, which must divide c
   (lines 122-123, 440-441). The *chunk = c* adapters use one chunk per
   block; the *chunked* ones use c's largest proper divisor (1 for prime c).
+  Each key chunk's bias is cut from the block's bias slice at the chunk's
+  global offset (lines 421-428, `k_chunk_idx_start`, line 58), which
+  `lax.dynamic_slice` clamps: with several chunks a block, the padding bias
+  of any block but device 0's lands on the wrong keys (the chunked rows'
+  padding cells).
 - dtypes: with `float32_logits=True` (what llama.py passes, line 574) q and
   k are cast to float32 (lines 28-29), so numerator, denominator and max
   are float32 (lines 32-33, 62) and out is cast back to v's dtype (line 66);
@@ -52,18 +57,22 @@ adapter calls it as llama.py does. Its conventions, read from bpt.py at 0c3ef0f:
   back in float32 (dV in v's dtype), which JAX lets through the custom VJP.
   The adapters cast them to the input dtype (`gradient_in_dtype`), so that
   their values are checked (BptStripedAsIs does not: the kit then reports
-  the dtype). float64 raises: with float32_logits=True the numerator carry is
-  float32 (lines 29, 32) and the block's `exp_values` float64 (v, line 162),
-  so the two branches of the chunk skip's `lax.cond` differ (line 182); with
-  float32_logits=False the forward runs and the backward raises the same way
-  (float32 dQ, line 74, against float64 blocks, line 277). The adapters
+  the dtype). Each block's dP = dO V^T is an einsum of two 16-bit arrays
+  (`ds`, line 256: the cotangent g in v's dtype, and v), so it is rounded
+  to 16 bits before the float32 sums read it. float64 raises: with
+  float32_logits=True the numerator carry is float32 (lines 29, 32) and the
+  block's `exp_values` float64 (v, line 162), so the two branches of the
+  chunk skip's `lax.cond` differ (line 182); with float32_logits=False the
+  forward runs and the backward raises the same way (float32 dQ, line 74,
+  against float64 blocks, line 277). The adapters
   hold every dtype to the float32 line (`accumulate_dtype`); float64 is
   declared (the harness turns jax_enable_x64 on) to show it raising.
 - lse: `ring_attention` returns out only; its forward keeps the row max
   and the row sum (natural base, of the scaled scores) for the backward
-  (line 66). The adapter returns lse = max + log(sum) from
-  `_ring_attention_fwd` (the residuals the backward uses), run a second
-  time outside the custom VJP.
+  (line 66). The adapter puts bpt.py's `_ring_attention_fwd` and
+  `_ring_attention_bwd` together again as `ring_attention` does (lines
+  110-115), its forward also returning lse = max + log(sum) from those
+  residuals (`with_lse`): one forward gives out and lse.
 - Backward: its own (`_ring_attention_bwd`, lines 68-108): recomputes each
   block's probabilities from the saved max and sum, sends dK, dV round the
   ring with K and V (lines 103-104); the harness takes it by `jax.vjp`.
@@ -110,6 +119,26 @@ def gradient_in_dtype(x):
     return same(x)
 
 
+def with_lse(bpt, axis, float32_logits, kwargs):
+    """bpt.py's `ring_attention` made of its own forward and backward (lines
+    110-115), returning (out, lse) too: lse = max + log(sum) from the forward's
+    residuals, the ones its backward reads; no gradient flows from lse."""
+    import jax
+    import jax.numpy as jnp
+
+    def forward(q, k, v, bias):
+        out, saved = bpt._ring_attention_fwd(q, k, v, bias, axis, float32_logits, kwargs)
+        denominator, max_score = saved[-2:]
+        return (out, max_score + jnp.log(denominator)), saved
+
+    def backward(saved, cotangents):
+        return bpt._ring_attention_bwd(axis, float32_logits, kwargs, saved, cotangents[0])
+
+    ring = jax.custom_vjp(lambda q, k, v, bias: forward(q, k, v, bias)[0])
+    ring.defvjp(forward, backward)
+    return ring
+
+
 class Bpt(JaxAdapter):
     library = "exists-forall/striped_attention bpt.py"
     version = f"commit {COMMIT}"
@@ -141,7 +170,6 @@ class Bpt(JaxAdapter):
         return super().supports(case)
 
     def compute(self, case, shard):
-        import jax
         import jax.numpy as jnp
         bpt = load_bpt(self.path)
         dtype = shard.q.dtype
@@ -156,11 +184,8 @@ class Bpt(JaxAdapter):
                       query_chunk_size=size, key_chunk_size=size, block_size=case.c, deterministic=True,
                       dropout_rng=None, attn_pdrop=0.0, dtype=dtype, policy=None,
                       precision=None, prevent_cse=True)
-        out = bpt.ring_attention(q, k, v, bias, shard.axis, self.float32_logits, kwargs)
+        out, lse = with_lse(bpt, shard.axis, self.float32_logits, kwargs)(q, k, v, bias)
         out = jnp.where((shard.positions < case.S)[None, :, None, None], out, 0)   # a loss's padding mask
-        _, saved = bpt._ring_attention_fwd(q, k, v, bias, shard.axis, self.float32_logits, kwargs)
-        denominator, max_score = (jax.lax.stop_gradient(x) for x in saved[-2:])
-        lse = max_score + jnp.log(denominator)
         return dict(out=out, lse=lse.astype(jnp.float64 if dtype == jnp.float64 else jnp.float32))
 
 
@@ -179,9 +204,14 @@ class BptContiguous(Bpt):
 
 
 class BptStripedAsIs(BptStriped):
-    """Striped, dQ and dK returned in the dtype bpt.py gives them."""
+    """Striped, dQ and dK returned in the dtype bpt.py gives them (16-bit: the rest is BptStriped's)."""
     name = "bpt.py ring_attention, striped, gradients as returned"
     cast_gradients = False
+    dtypes = ALL_DTYPES[2:]
+
+    @property
+    def key(self):
+        return "bpt/striped/gradients-as-returned"
 
 
 class BptStripedExactLogits(BptStriped):

@@ -42,7 +42,7 @@ from . import PEERS, results
 from .results import PASSES, WORLD_SIZES, Peer, Run
 
 LIBRARIES = ("striped-attention", "torch", "numpy", "ml_dtypes", "hypothesis", "ring-attention-pytorch",
-             "ring-flash-attn", "axolotl-ringmaster", "yunchang", "jax", "flax")
+             "ring-flash-attn", "axolotl-ringmaster", "yunchang", "transformers", "jax", "flax")
 # The matrix's mask columns: the kit's masks a set adds to causal / full, and what a case of it carries
 # (cases without it are drawn again). Each runs in every dtype the peer takes.
 MASK_SETS = {"causal / full": ((), lambda case: True),
@@ -104,7 +104,9 @@ def strategy(peer, dtype, n, masks):
     return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8, masks=plain + extra,
                  # (the kit draws padding only where documents need no multiple: here none are drawn with it)
                  document_multiple=peer.document_multiple if "cu_seqlens" in extra else 1,
-                 max_batch=getattr(peer, "max_batch", 2))
+                 head_multiple=peer.head_multiple,
+                 max_batch=getattr(peer, "max_batch", 2), shapes=getattr(peer, "shape_pool", 0),
+                 keep=lambda case: not peer.supports(case))     # (a compiled ring compiles once a shape)
 
 
 def run_one(peer, dtype, masks, phase, examples, progress=lambda n, checked: None):

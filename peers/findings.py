@@ -208,7 +208,7 @@ FINDINGS = [
               "(`block_out.to(torch.float32)`, ring/utils.py lines 17 and 40) and the result is cast back to the "
               "input dtype only at the end."),
     dict(key="yunchang/window-ignored",
-         peer="yunchang/", dtype=None, phase="forward", masks="window", match=r"out: \d+ of",
+         peer="yunchang/ring-pytorch", dtype=None, phase="forward", masks="window", match=r"out: \d+ of",
          kind="defect (window ignored)",
          summary="`window_size` is accepted and silently dropped (ring_pytorch_attn.py line 28): every window is "
                  "wrong.",
@@ -222,12 +222,138 @@ FINDINGS = [
          summary="float32 out just over the line: ring-flash-attn's sigmoid merge (ring/utils.py line 24); with the "
                  "weighted sum the case agrees.",
          match=r"out: \d+ of [^\n]*> tolerance \S+ \(1(\.\d+)?x\)",           # (less than twice the line)
-         text="A float32 out element just over the kit's line (1.75x): the merge is ring-flash-attn's, "
+         text="A float32 out element just over the kit's line (1.0x-1.8x): the merge is ring-flash-attn's, "
               "`out - sigmoid(block_lse - lse) * (out - block_out)` (ring/utils.py line 24), which rounds twice where the weighted sum "
               "`exp(lse - new) * out + exp(block_lse - new) * block_out` rounds once, on small outputs that are "
               "differences of larger ones (scores in the hundreds, or values that cancel). With the weighted sum in "
               "its place the same cases agree: `peers/.venv/bin/python -m peers.conformance --explain-merge` "
               "(peers/weighted_merge.py). Rounding at the edge of the error model, not a wrong result."),
+    dict(key="yunchang/ulysses-torch-attends-across-ranks",
+         peer="yunchang/ulysses-torch-flash", dtype=None, phase="forward", match=r"out: \d+ of",
+         kind="defect (attends to other ranks' heads)",
+         text="UlyssesAttention with a PyTorch attention type attends across ranks. For `AttnType.TORCH_FLASH` "
+              "(and TORCH_MATH, TORCH_EFFICIENT, TORCH_CUDNN) `select_flash_attn_impl(..., stage=\"fwd-bwd\")` "
+              "returns `ring_pytorch_attn_func` (kernels/__init__.py lines 133-175), a ring, and "
+              "`UlyssesAttention.forward` calls it without `group` (ulysses/attn_layer.py lines 101-113), so it runs "
+              "on `group=None` (ring/ring_pytorch_attn.py line 24), the whole world: after the all-to-all each rank "
+              "holds the whole sequence of its own heads, and the ring treats the other ranks' keys (other heads) "
+              "as earlier or later blocks of one longer sequence. Under the causal mask rank 0 sees only its own "
+              "block and is right; every other rank's heads are wrong (the smallest case, N = 2, S = 2: head 1's "
+              "query 0, on rank 1, comes back as exactly the softmax over its own key 0 and rank 0's head-0 keys "
+              "0 and 1, -0.8668 where attention gives -1.2654). With flash-attn (`AttnType.FA`, "
+              "`flash_attn_func`) the same class agrees."),
+    dict(key="yunchang/torch-math-zero-lse",
+         peer="yunchang/usp-basic-torch-math", dtype=None, phase="forward", match=r"out: \d+ of",
+         kind="defect (blocks merged with a zero lse)",
+         text="With `AttnType.TORCH_MATH` the ring merges blocks with equal weights. The block kernel is "
+              "`pytorch_attn_forward(op_type=\"math\")` (kernels/__init__.py lines 133-135), which returns "
+              "`lse = torch.zeros(...)` (\"For math backend, LSE is not available, use zeros as fallback\", "
+              "kernels/attention.py lines 107-108); `update_out_and_lse` (ring/utils.py line 24) then weighs each "
+              "new block by sigmoid(0 - 0) = 1/2 whatever its softmax sum. A rank that sees one block (rank 0 "
+              "under the causal mask) is right; from the second block on out is wrong (the smallest case, N = 2, "
+              "S = 2, D = 1: rank 1's query comes back as exactly (v0 + v1) / 2, -0.0870, where the softmax "
+              "weights give -0.0712). TORCH_CUDNN "
+              "returns zeros the same way (line 130)."),
+    dict(key="yunchang/extract-local-by-global-rank",
+         peer="yunchang/usp-ring-groups-inner-", dtype=None, phase=None, masks="causal / full",
+         when=lambda case: case.n_devices == 4, match=r"(out|d[qkv]): \d+ of",
+         kind="defect (tokens dealt for the other rank numbering)",
+         text="With `set_seq_parallel_pg(..., use_ulysses_low=False)` the basic and stripe USP get the wrong "
+              "tokens from yunchang's own sharding helpers. That option makes the ring groups consecutive ranks "
+              "and the Ulysses groups strided (globals.py lines 59-78), but `basic_extract_local` and "
+              "`stripe_extract_local` cut the sequence by the global rank (`value.chunk(world_size)[rank]`, "
+              "comm/extract_local.py lines 19 and 26), which is right only for Ulysses groups of consecutive "
+              "ranks: with 2 x 2 on N = 4, S = 4, the Ulysses group {1, 3} gathers tokens 1 and 3 for ring rank 1, "
+              "whose ring holds tokens 0 and 2 on ring rank 0, so under the causal mask token 1 sees token 2. "
+              "`zigzag_extract_local` reads the ring and Ulysses group ranks (lines 38-45) and its rows agree; "
+              "with the default `use_ulysses_low=True` all three agree. (With u = 1, N = 2 and 3, the option "
+              "changes nothing.)"),
+    dict(key="yunchang/varlen-flash-attn-before-2.6.3",
+         peer="yunchang/", dtype=None, phase=None, match="unexpected keyword argument 'window_size'",
+         kind="not supported (written for flash-attn before 2.6.3)",
+         text="yunchang's varlen rings raise TypeError with flash-attn's current kernel API. They call "
+              "`_flash_attn_varlen_forward(..., causal=..., window_size=window_size, ...)` and unpack eight "
+              "results (ring/ring_flash_attn_varlen.py lines 56-67, zigzag_ring_flash_attn_varlen.py lines "
+              "98-110), the API of flash-attn before 2.6.3; from 2.6.3 the kernel takes `window_size_left`, "
+              "`window_size_right` and returns four results, which yunchang's dense kernel wrapper handles "
+              "(`if flash_attn.__version__ < '2.6.3'`, kernels/attention.py lines 176-202) and its varlen rings "
+              "do not. The stand-in takes the 2.6.3+ API. With an older flash-attn they are ring-flash-attn's "
+              "varlen rings (its rows)."),
+    dict(key="yunchang/pack-qkv-continous",
+         peer="yunchang/usp-basic-pack-qkv", dtype=None, phase=None, match="has no attribute 'continous'",
+         kind="defect (raises)",
+         text="`LongContextAttention(use_pack_qkv=True)` raises on every call: it packs q, k, v with "
+              "`torch.cat([query, key, value]).continous()` (hybrid/attn_layer.py line 88), a misspelling of "
+              "`contiguous`, so the packed path has never run as released."),
+    dict(key="yunchang/float32-buffer-alias",
+         peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
+         kind="defect (float32 only, which flash-attn's kernels refuse)",
+         text="float32 gradients are wrong, as in ring-flash-attn whose rings these are: the backward starts its "
+              "float32 accumulators with `dq = block_dq_buffer.to(torch.float32)` (and dk, dv; "
+              "ring/ring_flash_attn.py lines 123-125, zigzag_ring_flash_attn.py 147-149, stripe_flash_attn.py "
+              "164-166), which for float32 inputs is the buffer itself, not a copy: the next block's kernel "
+              "overwrites the running sum. USP inherits it from its ring (hybrid/attn_layer.py line 128). "
+              "flash-attn itself takes only float16 and bfloat16, where `.to` copies; the stand-in takes float32, "
+              "as a kernel that did would."),
+    dict(key="yunchang/window-block-local",
+         peer="yunchang/", dtype=None, phase=None, masks="window", match=r"(out|lse|d[qkv]): \d+ of",
+         kind="defect (windows)",
+         text="A sliding window is wrong beyond the diagonal block, as in ring-flash-attn whose rings these are: "
+              "each ring hands its `window_size` to every block's kernel (ring/ring_flash_attn.py lines 44 and "
+              "115, zigzag_ring_flash_attn.py 38 and 132, stripe_flash_attn.py 45, 60, 132 and 156), which "
+              "measures the window in the block's own local indices, bottom-right aligned, as if a block that "
+              "came round the ring held the query's own keys. USP passes the window to its ring "
+              "(hybrid/attn_layer.py lines 128-143) and inherits it; Ulysses alone, one kernel call on the whole "
+              "sequence, agrees."),
+    dict(key="ringmaster/ulysses-window-not-causal",
+         peer="ringmaster/ulysses", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|d[qkv]): \d+ of",
+         kind="defect (windows without the causal mask)",
+         text="A window without the causal mask is limited on the left only. ringmaster takes Hugging Face's "
+              "`sliding_window` and builds the mask `pos_q - pos_k < sliding_window` (strategies/ulysses.py line "
+              "68, `_ulysses_varlen`), with the causal part added only when `is_causal` is not False (lines "
+              "65-66): non-causal, a query sees every later key. (A causal sliding window, which is what Hugging "
+              "Face models declare, is the one it was written for.)"),
+    dict(key="ringmaster/usp-window-not-causal",
+         peer="ringmaster/usp-allgather", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
+         match=r"(out|d[qkv]): \d+ of",
+         kind="defect (windows without the causal mask)",
+         text="A window without the causal mask is limited on the left only: with a sliding window USP takes "
+              "the gathered, doc-masked path (strategies/usp.py lines 126-148, `varlen_ring_attention`), whose "
+              "mask is `qidx - kidx <= window[0]` (ring/loop.py line 186) on top of the causal part only when "
+              "causal (lines 183-184): non-causal, a query sees every later key."),
+    dict(key="ringmaster/usp-window-16-bit-sdpa",
+         peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="forward", masks="window",
+         match=r"out: \d+ of", kind="over the line (the windowed path computes in 16 bits)",
+         text="With a sliding window, USP's out is rounded in the input dtype: the window sends it from "
+              "`math_block`, which computes in float32, to `varlen_ring_attention`, whose CPU path calls "
+              "`scaled_dot_product_attention` on the input dtype (ring/loop.py lines 188-197), and torch's CPU "
+              "SDPA rounds in it. Held to the 16-bit line (`--accumulate float16`, `--accumulate bfloat16`: the "
+              "smallest case here agrees), the same run's smallest failure is the non-causal window above "
+              "(left side only, loop.py line 186)."),
+    dict(key="ringmaster/usp-documents-16-bit-sdpa",
+         peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="forward", masks="documents",
+         match=r"out: \d+ of", kind="over the line (the documents' path computes in 16 bits)",
+         text="With packed documents, USP's out is rounded in the input dtype: documents send it from "
+              "`math_block`, which computes in float32, to `varlen_ring_attention`, whose CPU path calls "
+              "`scaled_dot_product_attention` on the input dtype with the document mask (ring/loop.py lines "
+              "178-197), and torch's CPU SDPA rounds in it. Held to the 16-bit line (`--accumulate float16`, "
+              "`--accumulate bfloat16`: 120 examples each, N = 2, 3, 4) the documents agree."),
+    dict(key="ringmaster/usp-allgather-16-bit-dk-dv-sum",
+         peer="ringmaster/usp-allgather", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit partial gradients summed in 16 bits)",
+         text="dK, dV of 16-bit inputs are summed across the ring's ranks in the input dtype, as in the all-gather "
+              "ring alone: `_AllGatherKV.backward` adds each rank's share with `dist.all_reduce` on gloo "
+              "(ring/loop.py lines 83-90) in that dtype, one rounding per rank where a float32 sum would round "
+              "once."),
+    dict(key="ringmaster/usp-p2p-16-bit-gqa-sum",
+         peer="ringmaster/usp-p2p", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
+         kind="over the line (16-bit GQA gradients summed in 16 bits)",
+         text="With grouped heads, dK, dV of 16-bit inputs are rounded twice, as in the p2p ring alone: "
+              "`ring_p2p_attention` expands K, V with `repeat_interleave` before its autograd Function on a CPU "
+              "(ring/p2p_attn.py lines 286-290), whose backward returns each expanded head's float32 sum cast to "
+              "the input dtype (line 281); autograd of `repeat_interleave` then adds the G heads' gradients in "
+              "that dtype."),
     dict(key="bpt/float64-raises",
          peer="bpt/", dtype="float64", phase=None, match="output types match",
          kind="not supported (float64 raises)",
@@ -240,15 +366,47 @@ FINDINGS = [
               "return different dtypes and JAX refuses. With `float32_logits=False` the forward runs and the "
               "backward raises the same way: its dQ accumulator is float32 (line 74) against float64 blocks "
               "(line 277)."),
-    dict(key="bpt/bfloat16-underflow",
-         peer="bpt/", dtype="bfloat16", phase="backward", match=r"d[qkv]: \d+ of.*got 0\.0, expected -?\d\.\d+e-3[78]",
-         when=lambda case: case.kind == "large_logits", kind="over the line (underflow near 1e-38)",
-         summary="bfloat16 gradients near 1e-38 come back 0 (float32 underflow on the CPU), just over the line.",
-         text="A bfloat16 gradient of about 3e-38 comes back 0 on scores in the hundreds: bpt.py computes the "
-              "backward in float32 (lines 74-76, 254-260), whose smallest normal is 1.2e-38 (bfloat16's too), "
-              "and a product below it comes back 0 (XLA on the CPU flushes float32 subnormals to zero); the "
-              "error is 3e-38 absolute, over the kit's line (1.4e-38) by a factor of 2-3. Read as underflow at "
-              "the edge of the error model, not a wrong gradient (not checked further)."),
+    dict(key="bpt/16-bit-gradients-in-float32",
+         peer="bpt/striped/gradients-as-returned", dtype=("float16", "bfloat16"), phase="backward",
+         match=r"d[qk]: rank \d+ returned float32, expected the input dtype", kind="defect (dQ, dK in float32)",
+         summary="16-bit inputs get dQ and dK back in float32: the backward casts to the dtypes of its residuals, "
+                 "q and k already cast to float32 (lines 29, 66, 107).",
+         text="16-bit inputs get dQ and dK back in float32 (dV in v's dtype): `_ring_attention_bwd` ends with "
+              "`dq.astype(q.dtype), dk.astype(k.dtype)` (bpt.py line 107), but its q and k are the residuals the "
+              "forward saved (line 66) after `q, k = q.astype(jnp.float32), k.astype(jnp.float32)` "
+              "(`float32_logits`, line 29). JAX lets the custom VJP's float32 cotangents through. The other bpt "
+              "rows cast them to the input dtype in the adapter (`gradient_in_dtype`), so that their values are "
+              "checked; this row takes them as returned."),
+    # (before the 16-bit dP: a padding case of the chunked rows fails by the bias first)
+    dict(key="bpt/padding-bias-chunks",
+         peer=("bpt/striped/chunked", "bpt/normal/chunked"), dtype=None, phase=None, masks="padding",
+         match=r"(out|lse|d[qkv]): \d+ of", kind="defect (padding with several chunks)",
+         summary="With several chunks a block, the padding bias is read at the wrong keys: the block's bias is "
+                 "sliced again at global key offsets (lines 52-54, 424-428).",
+         text="With several chunks a device block, the attention bias (here the padding mask llamabpt/llama.py "
+              "builds: finfo.min on padding keys) lands on the wrong keys. The ring first cuts the key block's "
+              "bias out of the whole (B, 1, 1, N c) bias (`attn_bias_slice`, bpt.py lines 52-54), then "
+              "`_chunk_attention_bias` cuts each key chunk's bias out of that slice at `key_offset = key_chunk_idx "
+              "* key_chunk_size` (lines 421-428) with `key_chunk_idx` global (`k_chunk_idx_start + k_chunk_idx`, "
+              "lines 58 and 156): for any block but device 0's the offset is past the slice and "
+              "`lax.dynamic_slice` clamps it to the block's last chunk, whose bias every chunk then gets, so real "
+              "keys are masked and padding keys seen. With one chunk a block (the other bpt rows) the clamp "
+              "lands on offset 0, which is right. Without padding the bias is all zero and nothing shows."),
+    dict(key="bpt/16-bit-dP",
+         peer="bpt/", dtype=("float16", "bfloat16"), phase="backward", match=r"d[qkv]: \d+ of",
+         kind="over the line (16-bit dP)",
+         summary="16-bit gradients: each dP = dO V^T is rounded to 16 bits (`ds`, line 256); with that einsum in "
+                 "float32 the same runs agree.",
+         text="16-bit gradients go over the line: the backward computes each block's dP = dO V^T as "
+              "`ds = jnp.einsum(\"bqhd,bkhd->bhqk\", g_chunk, value_chunk)` (bpt.py line 256) from the cotangent "
+              "g, which is in v's dtype (out is returned in it, line 66), and v, so every dP is rounded to 16 bits "
+              "before the float32 `dl = (ds - dl_part) * exp_weights` (line 257) reads it: dS carries a relative "
+              "error of 2**-11 (float16) or 2**-8 (bfloat16) where the rest of the backward keeps float32. With the "
+              "einsum's operands cast to float32 (that line alone changed) the striped ring agrees on 40 examples "
+              "per world size, N = 2, 3, 4, float16 and bfloat16 cases drawn, causal, full and padding (`python -m "
+              "reference.testing check peers/bpt_adapter.py:BptStriped --dtypes float16,bfloat16 --masks "
+              "causal,full,padding --examples 40`, BPT naming the changed file). A loss of precision, not a "
+              "wrong formula."),
 ]
 BY_KEY = {f["key"]: f for f in FINDINGS}
 

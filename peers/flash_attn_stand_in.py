@@ -1,9 +1,12 @@
-"""A CPU stand-in for the flash-attn block kernels that ring-flash-attn calls.
+"""A CPU stand-in for the flash-attn block kernels that ring-flash-attn and yunchang call.
 
-ring-flash-attn (pip `ring-flash-attn`) writes the ring in PyTorch and calls
+ring-flash-attn (pip `ring-flash-attn`) and yunchang's forks of its rings
+write the ring in PyTorch and call
 `flash_attn.flash_attn_interface._flash_attn_forward` / `_flash_attn_backward`
 (dense) and `_flash_attn_varlen_forward` / `_flash_attn_varlen_backward`
-(packed documents) for each block; flash-attn itself needs a CUDA GPU.
+(packed documents) for each block; yunchang's Ulysses calls the public
+`flash_attn.flash_attn_func` (those two kernels in an autograd Function, as
+flash-attn's `FlashAttnFunc`); flash-attn itself needs a CUDA GPU.
 `install()` puts a module of that name in `sys.modules` whose functions
 compute the same block results with plain torch ops on the CPU, in
 flash-attn's (2.6+) conventions:
@@ -143,6 +146,34 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     return grads[3][0]
 
 
+class _FlashAttnFunc(torch.autograd.Function):
+    """flash-attn's FlashAttnFunc: saves q, k, v, out, lse; the backward writes
+    dq, dk, dv (in the input dtype) with the block kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, window_size):
+        out, lse, _, _ = _flash_attn_forward(q, k, v, 0.0, softmax_scale, causal, *window_size)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.window_size = softmax_scale, causal, window_size
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, ctx.softmax_scale, ctx.causal, *ctx.window_size)
+        return dq, dk, dv, None, None, None
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """out (B, S, Hq, D), or (out, softmax_lse, None) with return_attn_probs, as flash-attn 2.6+."""
+    _check(dropout_p, softcap, alibi_slopes)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out, lse = _FlashAttnFunc.apply(q, k, v, scale, causal, tuple(window_size))
+    return (out, lse, None) if return_attn_probs else out
+
+
 def install():
     """Make `import flash_attn.flash_attn_interface` find the stand-in."""
     interface = types.ModuleType("flash_attn.flash_attn_interface")
@@ -151,6 +182,7 @@ def install():
     package = types.ModuleType("flash_attn")
     package.__path__ = []
     package.flash_attn_interface = interface
+    package.flash_attn_func = interface.flash_attn_func = flash_attn_func
     package.__version__ = "stand-in"
     sys.modules.setdefault("flash_attn", package)
     sys.modules.setdefault("flash_attn.flash_attn_interface", interface)

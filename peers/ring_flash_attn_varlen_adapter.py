@@ -118,9 +118,13 @@ class RingFlashAttnVarlen(RingFlashAttn):
             return f"every document a multiple of {self.document_multiple(case.n_devices)} tokens"
         return TorchAdapter.supports(self, case)              # (not the dense rings': padding is a document here)
 
+    def rings(self):
+        """The module(s) whose functions (FUNCTIONS) run: ring-flash-attn's."""
+        return load_rings()
+
     def compute(self, case, shard):
         import torch
-        rings = load_rings()
+        rings = self.rings()
         q, k, v = shard.q[0], shard.k[0], shard.v[0]                         # (c, H, D): no batch
         cu = torch.tensor([0] + [end for _, end in document_ranges(case, self.padding_alone)], dtype=torch.int32)
         options = dict(softmax_scale=case.scale_value, causal=case.causal, window_size=window_size(case),

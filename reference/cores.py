@@ -10,7 +10,7 @@ before its devices start:
 
 - a device's share of the cores: ``cores // N`` (at least 1);
 - BLAS threads per product: the share (1 with more devices than cores);
-- worker threads of a step that takes them (v3, v4): the share, and then
+- worker threads of a step that takes them (v3, v4, v5): the share, and then
   one BLAS thread per product (two levels of threads on the same cores
   oversubscribe them), so a device never uses more than its share.
 
@@ -77,7 +77,7 @@ def for_devices(step, n_devices, *, threads=None, blas_threads=None, cores=None)
     threads running it at once. `threads` above 1 needs a step that takes workers."""
     if threads is not None and threads != 1 and not step.takes_workers:
         raise ValueError(f"step {step.name!r} runs on its device's thread; threads={threads!r} applies to "
-                         "steps that take workers (v3, v4)")
+                         "steps that take workers (v3, v4, v5)")
     got = share(n_devices, takes_workers=step.takes_workers, threads=threads, blas_threads=blas_threads,
                 cores=cores)
     if step.takes_workers and step.workers != got.workers:

@@ -73,6 +73,40 @@ def positions(seq_len, n_devices, layout):
     return np.concatenate([chunks[:n_devices], chunks[::-1][:n_devices]], axis=1)
 
 
+def ulysses_positions(seq_len, ring_degree, ulysses_degree, layout, ulysses_inner=True):
+    """Global positions held by each of N = ring_degree * ulysses_degree ranks
+    when Ulysses (DeepSpeed-Ulysses: an all-to-all that trades a sequence
+    shard for a head shard) is composed with a ring (USP): ring rank i holds
+    `positions(S, ring_degree, layout)[i]`, cut into `ulysses_degree`
+    contiguous pieces dealt to its Ulysses group in group-rank order, so that
+    the Ulysses all-to-all over those u ranks puts ring rank i's tokens back in
+    order. (B, c, H, D) per rank -> all-to-all -> (B, u*c, H/u, D) per ring rank.
+
+    With `ulysses_inner` (yunchang's `set_seq_parallel_pg(...,
+    use_ulysses_low=True)`, ringmaster's (ring, ulysses) mesh) the Ulysses
+    groups are consecutive ranks: rank g is piece g % u of ring rank g // u.
+    Without it (`use_ulysses_low=False`) the ring groups are: rank g is piece
+    g // r of ring rank g % r.
+
+    S=8, ring_degree=2, ulysses_degree=2, ulysses_inner:
+      contiguous  rank0 [0 1]  rank1 [2 3]  rank2 [4 5]  rank3 [6 7]
+      striped     rank0 [0 2]  rank1 [4 6]  rank2 [1 3]  rank3 [5 7]
+      zigzag      rank0 [0 1]  rank1 [6 7]  rank2 [2 3]  rank3 [4 5]
+    the same, ring groups inner (ulysses_inner=False):
+      zigzag      rank0 [0 1]  rank1 [2 3]  rank2 [6 7]  rank3 [4 5]
+
+    ulysses_degree=1 is `positions(S, ring_degree, layout)`; ring_degree=1
+    is contiguous over N whatever the layout. S is padded as `positions`
+    pads it for ring_degree * ulysses_degree ranks.
+    """
+    n = ring_degree * ulysses_degree
+    ring = positions(padded_length(seq_len, n, layout), ring_degree, layout)   # (r, P // r)
+    pieces = ring.reshape(ring_degree, ulysses_degree, -1)                     # (ring rank, Ulysses rank, c)
+    if not ulysses_inner:
+        pieces = pieces.transpose(1, 0, 2)                                     # rank g = (g // r, g % r)
+    return np.ascontiguousarray(pieces.reshape(n, -1))
+
+
 def inverse_positions(seq_len, n_devices, layout):
     """Where each global position lives: ``index[p]`` is its place in the
     concatenation of all shards, so that ``concat(shards)[index] == x``.

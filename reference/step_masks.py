@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .masks import visible
+from .tiles import MASKED
 
 
 class TilePos(NamedTuple):
@@ -33,8 +34,9 @@ class TilePos(NamedTuple):
         return tile_masks(self.masks, self.q_pos, self.k_pos, self.rule)[0]     # (tq, tk) bool, True: visible
 
     def rows(self, s):
-        """The rows of `part` of the block's s (R, tk), R = tq * G query-major: a view (tq of part, G, tk)."""
-        return s.reshape(len(self.q_pos), -1, s.shape[1])[self.part]
+        """The rows of `part` of the block's s (..., R, tk), R = tq * G query-major:
+        a view (..., tq of part, G, tk)."""
+        return s.reshape(s.shape[:-2] + (len(self.q_pos), -1, s.shape[-1]))[..., self.part, :, :]
 
     def hidden(self):
         """(rows of `part`, tk) bool, True: masked."""
@@ -77,3 +79,20 @@ def weigh(s, where):
 def hide(s, hidden, value):
     """s (tq, G, tk) := `value` at the masked pairs of `hidden` (tq, tk) (True: masked)."""
     np.copyto(s, value, where=hidden[:, None, :])
+
+
+def exp2_visible(p, hq, col, qs, members):
+    """The backward's P (`step_parts.backward_cols`: hq, col its queries and
+    key column): p (R, tk) := exp2(p), then 0 at the masked pairs of the
+    masked tiles among `members` [(query slice, kind)] of the run `qs`. A
+    masked entry may overflow to inf or be NaN before it is cleared; it
+    contributes nothing either way. Returns the last masked tile's visible
+    mask (tq, tk), None if none: a guarded run holds one tile."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.exp2(p, out=p)
+    rows, mask = p.reshape(qs.stop - qs.start, -1, p.shape[1]), None
+    for ms, kind in members:
+        if kind == MASKED:
+            mask, hidden = tile_masks(hq.masks, hq.pos[ms], col.pos, hq.mask)[:2]
+            hide(rows[ms.start - qs.start:ms.stop - qs.start], hidden, 0)
+    return mask

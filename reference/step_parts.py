@@ -1,4 +1,4 @@
-"""The pieces the tuned NumPy steps (`step_v2`, `step_v3`, `step_v4`) are built from.
+"""The pieces the tuned NumPy steps (`step_v2` to `step_v5`) are built from.
 
 Each version is a `reference.step.Step` that composes these functions; read a
 version top to bottom with `reference.step` (the contract, version 1) and this
@@ -12,7 +12,7 @@ module open. What the pieces do is version 1's arithmetic (the formulas of
   backward ``[Q, -lse] @ [K, 1]^T = S - lse`` and ``[dO, -delta] @ [V, 1]^T = dP - delta``;
 - mask after exp2: masked scores are cleared after ``exp2`` rather than set to
   -inf before it where a version can (NumPy's exp2 takes a slow path for -inf);
-- one (batch, head) at a time, on contiguous 2-D matrices;
+- one (batch, head) at a time, on contiguous 2-D matrices (`step_v5`: a group of heads);
 - the lazy shift (`lazy_tile`): a tile first tried with the current shift,
   redone exactly (`exact_tile`) only if a row sum could overflow;
 - the forward in stacks of query tiles and the backward by head, on worker
@@ -37,9 +37,9 @@ import numpy as np
 
 from .nonfinite import all_finite, mask_rows, masked_product
 from .step import no_progress
-from .step_masks import TilePos, hide, tile_masks, weigh
+from .step_masks import TilePos, exp2_visible, hide, weigh
 from .step_units import column_runs, forward_units, on_this_thread, run_units, scratch
-from .tiles import MASKED, by_tile
+from .tiles import by_tile
 
 LOG2E = float(np.log2(np.e))
 SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
@@ -71,26 +71,33 @@ class QueryRun:
 
 @dataclass
 class KeyHead:
-    """One (batch, head) of the key/value block, prepared for the forward."""
+    """One (batch, head) of the key/value block, prepared for the forward; or
+    several heads (h a slice: a leading axis of heads, flags per head, ``[i]``
+    the i-th head alone; `step_v5`)."""
     k1: np.ndarray       # (ck, D+1) [K, 1]
     v1: np.ndarray       # (ck, D+1) [V, 1]
     pos: np.ndarray      # (ck,)
-    guard: bool          # V holds a NaN or inf: guard the masked pairs (`masked_product`)
-    lazy: bool           # a lazy shift is safe (|V| <= V_LIMIT)
+    guard: np.ndarray    # bool: V holds a NaN or inf: guard the masked pairs (`masked_product`)
+    lazy: np.ndarray     # bool: a lazy shift is safe (|V| <= V_LIMIT)
 
     @classmethod
     def of(cls, block, b, h):
         k, v = block.k[b, h], block.v[b, h]
-        k1 = augment(k, 1.0, scratch(("k1", b, h), k.shape[:-1] + (k.shape[-1] + 1,), k.dtype))
-        v1 = augment(v, 1.0, scratch(("v1", b, h), v.shape[:-1] + (v.shape[-1] + 1,), v.dtype))
-        hi, lo = v.max(initial=0.0), v.min(initial=0.0)      # NaN where V holds a NaN
-        return cls(k1=k1, v1=v1, pos=block.pos, guard=not (np.isfinite(hi) and np.isfinite(lo)),
-                   lazy=max(hi, -lo) <= V_LIMIT)                                  # False for NaN
+        key = (b, str(h))                                    # a slice is not hashable
+        k1 = augment(k, 1.0, scratch(("k1", key), k.shape[:-1] + (k.shape[-1] + 1,), k.dtype))
+        v1 = augment(v, 1.0, scratch(("v1", key), v.shape[:-1] + (v.shape[-1] + 1,), v.dtype))
+        hi, lo = v.max(axis=(-2, -1), initial=0.0), v.min(axis=(-2, -1), initial=0.0)   # NaN where V holds one
+        return cls(k1=k1, v1=v1, pos=block.pos, guard=~(np.isfinite(hi) & np.isfinite(lo)),
+                   lazy=np.maximum(hi, -lo) <= V_LIMIT)                         # False for NaN
+
+    def __getitem__(self, i):
+        return KeyHead(self.k1[i], self.v1[i], self.pos, self.guard[i], self.lazy[i])
 
 
 @dataclass
 class Base2Rows:
-    """A run's online softmax in base 2 with folded columns; ``st[rows]`` is a view of some rows."""
+    """A run's online softmax in base 2 with folded columns; ``st[rows]`` is a
+    view of some rows; with a leading axis of heads, ``st[:, rows]`` (and ``st[i]``, head i)."""
     ol: np.ndarray       # (R, D+1) [O, l]
     q2: np.ndarray       # (R, D+1) [Q log2(e), -m2] (0 for -m2 where m2 = -inf)
     m2: np.ndarray       # (R,) the running shift, base 2
@@ -106,27 +113,30 @@ def forward_rows(run, head, blocks, update, tick=no_progress):
     """The online softmax of a run of query rows over `blocks`, a list of
     (query slice within the run, key slice, masked rows: a slice of the
     block's query rows, or None), each through ``update(st, s, head, ks,
-    where)``; `tick` after each."""
-    tq, G, D = run.q.shape
-    R, dtype = tq * G, run.q.dtype
-    m2_in = run.m.reshape(R) * LOG2E                 # (R,) the running shift, base 2
-    q2 = scratch("q2+", (R, D + 1), dtype)            # [Q log2(e), -m2], the last column by set_shift
-    np.multiply(run.q.reshape(R, D), dtype.type(LOG2E), out=q2[:, :D])
-    st = Base2Rows(ol=augment(run.o.reshape(R, D), run.l.reshape(R), scratch("ol", (R, D + 1), dtype)),  # [O, l]
-                   q2=q2, m2=m2_in.copy(), inc=scratch("inc", (R, D + 1), dtype))
+    where)``; `tick` after each. A run of several heads (a leading axis
+    ``H``, `step_v5`) gives `update` that axis in front: s (H, rows, tk)."""
+    *lead, tq, G, D = run.q.shape
+    R, dtype, n = tq * G, run.q.dtype, int(np.prod(lead, dtype=int))
+    m2_in = run.m.reshape(*lead, R) * LOG2E          # (..., R) the running shift, base 2
+    q2 = scratch("q2+", (*lead, R, D + 1), dtype)     # [Q log2(e), -m2], the last column by set_shift
+    np.multiply(run.q.reshape(*lead, R, D), dtype.type(LOG2E), out=q2[..., :D])
+    st = Base2Rows(ol=augment(run.o.reshape(*lead, R, D), run.l.reshape(*lead, R),
+                              scratch("ol", (*lead, R, D + 1), dtype)),          # [O, l]
+                   q2=q2, m2=m2_in.copy(), inc=scratch("inc", (*lead, R, D + 1), dtype))
     set_shift(st.q2, st.m2)
-    buf = scratch("s", (R * max(len(head.k1[ks]) for _, ks, _ in blocks),), dtype)
+    buf = scratch("s", (n * R * max(len(head.pos[ks]) for _, ks, _ in blocks),), dtype)
+    heads = (slice(None),) * len(lead)
     for qr, ks, part in blocks:
         rows = slice(qr.start * G, qr.stop * G)      # the block's rows of the run
-        tk = len(head.k1[ks])
-        s = buf[:(rows.stop - rows.start) * tk].reshape(-1, tk)                   # (rows, tk)
+        tk = len(head.pos[ks])
+        s = buf[:n * (rows.stop - rows.start) * tk].reshape(*lead, -1, tk)        # (..., rows, tk)
         where = None if part is None else TilePos(run.pos[qr], head.pos[ks], run.mask, run.masks, part)
-        update(st[rows], s, head, ks, where)
+        update(st[heads + (rows,)], s, head, ks, where)
         tick()
-    run.o[...] = st.ol[:, :D].reshape(tq, G, D)
-    run.l[...] = st.ol[:, D].reshape(tq, G)
+    run.o[...] = st.ol[..., :D].reshape(run.o.shape)
+    run.l[...] = st.ol[..., D].reshape(run.l.shape)
     # converting m to base e and back rounds it: write only the rows that moved
-    run.m[...] = np.where(st.m2 == m2_in, run.m.reshape(R), st.m2 / LOG2E).reshape(tq, G)
+    run.m[...] = np.where(st.m2 == m2_in, run.m.reshape(*lead, R), st.m2 / LOG2E).reshape(run.m.shape)
 
 
 def exact_update(st, s, head, ks, where):
@@ -165,10 +175,7 @@ def lazy_tile(st, s, head, ks, where):
     seeded shift (`seeded_tile`); heads whose |V| could overflow O
     (``head.lazy`` False) are always exact."""
     if head.lazy and np.isfinite(st.m2).all():
-        shifted_scores(s, st.q2, head.k1[ks], None)      # S - m, base 2   (rows, tk)
-        np.exp2(s, out=s)                                # P; may overflow
-        weigh(s, where)                                  # 0 where masked; a masked inf or NaN becomes NaN
-        np.matmul(s, head.v1[ks], out=st.inc)            # [P V, rowsum(P)]   (rows, D+1)
+        lazy_product(st, s, head, ks, where)
         if st.inc[:, -1].max() <= SUM_LIMIT:             # False for inf and NaN too: redone exactly
             st.ol += st.inc
             return
@@ -177,26 +184,51 @@ def lazy_tile(st, s, head, ks, where):
     exact_update(st, s, head, ks, where)
 
 
+def lazy_product(st, s, head, ks, where):
+    """s := P = exp2(S - m) under the current shift, 0 where masked (may
+    overflow: inf, or NaN at a masked pair), and st.inc := [P V, rowsum(P)];
+    over any leading axes of heads."""
+    shifted_scores(s, st.q2, head.k1[..., ks, :], None)  # S - m, base 2   (..., rows, tk)
+    np.exp2(s, out=s)                                    # P; may overflow
+    weigh(s, where)                                      # 0 where masked; a masked inf or NaN becomes NaN
+    np.matmul(s, head.v1[..., ks, :], out=st.inc)        # [P V, rowsum(P)]   (..., rows, D+1)
+
+
 def seeded_tile(st, s, head, ks, where):
     """The first tile of rows that have seen no key (m = -inf, O = l = 0),
     shifted by the largest of every SEED_STRIDE-th score of each row, visible
-    or not: a strided max reads an eighth of the tile where the exact row max
-    reads all of it (about 1 ns a score, more than exp2). Kept, and True, if
+    or not (the exact row max costs more than exp2). Kept, and True, if
     every row sum lies in [SUM_FLOOR, SUM_LIMIT]: no overflow, and no row whose
     visible scores all fell far below a masked score. Else nothing changed, False."""
-    shifted_scores(s, st.q2, head.k1[ks], None)          # S, base 2: the shift column is 0 where m = -inf
-    seed = s[:, ::SEED_STRIDE].max(axis=1)               # (rows,) NaN or inf fail the check below
-    s -= seed[:, None]
+    seed = seeded_product(st, s, head, ks, where)
+    if not seed_fits(st):
+        return False
+    keep_seeded(st, seed)
+    return True
+
+
+def seeded_product(st, s, head, ks, where):
+    """`seeded_tile`'s products, over any leading axes of heads: st.inc :=
+    [P V, rowsum(P)] under the seed, which it returns (..., rows)."""
+    shifted_scores(s, st.q2, head.k1[..., ks, :], None)  # S, base 2: the shift column is 0 where m = -inf
+    seed = s[..., ::SEED_STRIDE].max(axis=-1)            # (..., rows) NaN or inf fail the check below
+    s -= seed[..., None]
     np.exp2(s, out=s)                                    # P under the seed; may overflow
     weigh(s, where)
-    np.matmul(s, head.v1[ks], out=st.inc)                # [P V, rowsum(P)]
-    sums = st.inc[:, -1]
-    if not (sums.min() >= SUM_FLOOR and sums.max() <= SUM_LIMIT):
-        return False
-    st.ol += st.inc                                      # O = l = 0 before
+    np.matmul(s, head.v1[..., ks, :], out=st.inc)        # [P V, rowsum(P)]
+    return seed
+
+
+def seed_fits(st):
+    """The seeded row sums of st.inc all in [SUM_FLOOR, SUM_LIMIT]? (One bool, or one a head.)"""
+    return (st.inc[..., -1].min(axis=-1) >= SUM_FLOOR) & (st.inc[..., -1].max(axis=-1) <= SUM_LIMIT)
+
+
+def keep_seeded(st, seed):
+    """A seeded tile kept: O = l = 0 before, the seed the rows' shift."""
+    st.ol += st.inc
     st.m2[...] = seed
     set_shift(st.q2, st.m2)
-    return True
 
 
 # -- the backward -----------------------------------------------------------------
@@ -303,51 +335,36 @@ def augment(x, column, out=None):
 
 def set_shift(q2, m2):
     """Last column of [Q log2(e), -m2] := -m2, or 0 where no key has been seen (m2 = -inf)."""
-    q2[:, -1] = np.where(np.isfinite(m2), -m2, 0.0)
+    q2[..., -1] = np.where(np.isfinite(m2), -m2, 0.0)
 
 
 def shifted_scores(s, q2, kt, where):
-    """s (R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, -inf at
+    """s (..., R, tk) := [Q log2(e), -m2] @ [K, 1]^T = (S - m) in base 2, -inf at
     the masked pairs of `where` (a `TilePos`; None: none)."""
-    np.matmul(q2, kt.T, out=s)
+    np.matmul(q2, kt.swapaxes(-1, -2), out=s)
     if where is not None:
         hide(where.rows(s), where.hidden(), -np.inf)
 
 
-def exp2_visible(p, hq, col, qs, members):
-    """p (R, tk) := exp2(p), then 0 at the masked pairs of the masked tiles
-    among `members` [(query slice, kind)] of the run `qs`. A masked entry may
-    overflow to inf or be NaN before it is cleared; it contributes nothing
-    either way. Returns the last masked tile's visible mask (tq, tk), None if
-    none: a guarded run holds one tile."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        np.exp2(p, out=p)
-    rows, mask = p.reshape(qs.stop - qs.start, -1, p.shape[1]), None
-    for ms, kind in members:
-        if kind == MASKED:
-            mask, hidden = tile_masks(hq.masks, hq.pos[ms], col.pos, hq.mask)[:2]
-            hide(rows[ms.start - qs.start:ms.stop - qs.start], hidden, 0)
-    return mask
-
-
 # -- on worker threads (reference.step_units) --------------------------------------
 
-def threaded_forward(acc, queries, block, plan, update, workers, progress=no_progress):
-    """A forward in units of stacked query tiles of one head (`forward_units`)
-    on `workers` threads (`run_units`), each tile through `update`."""
+def threaded_forward(acc, queries, block, plan, update, workers, progress=no_progress, groups=None):
+    """A forward in units of stacked query tiles (`forward_units`) of one head,
+    or of a group of heads (`groups`: slices of them, `step_v5`), on `workers`
+    threads (`run_units`), each tile through `update`."""
     B, Hkv, c, G, _ = queries.q.shape
-    pairs = [(b, h) for b in range(B) for h in range(Hkv)]
+    pairs = [(i, b, h) for i, (b, h) in enumerate((b, h) for b in range(B) for h in groups or range(Hkv))]
     heads, masks, tick = {}, {}, on_this_thread(progress)
 
-    def prepare(b, h):                                   # [K, 1], [V, 1] of each head, once
-        heads[b, h] = KeyHead.of(block, b, h)
+    def prepare(i, b, h):                                # [K, 1], [V, 1] of each head, once
+        heads[i] = KeyHead.of(block, b, h)
 
-    def unit(b, h, qs, blocks):
+    def unit(i, b, h, qs, blocks):
         with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
-            forward_rows(QueryRun.of(acc, queries, b, h, qs, masks), heads[b, h], blocks, update, tick)
+            forward_rows(QueryRun.of(acc, queries, b, h, qs, masks), heads[i], blocks, update, tick)
 
-    units = sorted(((b, h, qs, blocks) for qs, blocks in forward_units(plan, c, G) for b, h in pairs),
-                   key=lambda u: -len(u[3]))             # most blocks first: workers finish together
+    units = sorted(((*p, qs, blocks) for qs, blocks in forward_units(plan, c, G) for p in pairs),
+                   key=lambda u: -len(u[4]))             # most blocks first: workers finish together
     run_units(prepare, pairs, workers, progress)
     run_units(unit, units, workers, progress)
 

@@ -23,7 +23,7 @@ to 1.08). At tiles of 128 on blocks of 1024 it does not help: there the
 sub-tiles' small products and their per-product overhead cost as much as the
 mask did, and both versions' triangular tiles cost 1.3 times a full one. On
 the whole-kernel benchmark it was not faster than version 3, so ``auto``
-stays version 3.
+did not take it.
 
 Shapes as in version 2; per sub-row ``Ra = SUB * G`` rows, ``w`` the key span.
 """

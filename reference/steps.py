@@ -15,6 +15,7 @@ Adding a version adds one line to `STEPS`.
 | ``v2`` | reference/step_v2.py | NumPy: base 2, folded columns, mask after exp2, one head at a time |
 | ``v3`` | reference/step_v3.py | NumPy: lazy max, taller products, worker threads |
 | ``v4`` | reference/step_v4.py | NumPy: masked tiles in sub-tiles (a diagonal tile costs a full one) |
+| ``v5`` | reference/step_v5.py | NumPy: version 3, all heads of a key tile in one batched product |
 
 A backend adds its own versions with `register` when it is imported: the GPU
 package registers its CUDA kernels (``fused``, ``fused_v2``) beside these, and
@@ -29,13 +30,15 @@ from .step import ReadableStep, Step
 from .step_v2 import ExactBase2Step
 from .step_v3 import LazyThreadedStep
 from .step_v4 import SubTiledStep
+from .step_v5 import HeadBatchedStep
 
 # name -> Step class; `register` adds a backend's
-STEPS = {"v1": ReadableStep, "v2": ExactBase2Step, "v3": LazyThreadedStep, "v4": SubTiledStep}
+STEPS = {"v1": ReadableStep, "v2": ExactBase2Step, "v3": LazyThreadedStep, "v4": SubTiledStep,
+         "v5": HeadBatchedStep}
 ALIASES = {"readable": "v1"}
 # per array module, the fastest validated steps first: "auto" takes the first
 # that takes the call (`check_step`), else the readable one
-AUTO = {"numpy": ["v3"]}
+AUTO = {"numpy": ["v5"]}
 DEFAULT = "v1"
 
 

@@ -489,7 +489,7 @@ def test_auto_picks_v2_for_float16_on_cupy():
                           (f16._replace(head_dim=96), {}), (f16._replace(tile_size=1024), {}), (None, {})):
         assert steps.check_step("auto", cupy, call=call, **options).name == "v1", (call, options)
     assert steps.get("auto", xp=cupy).name == "v1"       # nothing known of the call
-    assert steps.check_step("auto", np, call=f16).name == "v3"
+    assert steps.check_step("auto", np, call=f16).name == "v5"
     with pytest.raises(ValueError, match="does not fit step='fused_v2'"):
         steps.check_step("fused_v2", cupy, call=f16._replace(tile_size=1024))
     with pytest.raises(ValueError, match="takes float16 or bfloat16 inputs"):

@@ -15,6 +15,7 @@ import os
 import runpy
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,51 @@ def test_kv_sent_in_bfloat16_rounds_the_gradients_and_is_caught():
     check_ring_attention(JaxRing(), case)
     with pytest.raises(AssertionError, match=r"dv: \d+ of 32 elements out of tolerance"):
         check_ring_attention(KVInBfloat16(), case)
+
+
+class CountsTraces(JaxRing):
+    """The example, counting how often JAX traces its compute (once per compiled program)."""
+    traces = 0
+
+    def compute(self, case, shard):
+        type(self).traces += 1
+        return super().compute(case, shard)
+
+
+def test_a_compiled_program_serves_every_case_that_differs_only_in_its_inputs():
+    ring, shape = CountsTraces(), AGREES[1]
+    for i, kind in enumerate(("gaussian", "large_logits", "constant", "exact")):
+        check_ring_attention(ring, replace(shape, kind=kind, seed=10 + i))
+    assert ring.traces == 1
+    check_ring_attention(ring, replace(shape, causal=False))            # the mask is the program's: compiled anew
+    check_ring_attention(ring, replace(shape, window=2))
+    assert ring.traces == 3
+
+
+def test_the_command_line_compiles_once_per_shape_in_the_pool():
+    """12 cases from a pool of 2 striped shapes: at most 2 shapes x causal / full programs."""
+    from reference.testing.check import check_adapter, make_plan
+    ring = CountsTraces()
+    CountsTraces.traces = 0
+    plan = make_plan(ring, world_sizes=(2,), layouts=("striped",), dtypes=("float32",), masks=("causal", "full"),
+                     examples=12, shapes=2)
+    verdict = check_adapter(ring, plan)
+    assert verdict.agrees and verdict.examples == {2: 12}, verdict
+    assert CountsTraces.traces <= 4, CountsTraces.traces
+
+
+# scores in the hundreds: probabilities below float32's smallest normal, times |q| of about 50 in dk
+FLUSHED = Case("contiguous", 2, 2, 28, 2, 2, 7, 4, False, None, np.float32, "large_logits", 1)
+
+
+def test_xla_flushes_subnormals_and_the_harness_says_so():
+    """XLA on a CPU flushes float32 subnormals to zero: exp(-88) is 0, not 6e-39, and a
+    dk of -5.7e-38 comes back 0. The harness declares it, and the line adds what it drops."""
+    assert float(jax.jit(jax.numpy.exp)(np.float32(-88.0))) == 0.0 < float(np.exp(np.float32(-88.0)))
+    check_ring_attention(JaxRing(), FLUSHED)
+    unsaid = type("Unsaid", (JaxRing,), dict(flushes_subnormals=False))()
+    with pytest.raises(AssertionError, match=r"dk: \d+ of 392 elements out of tolerance.*got 0\.0, expected"):
+        check_ring_attention(unsaid, FLUSHED)
 
 
 def test_too_few_devices_says_what_to_do():

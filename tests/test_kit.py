@@ -310,6 +310,25 @@ def test_a_ranks_document_offsets_wrong_is_caught_and_shrunk():
     assert "out: 1 of 4 elements out of tolerance; first at rank 0, global position 7 (local 3)" in msg, msg
 
 
+@settings(max_examples=50, deadline=None)
+@given(cases(devices=(2, 3, 4), head_multiple=lambda n: n))
+def test_head_multiple_makes_both_head_counts_multiples(case):
+    # Ulysses deals Hq / N query heads and Hkv / N key/value heads to each rank
+    assert case.Hq % case.n_devices == 0 and case.Hkv % case.n_devices == 0, case
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases(devices=(2, 4), head_multiple=lambda n: n, shapes=3))
+def test_head_multiple_holds_in_a_shape_pool(case):
+    # a compiled Ulysses ring draws its shapes from a pool: the pool deals heads the same way
+    assert case.Hq % case.n_devices == 0 and case.Hkv % case.n_devices == 0, case
+
+
+def test_head_multiple_still_draws_grouped_heads():
+    case = find(cases(devices=(4,), head_multiple=2), lambda case: case.Hq > case.Hkv, settings=SHRINK)
+    assert (case.Hkv, case.Hq) == (2, 4), case
+
+
 def test_padding_seen_by_a_real_query_is_caught_and_shrunk():
     class SeesPadding(ToyRing):
         name = "toy ring that sees padding"

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reference.testing import Adapter, VirtualRingAdapter
+from reference.testing import Adapter, VirtualRingAdapter, cases
 from reference.testing.__main__ import main
 from reference.testing.check import Progress, load_adapter, make_plan
 from test_kit import ToyRing, VarlenToyRing
@@ -51,6 +51,23 @@ class NoSingleRank(ToyRing):
 
     def supports(self, case):
         return "one rank: no ring" if case.n_devices == 1 else super().supports(case)
+
+
+class WrongOnce(ToyRing):
+    """A ring wrong the first time it meets a case with more than one rank, right after."""
+    name = "wrong-once ring"
+    masks = ("causal", "full")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def run(self, case, shards):
+        results = super().run(case, shards)
+        if case.n_devices > 1 and case not in self.seen:
+            results[0]["out"] = results[0]["out"] + 1
+        self.seen.add(case)
+        return results
 
 
 def check(capsys, *args):
@@ -100,6 +117,52 @@ def test_bfloat16_cases_are_drawn_when_asked(capsys):
     assert status == 0 and "agrees (10 examples" in out, out
     plan = make_plan(ToyRing(), dtypes=("bfloat16",), masks=("causal", "padding"))
     assert [np.dtype(d).name for d in plan.dtypes] == ["bfloat16"] and plan.masks == ("causal", "padding")
+
+
+def test_shrinking_cut_short_is_a_verdict_on_the_smallest_case_so_far(capsys):
+    """With --shrink-seconds spent, the kit still gives the smallest failure it found
+    (hypothesis' last replay of it must fail again, or hypothesis calls the test flaky)."""
+    status, out = check(capsys, "test_kit_cli:WINDOW_TOO_WIDE", "--world-sizes", "2", "--examples", "100",
+                        "--masks", "causal,full,window", "--shrink-seconds", "0", *FAST)
+    assert status == 1, out
+    assert out.startswith("toy ring disagrees (N = 2, after ") and "in 0 s of shrinking (--shrink-seconds):" in out, out
+    case = re.search(r"^  (Case\(.*\))$", out, re.M).group(1)
+    assert "replay it: python -m reference.testing check test_kit_cli:WINDOW_TOO_WIDE --repro" in out, out
+    assert check(capsys, "test_kit_cli:WINDOW_TOO_WIDE", "--repro", case)[0] == 1
+
+
+def test_a_ring_that_disagrees_once_and_agrees_again_is_a_verdict(capsys):
+    status, out = check(capsys, "test_kit_cli:WrongOnce", "--world-sizes", "1,2", "--examples", "20", *FAST)
+    assert status == 1, out
+    assert out.startswith("wrong-once ring disagrees, not every time (N = 2, after 0 agreeing examples there): "
+                          "this case disagreed once and agreed when run again:"), out
+    assert re.search(r"^  out: \d+ of \d+ elements out of tolerance; first at rank 0", out, re.M), out
+    assert "replay it: python -m reference.testing check test_kit_cli:WrongOnce --repro" in out, out
+
+
+def test_shapes_come_from_a_small_pool_while_masks_and_inputs_vary():
+    """cases(shapes=3): at most 3 shapes per world size and layout, the smallest among them
+    (where shrinking ends), those `keep` keeps; the masks, kinds, seeds still vary."""
+    from hypothesis import given, settings
+    drawn = []
+    strategy = cases(dtypes=(np.float32,), devices=(2, 3), masks=("causal", "full", "window", "padding"),
+                     shapes=3, keep=lambda case: case.Hq == case.Hkv)
+
+    @settings(max_examples=150, database=None, derandomize=True)
+    @given(strategy)
+    def draw(case):
+        drawn.append(case)
+
+    draw()
+    shape = lambda c: (c.B, c.S, c.Hq, c.Hkv, c.D, c.tile_size, c.scale)      # noqa: E731
+    for n, layout in {(c.n_devices, c.layout) for c in drawn}:
+        mine = [c for c in drawn if (c.n_devices, c.layout) == (n, layout)]
+        assert 1 < len({shape(c) for c in mine}) <= 3, (n, layout, {shape(c) for c in mine})
+    assert (1, 2, 1, 1, 1, None, None) in {shape(c) for c in drawn if c.n_devices == 2 and c.layout != "zigzag"}
+    assert all(c.Hq == c.Hkv for c in drawn)
+    for field in ("seed", "kind", "causal", "window"):
+        assert len({getattr(c, field) for c in drawn}) > 1, field
+    assert make_plan(ToyRing()).shapes == 0 and make_plan(ToyRing(), shapes=3).shapes == 3
 
 
 def test_an_exception_in_the_ring_is_a_disagreement(capsys):

@@ -82,3 +82,44 @@ def test_one_device_is_the_identity(layout):
     assert positions(S, 1, layout).tolist() == [list(range(S))]
     x = np.arange(2 * S).reshape(1, S, 2)
     np.testing.assert_array_equal(shard(x, 1, layout)[0], x)
+
+
+def test_ulysses_positions_docstring_example():
+    from reference.layouts import ulysses_positions
+    assert ulysses_positions(8, 2, 2, "contiguous").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert ulysses_positions(8, 2, 2, "striped").tolist() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert ulysses_positions(8, 2, 2, "zigzag").tolist() == [[0, 1], [6, 7], [2, 3], [4, 5]]
+    assert ulysses_positions(8, 2, 2, "zigzag", ulysses_inner=False).tolist() == [[0, 1], [2, 3], [6, 7], [4, 5]]
+
+
+def usp_by_definition(layout, S, r, u):
+    """yunchang's words (comm/extract_local.py), as loops: order the tokens as the
+    ring's layout deals them over r ring ranks (contiguous: as they are; striped:
+    stripe 0, stripe 1, ...; zigzag: chunks i and 2r-1-i of 2r for each i), then
+    rank g takes the g-th of N = r * u equal pieces."""
+    if layout == "contiguous":
+        order = list(range(S))
+    elif layout == "striped":
+        order = [t for i in range(r) for t in range(i, S, r)]
+    else:
+        m = S // (2 * r)
+        order = [t for i in range(r) for chunk in (i, 2 * r - 1 - i) for t in range(chunk * m, (chunk + 1) * m)]
+    c = S // (r * u)
+    return [order[g * c:(g + 1) * c] for g in range(r * u)]
+
+
+@given(layout_sizes(), st.integers(1, 4))
+def test_ulysses_positions_follow_the_definition(sizes, u):
+    from reference.layouts import ulysses_positions
+    layout, S, r = sizes
+    S *= u                                              # a multiple of the layout's unit for r * u ranks
+    pos = ulysses_positions(S, r, u, layout)
+    assert pos.shape == (r * u, S // (r * u)) and sorted(pos.ravel().tolist()) == list(range(S))
+    assert pos.tolist() == usp_by_definition(layout, S, r, u)
+    if u == 1:
+        assert pos.tolist() == positions(S, r, layout).tolist()
+    if r == 1:
+        assert pos.tolist() == positions(S, u, "contiguous").tolist()
+    # ring groups inner: rank g holds what rank (g % r) * u + g // r holds with Ulysses groups inner
+    outer = ulysses_positions(S, r, u, layout, ulysses_inner=False)
+    assert outer.tolist() == [pos[(g % r) * u + g // r].tolist() for g in range(r * u)]

@@ -157,7 +157,7 @@ class MaskedCase:
 
 
 @st.composite
-def masked_cases(draw, dtypes=(np.float64, np.float32, BFLOAT16), max_devices=8, steps=("v1", "v3"),
+def masked_cases(draw, dtypes=(np.float64, np.float32, BFLOAT16), max_devices=8, steps=("v1", "v3", "v5"),
                  dropout=True, n_devices=None):
     """Any layout, N (or `n_devices`), S (most not a multiple of the layout's
     unit), GQA, tile, and each mask option: window, documents as cu_seqlens or

@@ -203,7 +203,7 @@ def test_cli_check_all_layouts(tmp_path):
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
             if line.split() and line.split()[0] in ("contiguous", "striped", "zigzag")}
     assert list(rows) == ["contiguous", "striped", "zigzag"], proc.stdout
-    assert "step v3, 1 worker" in proc.stdout.splitlines()[0]        # auto on NumPy arrays, named
+    assert "step v5, 1 worker" in proc.stdout.splitlines()[0]        # auto on NumPy arrays, named
     for layout, cells in rows.items():
         assert float(cells[1]) <= 1e-10, f"{layout}: max error {cells[1]}"
         predicted = brute_force_critical_path(S, n, "contiguous", tile) / brute_force_critical_path(S, n, layout, tile)

@@ -30,6 +30,7 @@ from reference.step_v4 import SubTiledStep
 # every registered step that computes with NumPy, v3 with worker threads, and
 # v4 with sub-tiles small enough to cut these small tiles
 OPTIONS = {"v3 with 2 workers": lambda: steps.get("v3", workers=2),
+           "v5 with 3 workers": lambda: steps.get("v5", workers=3),
            "v4 with sub-tiles of 3": lambda: SubTiledStep(workers=2, sub=3)}
 STEPS = [name for name in steps.STEPS if "numpy" in steps.get(name).array_modules] + list(OPTIONS)
 
@@ -390,6 +391,6 @@ def test_a_registered_step_is_tried_first_by_auto_for_its_arrays(monkeypatch):
     steps.register(Mine, auto_for="numpy")
     assert "mine" in steps.names()
     assert steps.check_step("auto", np).name == "mine"
-    assert steps.check_step("auto", np, backward=True).name == "v3"      # it has no backward
+    assert steps.check_step("auto", np, backward=True).name == "v5"      # it has no backward
     with pytest.raises(TypeError, match="subclass of reference.step.Step"):
         steps.register(object)

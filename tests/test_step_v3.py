@@ -154,14 +154,16 @@ def test_nan_in_v_turns_the_lazy_shift_off(exact_tiles):
     assert np.isfinite(out[:, :5]).all() and len(exact_tiles) == n_blocks(S, 4, H)
 
 
-def test_results_do_not_depend_on_the_worker_count():
+@pytest.mark.parametrize("name", ["v3", "v5"])
+def test_results_do_not_depend_on_the_worker_count(name):
     # a unit owns the rows it writes, so 1, 2 or 3 workers give the same bits
+    # (v5: the heads cut into 1, 2 or 3 groups)
     q, k, v, dout = problem(B=2, S=96, Hq=6, Hkv=3, D=8, seed=5)
     out, lse = attention(q, k, v)
     blocks = perm_blocks(96, 3)
     results = []
     for workers in (1, 2, 3):
-        step = steps.get("v3", workers=workers)
+        step = steps.get(name, workers=workers)
         o, l, _ = step_forward(step, q, k, v, blocks, tile_size=(5, 7))
         results.append((o, l) + step_backward(step, q, k, v, out, lse, dout, blocks, tile_size=(5, 7)))
     for other in results[1:]:
@@ -178,7 +180,7 @@ def test_workers_are_explicit():
         steps.get("v1", workers=2)
 
 
-@pytest.mark.parametrize("name", ["v3", "v4"])
+@pytest.mark.parametrize("name", ["v3", "v4", "v5"])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_progress_is_called_while_waiting_for_the_workers(name, kind, monkeypatch):
     # two heads, two workers: the calling thread computes one head's unit, the
@@ -235,7 +237,7 @@ def _run(kind, step, q, k, v, dout):
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 5])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-@pytest.mark.parametrize("name", ["v3", "v4"])
+@pytest.mark.parametrize("name", ["v3", "v4"])      # v5's forward: as many units as workers, not heads
 def test_a_unit_that_raises_raises_from_the_call(name, kind, workers, monkeypatch):
     # four heads, four units; the third one fails, whichever thread takes it:
     # the call raises it (a swallowed error would return rows never computed)
@@ -253,7 +255,7 @@ def test_a_unit_that_raises_raises_from_the_call(name, kind, workers, monkeypatc
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-@pytest.mark.parametrize("name", ["v3", "v4"])
+@pytest.mark.parametrize("name", ["v3", "v4", "v5"])
 def test_a_worker_threads_error_reaches_the_caller(name, kind, monkeypatch):
     # two heads, two workers: the calling thread's unit waits until the other
     # thread has taken the second unit, which raises there (no timing involved)

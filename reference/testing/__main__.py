@@ -71,6 +71,10 @@ def build_parser():
     c.add_argument("--max-seq", type=int, default=MAX_SEQ, help=f"the longest sequence drawn (default {MAX_SEQ})")
     c.add_argument("--shrink-seconds", type=float, default=120,
                    help="how long to shrink a disagreement before printing the smallest so far (default 120)")
+    c.add_argument("--shapes", type=int, default=None, metavar="K",
+                   help="draw each world size's shapes (B, S, heads, D, tile, scale) from K, masks and inputs "
+                        "still varying: a ring that compiles per shape compiles K times, not once a case "
+                        "(default: the adapter's shape_pool, 4 for the JAX harness; 0: each case its own)")
     c.add_argument("--seed", type=int, default=0, help="hypothesis's seed (default 0: the same run each time)")
     c.add_argument("--markdown", metavar="FILE", help="also write the verdict to FILE as Markdown")
     c.add_argument("--repro", metavar="CASE", help="run this one case (the line a disagreement prints) and stop")
@@ -95,7 +99,7 @@ def run_check(args, ap):
         plan = None if case else make_plan(adapter, world_sizes=args.world_sizes, layouts=args.layouts,
                                            dtypes=args.dtypes, masks=args.masks, examples=args.examples,
                                            seed=args.seed, max_seq=args.max_seq,
-                                           shrink_seconds=args.shrink_seconds)
+                                           shrink_seconds=args.shrink_seconds, shapes=args.shapes)
     except (ValueError, ImportError) as e:
         ap.error(str(e))                   # exit 2
     try:

@@ -61,7 +61,15 @@ class Adapter:
                             apart, zigzag within each, for example);
     accumulate_dtype(dtype) the dtype its sums run in (the error model's u_acc; default
                             float32, float64 for float64 inputs);
+    flushes_subnormals  whether its arithmetic flushes subnormals to zero (XLA on a
+                   CPU does): the line then adds what that drops (`oracle`);
+    shape_pool     cases per world size drawn from this many shapes (B, S, heads,
+                   D, tile, scale), masks, dtypes and inputs still varying (0, the
+                   default: each case its own shape); for rings that compile per
+                   shape (`cases(shapes=...)`);
     document_multiple(n)    what every document's length must be a multiple of (default 1);
+    head_multiple(n)        what both head counts must be a multiple of (default 1; Ulysses
+                            deals heads to ranks);
     supports(case)          None, or why it cannot run the case (skipped, not failed);
     run(case, shards)       one dict per rank with "out" (B, c, Hq, D) in the input dtype,
                             "lse" (B, Hq, c) natural log of the scaled scores' sum, and,
@@ -78,6 +86,8 @@ class Adapter:
     outputs = NAMES
     replicated = ()
     world_sizes = (1, 2, 3, 4)
+    flushes_subnormals = False
+    shape_pool = 0
 
     def positions(self, case):
         return positions(case.S, case.n_devices, case.layout)
@@ -86,6 +96,9 @@ class Adapter:
         return accumulation(dtype)
 
     def document_multiple(self, n_devices):
+        return 1
+
+    def head_multiple(self, n_devices):
         return 1
 
     def supports(self, case):
@@ -145,7 +158,8 @@ def check_ring_attention(adapter, case, *, model=None, names=None, usage=None):
         raise AssertionError(f"{adapter.name}: run returned {len(results)} ranks' results, expected {case.n_devices}")
     names = [name for name in names or (NAMES if adapter.backward else FORWARD) if name in adapter.outputs]
     want = oracle(case)
-    tol = tolerances(case, accumulate=adapter.accumulate_dtype(case.dtype), model=model)
+    tol = tolerances(case, accumulate=adapter.accumulate_dtype(case.dtype), model=model,
+                     flush=getattr(adapter, "flushes_subnormals", False))
     for name in names:
         check = _check_replicated if name in adapter.replicated else _check_sharded
         problem, used = check(name, results, want[name], tol[name], pos, case)

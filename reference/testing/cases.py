@@ -253,7 +253,7 @@ def check_masks(masks):
 def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEVICES, causal=None, *,
           masks=PLAIN, devices=None, max_seq=MAX_SEQ, max_head_dim=MAX_HEAD_DIM, max_kv_heads=3, max_group=3,
           max_batch=2, scales=(None, None, 0.3, 1.0, -0.7), poison=False, poison_values=("nan", "inf", "-inf"),
-          seq_multiple=1, document_multiple=1):
+          seq_multiple=1, document_multiple=1, head_multiple=1, shapes=0, keep=None):
     """A hypothesis strategy of `Case`: every layout, N in 1..max_devices (or
     drawn from `devices`), c down to one token per device (two for zigzag),
     GQA (Hkv < Hq) and MQA (Hkv = 1), any D, tile and scale, every input kind.
@@ -265,8 +265,18 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
     S a multiple of it too (for implementations that cut the sequence more
     finely than the layout), `document_multiple` (an int, or a function of N)
     every document's length (varlen rings that split each document over the
-    ranks). Shrinks towards contiguous, one device, B = 1, one head, D = 1,
-    float64, causal, no mask, gaussian."""
+    ranks), `head_multiple` (an int, or a function of N) both head counts Hq
+    and Hkv (implementations that deal heads to ranks, as Ulysses does).
+    Shrinks towards contiguous, one device, B = 1, one head, D = 1, float64,
+    causal, no mask, gaussian.
+
+    `shapes=K` (K > 0) draws the shape of every case (B, S, heads, D, tile,
+    scale) from K per world size and layout (`shape_pool`: the smallest
+    first, where shrinking ends), while the mask, dtype, kind, seed and
+    poison still vary case by case: for a ring that compiles once per shape
+    (JAX), K compilations per world size instead of one per case. `keep`
+    (a function of a Case, true to keep) filters the pool's shapes: what the
+    adapter takes."""
     _, st = _hypothesis()
     devices = tuple(devices) if devices is not None else tuple(range(1, max_devices + 1))
     masks = check_masks(masks)
@@ -279,17 +289,22 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
         doc_unit = document_multiple(n) if callable(document_multiple) else document_multiple
         unit = math.lcm(layout_unit(n, layout), seq_multiple,                 # the layout's unit of division,
                         doc_unit if "cu_seqlens" in masks else 1)             # and the documents'
-        S = unit * draw(st.integers(1, max(1, max_seq // unit)))
-        if "padding" in masks:           # shrinks to 0: no padding
-            S -= draw(st.integers(0, unit - 1)) if unit > 1 and doc_unit == 1 else 0
-            S = max(S, 1)
-        Hkv = draw(st.integers(1, max_kv_heads))
-        Hq = Hkv * draw(st.integers(1, max_group))
-        B, D = draw(st.integers(1, max_batch)), draw(st.integers(1, max_head_dim))
-        case = Case(layout=layout, n_devices=n, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D,
-                    tile_size=draw(tile_sizes(padded_length(S, n, layout) // n)),
+        heads = head_multiple(n) if callable(head_multiple) else head_multiple
+        if shapes:
+            shape = draw(st.sampled_from(pool(n, layout, doc_unit, unit, heads)))
+        else:
+            S = unit * draw(st.integers(1, max(1, max_seq // unit)))
+            if "padding" in masks:           # shrinks to 0: no padding
+                S -= draw(st.integers(0, unit - 1)) if unit > 1 and doc_unit == 1 else 0
+                S = max(S, 1)
+            Hkv = heads * draw(st.integers(1, max(1, max_kv_heads // heads)))
+            Hq = Hkv * draw(st.integers(1, max_group))
+            B, D = draw(st.integers(1, max_batch)), draw(st.integers(1, max_head_dim))
+            shape = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, tile_size=draw(tile_sizes(padded_length(S, n, layout) // n)),
+                         scale=draw(st.sampled_from(scales)))
+        S = shape["S"]
+        case = Case(layout=layout, n_devices=n, **shape,
                     causal=draw(st.sampled_from(flags)) if causal is None else causal,
-                    scale=draw(st.sampled_from(scales)),
                     dtype=draw(st.sampled_from(dtypes)), kind=draw(st.sampled_from(kinds)),
                     seed=draw(st.integers(0, 2**32 - 1)), **draw(mask_options(S, masks, doc_unit)))
         if poison:
@@ -300,7 +315,53 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
             case = replace(case, poison=((name,) + at + (value,),))
         return case
 
+    pools = {}
+
+    def pool(n, layout, doc_unit, unit, heads):
+        if (n, layout) not in pools:
+            probe = Case(layout, n, 1, unit, 1, 1, 1, None, flags[0] if causal is None else causal, None,
+                         dtypes[0], "gaussian", 0)
+            pools[n, layout] = shape_pool(probe, shapes, unit=unit, padding="padding" in masks and doc_unit == 1,
+                                          max_seq=max_seq, max_head_dim=max_head_dim, max_kv_heads=max_kv_heads,
+                                          max_group=max_group, max_batch=max_batch, scales=scales, keep=keep,
+                                          heads=heads)
+        return pools[n, layout]
+
     return draw_case()
+
+
+def shape_pool(probe, count, *, unit, padding, max_seq, max_head_dim, max_kv_heads, max_group, max_batch, scales,
+               keep=None, heads=1, seed=0, tries=50):
+    """`count` shapes (dicts of B, S, Hq, Hkv, D, tile_size, scale) for the
+    probe case's world size and layout, the same for the same arguments: the
+    smallest (B = 1, S = one unit, one head, D = 1) and shapes drawn from a
+    NumPy generator within the limits `cases` draws in (S a multiple of
+    `unit`, less some padding where `padding`), smallest (B S Hq D) first. With `keep`, only shapes whose
+    probe case (the probe with the shape) it keeps, as far as `tries` draws
+    each find one."""
+    rng = np.random.default_rng((seed, probe.n_devices, LAYOUTS.index(probe.layout), count))
+
+    def drawn():
+        S = unit * int(rng.integers(1, max(1, max_seq // unit) + 1))
+        S = max(1, S - int(rng.integers(0, unit))) if padding and unit > 1 else S
+        c = padded_length(S, probe.n_devices, probe.layout) // probe.n_devices
+        Hkv = heads * int(rng.integers(1, max(1, max_kv_heads // heads) + 1))
+        side = lambda: int(rng.integers(max(1, c // 6), c + 4))                       # noqa: E731 - as tile_sizes
+        tile = [side, lambda: (side(), side()), lambda: None][rng.integers(3)]()
+        return dict(B=int(rng.integers(1, max_batch + 1)), S=S, Hq=Hkv * int(rng.integers(1, max_group + 1)),
+                    Hkv=Hkv, D=int(rng.integers(1, max_head_dim + 1)), tile_size=tile,
+                    scale=scales[rng.integers(len(scales))])
+
+    kept = lambda shape: keep is None or keep(replace(probe, **shape))               # noqa: E731
+    smallest = dict(B=1, S=unit, Hq=heads, Hkv=heads, D=1, tile_size=None, scale=None)
+    found = [smallest] if kept(smallest) else []
+    while len(found) < count:
+        shape = next((s for s in (drawn() for _ in range(tries)) if kept(s)), None)
+        if shape is None:
+            break
+        found.append(shape)
+    # smallest first: shrinking moves towards the front, so a failure ends on the smallest shape that shows it
+    return tuple(sorted(found, key=lambda x: (x["B"] * x["S"] * x["Hq"] * x["D"], x["S"]))) or (smallest,)
 
 
 def mask_options(S, masks, document_multiple=1):

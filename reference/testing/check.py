@@ -35,7 +35,7 @@ from .cases import INPUT_KINDS, MAX_SEQ, NAMES, cases, check_masks
 
 # what check_ring_attention and the command line read from an adapter
 PROTOCOL = ("name", "layouts", "dtypes", "masks", "backward", "outputs", "replicated", "world_sizes",
-            "positions", "accumulate_dtype", "document_multiple", "supports", "run")
+            "positions", "accumulate_dtype", "document_multiple", "head_multiple", "supports", "run")
 
 
 def load_adapter(spec):
@@ -103,6 +103,7 @@ class Plan:
     seed: int = 0
     max_seq: int = MAX_SEQ
     shrink_seconds: float = 120.0
+    shapes: int = 0
 
 
 def _narrow(what, asked, declared, name=lambda x: x):
@@ -118,25 +119,31 @@ def _narrow(what, asked, declared, name=lambda x: x):
 
 
 def make_plan(adapter, *, world_sizes=None, layouts=None, dtypes=None, masks=None, examples=100, seed=0,
-              max_seq=MAX_SEQ, shrink_seconds=120.0):
-    """The Plan for `adapter`, options given as names (None: all it declares);
-    ValueError for what it does not take."""
+              max_seq=MAX_SEQ, shrink_seconds=120.0, shapes=None):
+    """The Plan for `adapter`, options given as names (None: all it declares;
+    `shapes` None: the adapter's `shape_pool`); ValueError for what it does not take."""
     if examples < 1:
         raise ValueError(f"--examples must be at least 1, got {examples}")
+    shapes = getattr(adapter, "shape_pool", 0) if shapes is None else shapes
+    if shapes < 0:
+        raise ValueError(f"--shapes must be 0 (each case its own shape) or more, got {shapes}")
     sizes = tuple(world_sizes) if world_sizes is not None else tuple(adapter.world_sizes)
     if not sizes or min(sizes) < 1:
         raise ValueError(f"world sizes must be at least 1, got {sizes}")
     return Plan(world_sizes=tuple(sorted(set(sizes))), examples=examples, seed=seed, max_seq=max_seq,
-                shrink_seconds=shrink_seconds,
+                shrink_seconds=shrink_seconds, shapes=shapes,
                 layouts=_narrow("layout", layouts, tuple(adapter.layouts)),
                 dtypes=_narrow("dtype", dtypes, tuple(adapter.dtypes), lambda d: np.dtype(d).name),
                 masks=check_masks(_narrow("mask", masks, tuple(adapter.masks))))
 
 
 def strategy(adapter, plan, n):
-    """Cases for world size n: what the plan names, documents cut as the adapter needs."""
+    """Cases for world size n: what the plan names, documents cut and heads counted
+    as the adapter needs, shapes from a pool of `plan.shapes` the adapter takes (where not 0)."""
     return cases(dtypes=plan.dtypes, layouts=plan.layouts, kinds=INPUT_KINDS, masks=plan.masks, devices=(n,),
-                 max_seq=max(plan.max_seq, 2 * n), document_multiple=adapter.document_multiple)
+                 max_seq=max(plan.max_seq, 2 * n), document_multiple=adapter.document_multiple,
+                 head_multiple=adapter.head_multiple, shapes=plan.shapes,
+                 keep=lambda case: not adapter.supports(case))
 
 
 @dataclass
@@ -154,6 +161,8 @@ class Verdict:
     case: object = None
     message: str = None
     seconds: float = 0.0
+    flaky: bool = False
+    shrink_cut: bool = False
 
     @property
     def agrees(self):
@@ -197,18 +206,21 @@ def check_adapter(adapter, plan, progress=None):
     to the smallest case it finds within `plan.shrink_seconds` (a slow ring's
     shrinking can take many minutes) and the run stops there. Returns a Verdict."""
     from hypothesis import HealthCheck, Phase, Verbosity, assume, find, settings
-    from hypothesis.errors import NoSuchExample, Unsatisfiable
+    from hypothesis.errors import Flaky, NoSuchExample, Unsatisfiable
     verdict, start = Verdict(adapter.name, plan), time.monotonic()
     # no explain phase: its variations of the shrunk case come after it, and
     # `find` returns the last case that failed, so it would return one of them
     config = settings(max_examples=plan.examples, deadline=None, database=None, verbosity=Verbosity.quiet,
                       suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p != Phase.explain])
     for n in plan.world_sizes:
-        counts, skipped = dict(run=0, failed=0, before=0), Counter()
+        counts, skipped, failing = dict(run=0, failed=0, before=0), Counter(), {}
 
         def fails(case):
             if counts["failed"] and time.monotonic() > counts["shrink_until"]:
-                return False        # shrinking's time is up: hypothesis keeps the smallest failure so far
+                # shrinking's time is up: no new case fails, and one seen failing still does, so
+                # that hypothesis' last call (the smallest failure, again) finds what it found
+                verdict.shrink_cut = True
+                return case in failing
             reason = adapter.supports(case)
             if reason:              # not drawn: hypothesis draws another
                 skipped[reason] += 1
@@ -219,7 +231,10 @@ def check_adapter(adapter, plan, progress=None):
             if progress:
                 progress.update(n, counts["run"], plan.examples, shrinking=counts["failed"])
             usage = {}
-            failed = check_one(adapter, case, usage) is not None
+            message = check_one(adapter, case, usage)
+            failed = message is not None
+            if failed:
+                failing[case] = message
             if failed and not counts["failed"]:
                 counts["before"] = counts["run"] - 1        # the examples that agreed before it
                 counts["shrink_until"] = time.monotonic() + plan.shrink_seconds
@@ -231,6 +246,14 @@ def check_adapter(adapter, plan, progress=None):
 
         try:
             case = find(strategy(adapter, plan, n), fails, settings=config, random=random.Random(plan.seed))
+        except Flaky:
+            # the smallest failure agreed when hypothesis ran it again: the ring gave two answers
+            case = list(failing)[-1]            # (each failure while shrinking is the smallest yet)
+            verdict.examples[n], verdict.flaky = counts["before"], True
+            verdict.case, verdict.message = case, failing[case]
+            if progress:
+                progress.done(n, counts["run"], failed=True)
+            break
         except (NoSuchExample, Unsatisfiable, _NothingTaken):
             if not counts["run"]:   # the adapter took none of the cases drawn
                 verdict.skipped[n] = skipped.most_common(1)[0][0] if skipped else "no case drawn"
@@ -240,7 +263,7 @@ def check_adapter(adapter, plan, progress=None):
                 progress.done(n, counts["run"])
             continue
         verdict.examples[n] = counts["before"]
-        verdict.case, verdict.message = case, check_one(adapter, case)
+        verdict.case, verdict.message = case, failing[case]
         if progress:
             progress.done(n, counts["run"], failed=True)
         break
@@ -264,8 +287,14 @@ def summary(verdict):
         return (f"{verdict.adapter} agrees ({each} examples per world size, N = {sizes}; "
                 f"line used: {used_line(verdict.used)}; 1 is the line{skipped}; {verdict.seconds:.0f} s)")
     n = list(verdict.examples)[-1]
+    if verdict.flaky:
+        return (f"{verdict.adapter} disagrees, not every time (N = {n}, after {verdict.examples[n]} agreeing "
+                f"examples there): this case disagreed once and agreed when run again:")
+    within = f" in {verdict.plan.shrink_seconds:g} s of shrinking (--shrink-seconds)" if verdict.shrink_cut else ""
+    if verdict.plan.shapes:
+        within += f", its shape one of a pool of {verdict.plan.shapes} (--shapes 0 shrinks the shape too)"
     return (f"{verdict.adapter} disagrees (N = {n}, after {verdict.examples[n]} agreeing examples there; "
-            f"the smallest case hypothesis found:)")
+            f"the smallest case hypothesis found{within}:)")
 
 
 class Progress:
@@ -310,7 +339,9 @@ def markdown(verdict, command, repro=None):
     if verdict.agrees:
         lines.append(f"Line used (largest error / tolerance, 1 is the line): {used_line(verdict.used)}.")
     else:
-        lines += ["The smallest disagreement hypothesis found:", "", "```text", verdict.message, "```", ""]
+        found = ("A disagreement that did not come again when the case was run again:" if verdict.flaky
+                 else "The smallest disagreement hypothesis found:")
+        lines += [found, "", "```text", verdict.message, "```", ""]
         if repro:
             lines.append(f"Replay: `{repro}`")
     return "\n".join(lines) + "\n"

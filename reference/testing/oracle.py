@@ -26,6 +26,22 @@ same formula as the element with every term made non-negative, the
 
     tol = growth * (u_acc * M + u_out * M_stored) + u_out * |expected|
           + max(smallest subnormal of the output dtype, smallest normal of the accumulation dtype)
+          [+ growth * tiny_acc * M_flush, for arithmetic that flushes subnormals to zero]
+
+Arithmetic that flushes subnormal results and inputs to zero (XLA on a CPU
+does, whatever --xla_cpu_ftz says) drops up to tiny_acc (the accumulation
+dtype's smallest normal, 1.2e-38 in float32) from every probability P_ij,
+every dS_ij and every product it makes, and a dropped P_ij or dS_ij is then
+multiplied by values up to |q| |scale| (hundreds on large logits): dk of
+1e-37 comes back 0. `flushed` is that budget (F_ij = 1 + |dO_i| |V_j| +
+rowsum(|dO| |out|)_i over visible pairs, n_i the keys query i sees, m_j the
+queries that see key j):
+
+    M_flush: out = visible |V| + n,  lse = n,  dv = visible^T |dO| + m,
+             dq = |scale| (visible F) |K| + n,  dk = |scale| (visible F)^T |Q| + m
+
+An adapter whose arithmetic flushes says so (`Adapter.flushes_subnormals`;
+the JAX harness does), and its line adds it.
 
 u_acc is the unit roundoff of the dtype the implementation accumulates in
 (`Adapter.accumulate_dtype`: float32 for float16 inputs here; flash-attn style
@@ -93,13 +109,15 @@ class ErrorModel:
            + max(smallest subnormal of output, smallest normal of accumulate)."""
     growth: float = 8.0
 
-    def tolerance(self, magnitude, stored, expected, *, accumulate, output):
+    def tolerance(self, magnitude, stored, expected, *, accumulate, output, flushed=None):
         # below the smallest normal number of the sums, rounding is absolute, not relative
-        floor = max(float(finfo(output).smallest_subnormal), float(finfo(accumulate).tiny))
+        tiny = float(finfo(accumulate).tiny)
+        floor = max(float(finfo(output).smallest_subnormal), tiny)
         with np.errstate(invalid="ignore"):
             extra = np.where(np.isfinite(expected), np.abs(expected), 0.0)
+        flush = 0.0 if flushed is None else self.growth * tiny * flushed
         return (self.growth * (unit_roundoff(accumulate) * magnitude + unit_roundoff(output) * stored)
-                + unit_roundoff(output) * extra + floor)
+                + unit_roundoff(output) * extra + floor + flush)
 
 
 GROWTH = ErrorModel().growth
@@ -150,6 +168,23 @@ def magnitudes(case, q, k, v, dout, out, lse):
     return acc, stored
 
 
+def flushed(case, q, k, v, dout, out):
+    """Each element's budget for subnormals flushed to zero, M_flush (module
+    docstring), float64, oracle shapes: {name: array}."""
+    scale = abs(case.scale if case.scale is not None else case.D ** -0.5)
+    Qa, Ka, Va, dOa, Oa = (np.abs(np.nan_to_num(_heads_first(x, case.Hq), nan=0.0, posinf=0.0, neginf=0.0))
+                           for x in (q, k, v, dout, out))                       # (B, Hq, S, D)
+    qp = np.arange(case.S)
+    seen = masks.visible(qp, qp, case.mask()).astype(np.float64)               # (S, S)
+    n, m = seen.sum(-1), seen.sum(0)                    # (S,) keys each query sees, queries that see each key
+    F = seen * (1 + dOa @ Va.swapaxes(-1, -2) + (dOa * Oa).sum(-1)[..., None])  # (B, Hq, S, S)
+    at = lambda x: x.transpose(0, 2, 1, 3)                                      # noqa: E731 - (B, S, Hq, D)
+    return dict(out=at(seen @ Va) + n[:, None, None], lse=np.broadcast_to(n, (case.B, case.Hq, case.S)).copy(),
+                dq=at(scale * F @ Ka) + n[:, None, None],
+                dk=_group_sum(scale * F.swapaxes(-1, -2) @ Qa, case.Hkv) + m[:, None, None],
+                dv=_group_sum(seen.T @ dOa, case.Hkv) + m[:, None, None])
+
+
 _ORACLE_CACHE = {}
 
 
@@ -166,15 +201,18 @@ def oracle(case):
             out, lse = attention(q, k, v, **opts)
             dq, dk, dv = attention_backward(q, k, v, out, lse, dout, **opts)
             mags, stored = magnitudes(case, q, k, v, dout, out, lse)
-        _ORACLE_CACHE[case] = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, magnitude=mags, stored=stored)
+            flush = flushed(case, q, k, v, dout, out)
+        _ORACLE_CACHE[case] = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, magnitude=mags, stored=stored,
+                                   flushed=flush)
     return _ORACLE_CACHE[case]
 
 
-def tolerances(case, *, accumulate=None, model=None):
+def tolerances(case, *, accumulate=None, model=None, flush=False):
     """{name: per-element tolerance array} for an implementation of `case`
     accumulating in `accumulate` (default `accumulation(case.dtype)`: float32
-    for float16 and bfloat16 inputs); lse is held as float32 (float64 for
-    float64 inputs), the other outputs as the input dtype."""
+    for float16 and bfloat16 inputs), with `flush` in arithmetic that flushes
+    subnormals to zero; lse is held as float32 (float64 for float64 inputs),
+    the other outputs as the input dtype."""
     model = model or ErrorModel()
     accumulate = np.dtype(accumulate) if accumulate is not None else accumulation(case.dtype)
     want = oracle(case)
@@ -182,5 +220,6 @@ def tolerances(case, *, accumulate=None, model=None):
     for name in NAMES:
         output = np.dtype(case.dtype) if name != "lse" else accumulation(case.dtype)
         result[name] = model.tolerance(want["magnitude"][name], want["stored"][name], want[name],
-                                       accumulate=accumulate, output=output)
+                                       accumulate=accumulate, output=output,
+                                       flushed=want["flushed"][name] if flush else None)
     return result

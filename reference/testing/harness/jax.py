@@ -29,15 +29,16 @@ that says what to do. Example: examples/jax_ring.py.
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..adapter import Adapter
-from ..cases import MAX_DEVICES
+from ..cases import INPUT_KINDS, MAX_DEVICES
 
 DEVICES = MAX_DEVICES
 AXIS = "ring"
+PROGRAMS = 64               # compiled programs an adapter keeps (the oldest goes)
 FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -87,8 +88,17 @@ class JaxAdapter(Adapter):
     write `compute(case, shard)`: this device's {"out", "lse"} (out in the
     input dtype, lse float32, float64 for float64 inputs). The harness adds
     dq, dk, dv by `jax.vjp` of the sharded function (dout the cotangent of out,
-    none for lse)."""
+    none for lse).
+
+    Compiling is most of a case's time (0.5 to 4 s on a CPU, the run a few
+    ms), so the harness keeps each compiled program (`program`) for the cases
+    that differ from it only in their inputs, and the command line draws each
+    world size's shapes from `shape_pool` (the kit's `cases(shapes=...)`):
+    the masks, dtypes, input kinds and seeds still vary case by case.
+    `compute` sees the case less its inputs (`program_key`)."""
     name = "jax ring"
+    shape_pool = 4
+    flushes_subnormals = True       # XLA's CPU runtime flushes float32 subnormals to zero (oracle.flushed)
 
     def compute(self, case, shard):
         raise NotImplementedError
@@ -97,26 +107,52 @@ class JaxAdapter(Adapter):
         import jax
         from jax.sharding import Mesh, PartitionSpec as P
         n = case.n_devices
+        q, k, v, dout = (np.concatenate(x, axis=1) for x in (shards.q, shards.k, shards.v, shards.dout))
+        pos = np.asarray(shards.positions).reshape(-1)             # (N*c,): rank r's c positions, then r+1's
+        full = dict(zip(("out", "lse", "dq", "dk", "dv"), self.program(case)(q, k, v, dout, pos)))
+        return [{name: np.split(np.asarray(x), n, axis=2 if name == "lse" else 1)[r] for name, x in full.items()}
+                for r in range(n)]
+
+    def program(self, case):
+        """The jitted forward (and backward) of `case`, made once per `program_key`:
+        the cases that share it run the same compiled program on their own inputs."""
+        programs = self.__dict__.setdefault("_programs", {})
+        key = (self.backward, program_key(case))
+        if key not in programs:
+            if len(programs) >= PROGRAMS:
+                programs.pop(next(iter(programs)))                  # the oldest
+            programs[key] = self._jit(key[1])
+        return programs[key]
+
+    def _jit(self, case):
+        import jax
+        from jax.sharding import Mesh, PartitionSpec as P
+        n = case.n_devices
         mesh = Mesh(np.array(cpu_devices(n)), (AXIS,))
         tokens, lse_spec = P(None, AXIS), P(None, None, AXIS)      # axis 1 of (B, N*c, H, D) is cut in N
 
+        compute, backward = self.compute, self.backward
+
         def device(q, k, v, pos):                                  # one device's shard
-            got = self.compute(case, DeviceShard(q, k, v, pos, AXIS, n))
+            got = compute(case, DeviceShard(q, k, v, pos, AXIS, n))
             return got["out"], got["lse"]
 
         # check_vma=False: a user's ring need not tell JAX which of its values differ between devices
         ring = jax.shard_map(device, mesh=mesh, in_specs=(tokens, tokens, tokens, P(AXIS)),
                              out_specs=(tokens, lse_spec), check_vma=False)
-        q, k, v, dout = (np.concatenate(x, axis=1) for x in (shards.q, shards.k, shards.v, shards.dout))
-        pos = np.asarray(shards.positions).reshape(-1)             # (N*c,): rank r's c positions, then r+1's
 
         @jax.jit
         def forward_backward(q, k, v, dout, pos):
             (out, lse), pullback = jax.vjp(lambda q, k, v: ring(q, k, v, pos), q, k, v)
-            if not self.backward:
+            if not backward:
                 return out, lse
             return out, lse, *pullback((dout, jax.numpy.zeros_like(lse)))
 
-        full = dict(zip(("out", "lse", "dq", "dk", "dv"), forward_backward(q, k, v, dout, pos)))
-        return [{name: np.split(np.asarray(x), n, axis=2 if name == "lse" else 1)[r] for name, x in full.items()}
-                for r in range(n)]
+        return forward_backward
+
+
+def program_key(case):
+    """What a compiled program may depend on: the case less its inputs (kind,
+    seed, poison), which reach the program only as arrays. `compute` is given
+    this case, so it cannot bake an input into the program."""
+    return replace(case, kind=INPUT_KINDS[0], seed=0, poison=())

@@ -1,0 +1,121 @@
+"""Step version 5 (NumPy): version 3 with all heads of a key tile in one batched product.
+
+What it changes from version 3 (`reference.step_v3`), and why. Version 3
+runs its forward one head at a time: for every block of stacked query tiles
+and every head, a dozen NumPy calls (two products, exp2, the mask, the row
+sums' check, the accumulation), each on a matrix of one head. What these calls
+cost beyond their arithmetic is paid once per head and block, and a
+triangular block (striped's, and every layout's own block in round 0) spreads
+it over fewer tiles than a full one. Version 5 computes a block for a group
+of heads at once: ``[Q, -m]`` of the group stacked as (heads, rows, D+1)
+against ``[K, 1]`` stacked as (heads, D+1, keys) in one ``np.matmul`` (with
+grouped-query heads, a key/value head's query heads are already its rows),
+then exp2, the mask, ``P @ [V, 1]`` and the check on arrays of all those
+heads; each pass runs once per block instead of once per head. Everything
+else is version 3's, from `reference.step_parts`: the lazy shift and its
+seeded first tile (`lazy_product`, `seeded_product`), and a head that would
+overflow, whose |V| is huge or not finite, or whose rows are not all in the
+same state goes alone through version 3's tile (`lazy_tile`, `exact_update`),
+so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
+
+Units and threads: a unit is a stack of query tiles of one group of heads;
+the heads are cut into at least `workers` groups, of at most as many heads
+as keep a block's scores within ``GROUP_SCORES`` (in cache: 8 heads at tiles
+of 128, 4 at 256, fewer with grouped-query heads, whose rows are taller). A head's arithmetic is the same whichever group it is
+in: results do not depend on the number of workers, bit for bit.
+
+Measured (BENCHMARKS.md, "Step v5"; AMD EPYC Zen 5, one thread, CPU time,
+against version 3 in the same process, a busy machine): the forward of one
+causal block of c = 1024 to 8192 tokens and 8 heads takes 0.89 to 0.97
+times version 3's time; at tiles of 128 it reaches 44% (c = 1024) and 52%
+(c = 2048) of one core's sgemm. A triangular block's tile costs 1.02 to
+1.24 times a full one's forward, 1.12 in the middle (version 3: 1.14 to
+1.26). On bench.kernel's
+S = 8192 with 2 workers the forward read 0.81 to 1.06 times version 3's wall
+time (median of four runs 0.90), so ``auto`` takes it on NumPy. The backward
+computed the same way, all heads of a key tile together, was 1.06 times
+slower (the arrays of 8 heads leave the cache): it stays version 3's.
+
+Shapes as in version 2, with a leading axis of ``Hg`` heads per group.
+"""
+
+import numpy as np
+
+from .step import Step, no_progress
+from .step_parts import (SUM_LIMIT, backward_cols, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits,
+                         seeded_product, threaded_backward, threaded_forward)
+from .step_units import UNIT_ROWS, check_workers, workers_label
+
+# a group's scores (heads x stacked rows x keys of a tile) at most this many: 2 MiB of float32, so that
+# they stay in a core's cache (groups of 8 heads at tiles of 256, 4 MiB, measured 1.03 to 1.04 times
+# version 3's time on blocks of 4096 and 8192 tokens; 4 heads 0.97 to 0.99)
+GROUP_SCORES = 2 ** 19
+
+
+class HeadBatchedStep(Step):
+    """Version 5: version 3 with a group of heads a product, `workers` threads;
+    the backward is version 3's."""
+    name = "v5"
+    array_modules = ("numpy",)
+    takes_workers = True
+
+    def __init__(self, workers=1):
+        self.workers = check_workers(workers)
+
+    label = property(lambda self: workers_label(self.name, self.workers))
+
+    def forward_tiles(self, acc, queries, block, plan, progress=no_progress):
+        # version 3's units and threads, each unit a group of heads, each tile `heads_tile`
+        _, Hkv, _, G, _ = queries.q.shape
+        tq = max(qs.stop - qs.start for qs, _, _ in plan)
+        tk = max(ks.stop - ks.start for _, ks, _ in plan)
+        rows = max(UNIT_ROWS, tq * G)                    # a unit's rows at most (`forward_units`)
+        threaded_forward(acc, queries, block, plan, heads_tile, self.workers, progress,
+                         groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (rows * tk))))
+
+    def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
+        # version 3's: heads stacked measured slower (module docstring)
+        threaded_backward(grads, queries, rows, block, plan, backward_cols, self.workers, progress)
+
+
+def head_groups(n_heads, workers, most=None):
+    """The heads 0..n_heads-1 cut into groups of neighbours, as slices: at
+    least min(n_heads, workers) groups, and none of more than `most` heads."""
+    n = max(min(n_heads, workers), -(-n_heads // (most or n_heads)))
+    cuts = np.linspace(0, n_heads, n + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def heads_tile(st, s, heads, ks, where):
+    """One tile of a group of heads (`step_parts.Base2Rows` st and scores s
+    with a leading axis of heads; `heads` a `KeyHead` of the group): lazy,
+    or seeded where no row has a shift yet, all heads in one pass each. A
+    head whose row sums do not pass the check is redone exactly alone; when
+    the heads are not all lazy or their rows not all in one state, each head
+    goes through version 3's `lazy_tile`."""
+    fits = seed = None
+    if heads.lazy.all() and np.isfinite(st.m2).all():
+        lazy_product(st, s, heads, ks, where)
+        fits = st.inc[..., -1].max(axis=-1) <= SUM_LIMIT      # (Hg,) False for inf and NaN too
+        if fits.all():
+            st.ol += st.inc
+            return
+    elif heads.lazy.all() and (st.m2 == -np.inf).all():
+        seed = seeded_product(st, s, heads, ks, where)
+        fits = seed_fits(st)                                  # (Hg,)
+        if fits.all():
+            keep_seeded(st, seed)
+            return
+    for h in range(len(s)):                                   # rare: one head at a time
+        one = st[h]
+        if fits is None:
+            lazy_tile(one, s[h], heads[h], ks, where)
+        elif not fits[h]:
+            exact_update(one, s[h], heads[h], ks, where)
+        elif seed is None:
+            one.ol += one.inc
+        else:
+            keep_seeded(one, seed[h])
+
+
+__all__ = ["HeadBatchedStep", "GROUP_SCORES", "head_groups", "heads_tile"]
