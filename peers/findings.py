@@ -288,6 +288,7 @@ FINDINGS = [
     dict(key="yunchang/float32-buffer-alias",
          peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
          kind="defect (float32 only, which flash-attn's kernels refuse)",
+         verdict="unclaimed",                      # flash-attn takes no float32
          text="float32 gradients are wrong, as in ring-flash-attn whose rings these are: the backward starts its "
               "float32 accumulators with `dq = block_dq_buffer.to(torch.float32)` (and dk, dv; "
               "ring/ring_flash_attn.py lines 123-125, zigzag_ring_flash_attn.py 147-149, stripe_flash_attn.py "

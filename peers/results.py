@@ -33,7 +33,7 @@ PASSES = {"forward": FORWARD, "backward": BACKWARD}
 DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
 MASK_ORDER = ("causal / full", "window", "documents", "padding", "padding, full")
 # the packages every run names; each peer's own library is added to these
-COMMON = ("striped-attention", "numpy", "ml_dtypes", "hypothesis", "torch")
+COMMON = ("striped-attention", "numpy", "ml_dtypes", "hypothesis", "torch", "jax", "transformers")
 REPRO = "{env}peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{case!r}\""
 
 
@@ -197,7 +197,9 @@ def header(runs):
 
 
 def _packages(runs):
-    return list(dict.fromkeys(COMMON + tuple(run.peer.library for run in runs)))
+    """The packages the runs name (COMMON and each peer's library), those installed for at least one run."""
+    names = dict.fromkeys(COMMON + tuple(run.peer.library for run in runs))
+    return [name for name in names if any(run.versions.get(name, "not installed") != "not installed" for run in runs)]
 
 
 def _stated(runs, label, value, skip=None):
@@ -228,7 +230,7 @@ def summary(runs, missing={}):
                + "; " + ", ".join(dict.fromkeys(r.masks for r in mine)))
         if mine[0].peer.key in missing:
             ran += f"; {len(missing[mine[0].peer.key][1])} rows not run"
-        if "defect" not in by_verdict:
+        if "defect" not in by_verdict and len(failed) < len(mine):       # (and something agrees)
             notes = [f"{_first(group[0])} ({_where(group)})" for v in ("marginal", "unclaimed")
                      for group in _by_finding(by_verdict.get(v, []))]
             agree.append(f"- **{name}** ({ran})" + (": " + " ".join(notes) if notes else "."))
@@ -237,7 +239,12 @@ def summary(runs, missing={}):
             defects += [f"  - {_label(group[0])} ({_where(group)}): {_first(group[0])}"
                         for v in ("defect", "unclaimed", "marginal") for group in _by_finding(by_verdict.get(v, []))]
     unrun = [peer.name for key, (peer, _) in missing.items() if key not in peers]
+    agreeing = [run for run in runs if run.failure is None]
+    fewest = min((min(run.world_sizes.values()) for run in agreeing if run.world_sizes), default=0)
     return ["## Summary", "",
+            f"{len(peers)} implementations and entry points, {len(runs)} runs (a dtype, a mask set, a pass), "
+            f"{len(agreeing)} of which agree, each on at least {fewest} examples on every world size "
+            f"({', '.join(map(str, WORLD_SIZES))}).", "",
             "**Agree everywhere they claim to work** (what disagrees is outside what they claim, or rounding "
             "just over the line, as said):", "", *agree, "",
             "**Disagree** (each defect in one sentence, where it shows; the sections below give the smallest "
