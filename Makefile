@@ -99,7 +99,7 @@ $(PEERS_VENV)/.installed: pyproject.toml
 
 # the PyTorch harness's own tests first (skipped by make test, which has no torch), then the peers
 conformance: $(PEERS_VENV)/.installed
-	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_harness.py
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_harness.py tests/test_conformance_runner.py
 	BPT=$(BPT) OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 2,4 --examples 20
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_jax_harness.py

@@ -5,6 +5,17 @@ from examples.torch_ring import TorchRing
 
 
 class ExampleRing(TorchRing):
-    """examples/torch_ring.py's TorchRing under a peer key."""
+    """examples/torch_ring.py's TorchRing under a peer key. It masks by position
+    (k <= q, causal), so causal padding keys (positions >= S, after every real
+    query) are never seen; it has no key mask, so its full rows take no padding;
+    its padding queries attend: the harness's `loss_ignores_padding`."""
     key, library = "examples/torch_ring", "striped-attention"
     conventions = "examples.torch_ring"          # the module whose docstring CONFORMANCE.md quotes
+    masks = ("causal", "full", "padding")
+    loss_ignores_padding = True
+    unsupported = {"padding, full": "no key mask (the example ring's mask is causal or none)"}
+
+    def supports(self, case):
+        if case.padded > case.S and not case.causal:
+            return self.unsupported["padding, full"]
+        return super().supports(case)

@@ -19,6 +19,8 @@ FINDINGS = [
     dict(key="ring-attention-pytorch/16-bit-raises",
          peer="ring-attention-pytorch/", dtype=("float16", "bfloat16"), phase=None,
          match="expected scalar type Float but found", kind="defect (raises)",
+         summary="16-bit inputs raise in the forward: float32 running sums meet 16-bit values in an einsum (line "
+                 "204).",
          text="16-bit inputs (float16, bfloat16) raise in the forward: the running row maxima and sums are "
               "float32 (`all_row_sums`, `all_row_maxes`, ring_flash_attention.py lines 124-125), so `exp_weights` "
               "is float32 and `einsum('b h i j, b j h d -> b i h d', exp_weights, vc)` (line 204) meets 16-bit "
@@ -26,12 +28,15 @@ FINDINGS = [
     dict(key="ring-attention-pytorch/float64-raises",
          peer="ring-attention-pytorch/", dtype="float64", phase=None, match="cannot be converted to type float",
          kind="defect (raises)",
+         summary="float64 inputs raise: a float32 tensor is filled with float64's most negative value (line 125).",
          text="float64 inputs raise in the forward: `torch.full((batch, heads, seq, 1), max_neg_value)` "
               "(ring_flash_attention.py line 125) makes a tensor of the default dtype, float32, filled with "
               "`max_neg_value = -torch.finfo(q.dtype).max` (line 119), which float32 cannot hold."),
     dict(key="ring-attention-pytorch/contiguous-buckets",
          peer="ring-attention-pytorch/contiguous", dtype=None, phase="forward", match=r"(out|lse): \d+ of",
          kind="defect",
+         summary="A bucket size that does not divide the rank's block lets queries see later keys (bucket numbering, "
+                 "lines 111, 152, 163).",
          text="With a bucket size that does not divide the rank's block c, a query sees keys after it. "
               "Buckets are numbered `ring_rank * per_machine_buckets + index` (lines 152, 163) with "
               "`per_machine_buckets = per_machine_seq_size // bucket_size` (line 111), which ignores the "
@@ -42,6 +47,8 @@ FINDINGS = [
     dict(key="ring-attention-pytorch/striped-buckets",
          peer="ring-attention-pytorch/striped", dtype=None, phase="forward", match=r"(out|lse): \d+ of",
          kind="defect",
+         summary="With more than one bucket per rank the striped mask is the whole-block rule applied to sub-blocks, "
+                 "wrongly (lines 183-185).",
          text="With more than one bucket per rank, the striped mask is wrong. It is "
               "`triu(int(row_bucket_index >= col_bucket_index))` on each (query bucket, key bucket) pair "
               "(lines 183-185), with bucket numbers `rank * per_machine_buckets + index`: the rule for "
@@ -53,6 +60,8 @@ FINDINGS = [
     dict(key="ring-attention-pytorch/dk-dv-swapped",
          peer="ring-attention-pytorch/", dtype=None, phase="backward", match="dk:",
          kind="defect",
+         summary="dk comes back as dK + dV of the rank's own keys and dv as dK + dV of the next rank's (`ring_pass` "
+                 "returns (received, sent), lines 383-385).",
          text="dK and dV come back wrong. After the last round the backward does "
               "`dkv = ring_pass(ring_size - max_ring_passes + 1, dkv)` and `dk, dv = dkv` "
               "(ring_flash_attention.py lines 383-385), but `ring_pass` returns the pair "
@@ -62,35 +71,59 @@ FINDINGS = [
               "of raising, so rank r returns dK + dV of its own keys as dk and dK + dV of rank r + 1's "
               "keys as dv (checked on N = 2 and 3: `peers/.venv/bin/python -m peers.conformance "
               "--explain-dkv`)."),
+    dict(key="ring-flash-attn/dq-in-bfloat16",
+         peer=("ring-flash-attn/contiguous", "ring-flash-attn/ring-varlen"), dtype="float32", phase="backward",
+         match=r"dq: [^\n]*\(\d{1,3}(\.\d+)?x\)$", kind="defect (float32 only, which flash-attn's kernels refuse)",
+         summary="float32 dq is returned rounded to bfloat16 (`dq.to(torch.bfloat16)`, line 154).",
+         verdict="unclaimed",                      # flash-attn takes no float32
+         text="float32 dq comes back rounded to bfloat16: `ring_flash_attn_backward` returns `dq.to(torch.bfloat16)` "
+              "whatever the input dtype (ring_flash_attn.py line 154, ring_flash_attn_varlen.py line 192; the "
+              "zigzag and stripe rings return `dq.to(q.dtype)`), and autograd casts it back: the dq got is the "
+              "bfloat16 rounding of the expected one (`python -c \"import ml_dtypes, numpy as np; "
+              "print(float(np.float32(-0.03556133511144763).astype(ml_dtypes.bfloat16)))\"` prints -0.03564453125, "
+              "the smallest case's). Within the float16 line (flash-attn's own dtypes), outside the float32 one."),
     dict(key="ring-flash-attn/float32-buffer-alias",
          peer="ring-flash-attn/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
          kind="defect (float32 only, which flash-attn's kernels refuse)",
+         summary="float32 gradients are wrong: `.to(torch.float32)` returns the kernel's reused buffer itself, which "
+                 "the next block overwrites.",
+         verdict="unclaimed",                      # flash-attn takes no float32
          text="float32 gradients are wrong: the backward starts its float32 accumulators with "
               "`dq = block_dq_buffer.to(torch.float32)` (and dk, dv; ring_flash_attn.py lines 134-136, "
-              "zigzag_ring_flash_attn.py 164-166, stripe_flash_attn.py 202-204), which for float32 inputs returns "
+              "zigzag_ring_flash_attn.py 164-166, stripe_flash_attn.py 202-204, ring_flash_attn_varlen.py 172-174, "
+              "zigzag_ring_flash_attn_varlen.py 283-285), which for float32 inputs returns "
               "the buffer itself, not a copy: the next block's kernel writes into that buffer, overwriting the sum, "
               "and `dq += block_dq_buffer` then adds the new block twice; dk and dv are sent from the buffer the "
               "next kernel overwrites. flash-attn itself takes only float16 and bfloat16, where `.to` copies; the "
               "stand-in takes float32, as a kernel that did would."),
     dict(key="ring-flash-attn/float32-sigmoid-merge",
-         peer="ring-flash-attn/", dtype="float32", phase="forward", match=r"out: \d+ of",
-         when=lambda case: case.kind == "large_logits", kind="over the line (marginal)",
-         text="A float32 out element just over the kit's line on scores in the hundreds: the ring merges blocks "
-              "as `out - sigmoid(block_lse - lse) * (out - block_out)` (utils.py line 47), whose difference "
-              "`out - block_out` and product round twice where the textbook weighted sum rounds once; read as "
-              "rounding at the edge of the error model, not a wrong result (no smaller case fails)."),
+         peer="ring-flash-attn/", dtype="float32", phase="forward", kind="over the line (marginal)",
+         summary="float32 out just over the line: the sigmoid merge rounds twice (utils.py line 47); with the "
+                 "weighted sum the same cases agree.",
+         match=r"out: \d+ of [^\n]*> tolerance \S+ \(1(\.\d+)?x\)",           # (less than twice the line)
+         text="A float32 out element just over the kit's line (1.0x-1.8x): the ring merges blocks as "
+              "`out - sigmoid(block_lse - lse) * (out - block_out)` (utils.py line 47), which rounds twice where the weighted sum "
+              "`exp(lse - new) * out + exp(block_lse - new) * block_out` rounds once, on small outputs that are "
+              "differences of larger ones (scores in the hundreds, or values that cancel). With the weighted sum in "
+              "its place the same cases agree: `peers/.venv/bin/python -m peers.conformance --explain-merge` "
+              "(peers/weighted_merge.py). Rounding at the edge of the error model, not a wrong result."),
     dict(key="torch-cp/float32-sigmoid-merge",
-         peer="torch-cp/", dtype="float32", phase="forward", match=r"out: \d+ of",
-         when=lambda case: case.kind == "large_logits", kind="over the line (marginal)",
-         text="A float32 out element just over the kit's line on scores in the hundreds: `_SDPAMerger` merges "
-              "blocks with ring-flash-attn's `out - sigmoid(block_lse - lse) * (out - block_out)` "
-              "(_context_parallel/_attention.py line 186), which rounds twice where the weighted sum rounds "
-              "once; read as rounding at the edge of the error model, not a wrong result (no smaller case "
-              "fails)."),
+         peer="torch-cp/", dtype="float32", phase="forward", kind="over the line (marginal)",
+         summary="float32 out just over the line: ring-flash-attn's sigmoid merge (line 186), which rounds twice.",
+         match=r"out: \d+ of [^\n]*> tolerance \S+ \(1(\.\d+)?x\)",           # (less than twice the line)
+         text="A float32 out element just over the kit's line (1.4x-1.8x): `_SDPAMerger` merges blocks with "
+              "ring-flash-attn's `out - sigmoid(block_lse - lse) * (out - block_out)` "
+              "(_context_parallel/_attention.py line 186), which rounds twice where the weighted sum rounds once; "
+              "on the padding case it returns ring-flash-attn's and yunchang's element to the bit "
+              "(0.0001157522201538086), and those agree with the weighted sum in its place "
+              "(`peers/.venv/bin/python -m peers.conformance --explain-merge`). Rounding at the edge of the error "
+              "model, not a wrong result."),
     dict(key="ring-flash-attn/llama3-window-not-causal",
          peer="ring-flash-attn/llama3", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
          match=r"(out|lse|d[qkv]): \d+ of",
          kind="defect (windows, not causal)",
+         summary="A window without the causal mask is misplaced: the last document's keys run on to its end (lines "
+                 "49-52).",
          text="A window without the causal mask is misplaced. `llama3_flash_attn_prepare_cu_seqlens` with "
               "causal=False lets the keys of this rank's last document run on to the document's end "
               "(llama3_flash_attn_varlen.py lines 49-52: 'when not causal, we hope the last k is full seq'), and "
@@ -100,6 +133,8 @@ FINDINGS = [
     dict(key="ring-flash-attn/window-block-local",
          peer="ring-flash-attn/", dtype=None, phase=None, masks="window", match=r"(out|lse|d[qkv]): \d+ of",
          kind="defect (windows)",
+         summary="A sliding window is measured in each block's local indices, so it is wrong beyond the diagonal "
+                 "block.",
          text="A sliding window is wrong beyond the diagonal block. Every ring (ring_flash_attn.py lines 45-49 "
               "and 123-127, zigzag_ring_flash_attn.py 44-48, stripe_flash_attn.py 48-52, ring_flash_attn_varlen.py "
               "68-72, zigzag_ring_flash_attn_varlen.py 129-133, and their backwards) passes its `window_size` on to "
@@ -111,6 +146,7 @@ FINDINGS = [
     dict(key="torch-cp/float64-in-float32",
          peer="torch-cp/", dtype="float64", phase=None, match=r"(out|lse|d[qkv]): \d+ of",
          kind="defect (float64 computed in float32)",
+         summary="float64 is merged and differentiated in float32 (lines 213-215, 512).",
          text="float64 inputs come back with float32 precision: `_SDPAMerger.step` converts every block's out "
               "and lse to float32 before merging (`if self._convert_to_f32: out = out.to(torch.float32)`, "
               "_context_parallel/_attention.py lines 213-215; `convert_to_f32` is on by default, line 75, meant "
@@ -119,6 +155,8 @@ FINDINGS = [
     dict(key="torch-cp/cpu-sdpa-negative-scale",
          peer="torch-cp/no-balance/ALL_GATHER/negative-scale", dtype=None, phase=None,
          match=r"got nan", kind="defect (torch's CPU SDPA kernel)",
+         summary="torch's CPU SDPA kernel returns NaN for causal attention with a negative scale, with no ring "
+                 "involved.",
          text="Causal attention with a negative scale is NaN on every row, and not because of the ring: torch's "
               "CPU SDPA kernel (`aten._scaled_dot_product_flash_attention_for_cpu`, what "
               "`torch.nn.functional.scaled_dot_product_attention` runs on a CPU) returns NaN for "
@@ -130,6 +168,8 @@ FINDINGS = [
          peer="ringmaster/allgather", dtype=None, phase=None, masks="window", when=lambda case: not case.causal,
          match=r"(out|d[qkv]): \d+ of",
          kind="defect (windows without the causal mask)",
+         summary="A window without the causal mask is misplaced: bottom-right alignment and the left size only "
+                 "(kernels.py lines 71-72).",
          text="A window without the causal mask is misplaced. `math_block` places the window bottom-right: "
               "`idx_q = arange(sq) + (sk - sq)` against all S gathered keys (kernels.py line 72), which is a "
               "query's global position only on the last rank, and it reads only the left size "
@@ -138,6 +178,7 @@ FINDINGS = [
     dict(key="ringmaster/allgather-16-bit-dk-dv-sum",
          peer="ringmaster/allgather", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
          kind="over the line (16-bit partial gradients summed in 16 bits)",
+         summary="16-bit dK, dV shares are summed across ranks in 16 bits (loop.py lines 83-90), just over the line.",
          text="dK, dV of 16-bit inputs are summed across ranks in the input dtype: each rank's share comes back "
               "through `.float()` in the input dtype, and `_AllGatherKV.backward` adds the shares with "
               "`dist.all_reduce` on gloo (loop.py lines 83-90) in that dtype, one rounding per rank where a "
@@ -145,6 +186,8 @@ FINDINGS = [
     dict(key="ringmaster/p2p-16-bit-gqa-sum",
          peer="ringmaster/p2p", dtype=("float16", "bfloat16"), phase="backward", match=r"d[kv]: \d+ of",
          kind="over the line (16-bit GQA gradients summed in 16 bits)",
+         summary="With grouped heads, 16-bit dK, dV are summed over the group in 16 bits (`repeat_interleave` outside"
+                 " its Function), just over the line.",
          text="With grouped heads, dK, dV of 16-bit inputs are rounded twice: `ring_p2p_attention` expands K, V "
               "with `repeat_interleave` before its autograd Function on a CPU (p2p_attn.py lines 286-290), whose "
               "backward returns each expanded head's float32 sum cast to the input dtype (line 281); autograd of "
@@ -152,15 +195,39 @@ FINDINGS = [
     dict(key="yunchang/backward-raises",
          peer="yunchang/", dtype=None, phase="backward", match="Not implemented backward",
          kind="not supported (its backward raises)",
+         summary="No backward: it raises \"Not implemented backward for PyTorch attention types\" "
+                 "(kernels/attention.py line 159).",
          text="The backward raises: `RingAttentionFunc.backward` calls `pytorch_attn_backward`, whose body is "
               "`raise RuntimeError(\"Not implemented backward for PyTorch attention types\")` "
               "(kernels/attention.py line 159); only the forward of this ring runs."),
     dict(key="yunchang/float64-in-float32",
          peer="yunchang/", dtype="float64", phase="forward", match=r"out: \d+ of",
          kind="defect (float64 computed in float32)",
+         summary="float64 is merged in float32 (ring/utils.py lines 17, 40).",
          text="float64 inputs come back with float32 precision: the merge casts every block's out to float32 "
               "(`block_out.to(torch.float32)`, ring/utils.py lines 17 and 40) and the result is cast back to the "
               "input dtype only at the end."),
+    dict(key="yunchang/window-ignored",
+         peer="yunchang/ring-pytorch", dtype=None, phase="forward", masks="window", match=r"out: \d+ of",
+         kind="defect (window ignored)",
+         summary="`window_size` is accepted and silently dropped (ring_pytorch_attn.py line 28): every window is "
+                 "wrong.",
+         text="A sliding window is ignored, silently: `ring_pytorch_attn_func` takes `window_size` "
+              "(ring/ring_pytorch_attn.py line 19) and drops it, calling `RingAttentionFunc.apply(group, q, k, v, "
+              "softmax_scale, causal)` (line 28); its block kernel `pytorch_attn_forward` takes a `window_size` too "
+              "(kernels/attention.py line 51) and does not pass it to SDPA (lines 66-73). Every query sees every key "
+              "the causal mask (or none) lets it see."),
+    dict(key="yunchang/float32-sigmoid-merge",
+         peer="yunchang/", dtype="float32", phase="forward", kind="over the line (marginal)",
+         summary="float32 out just over the line: ring-flash-attn's sigmoid merge (ring/utils.py line 24); with the "
+                 "weighted sum the case agrees.",
+         match=r"out: \d+ of [^\n]*> tolerance \S+ \(1(\.\d+)?x\)",           # (less than twice the line)
+         text="A float32 out element just over the kit's line (1.0x-1.8x): the merge is ring-flash-attn's, "
+              "`out - sigmoid(block_lse - lse) * (out - block_out)` (ring/utils.py line 24), which rounds twice where the weighted sum "
+              "`exp(lse - new) * out + exp(block_lse - new) * block_out` rounds once, on small outputs that are "
+              "differences of larger ones (scores in the hundreds, or values that cancel). With the weighted sum in "
+              "its place the same cases agree: `peers/.venv/bin/python -m peers.conformance --explain-merge` "
+              "(peers/weighted_merge.py). Rounding at the edge of the error model, not a wrong result."),
     dict(key="yunchang/ulysses-torch-attends-across-ranks",
          peer="yunchang/ulysses-torch-flash", dtype=None, phase="forward", match=r"out: \d+ of",
          kind="defect (attends to other ranks' heads)",
@@ -221,6 +288,7 @@ FINDINGS = [
     dict(key="yunchang/float32-buffer-alias",
          peer="yunchang/", dtype="float32", phase="backward", match=r"d[qkv]: \d+ of",
          kind="defect (float32 only, which flash-attn's kernels refuse)",
+         verdict="unclaimed",                      # flash-attn takes no float32
          text="float32 gradients are wrong, as in ring-flash-attn whose rings these are: the backward starts its "
               "float32 accumulators with `dq = block_dq_buffer.to(torch.float32)` (and dk, dv; "
               "ring/ring_flash_attn.py lines 123-125, zigzag_ring_flash_attn.py 147-149, stripe_flash_attn.py "
@@ -228,13 +296,6 @@ FINDINGS = [
               "overwrites the running sum. USP inherits it from its ring (hybrid/attn_layer.py line 128). "
               "flash-attn itself takes only float16 and bfloat16, where `.to` copies; the stand-in takes float32, "
               "as a kernel that did would."),
-    dict(key="yunchang/float32-sigmoid-merge",
-         peer="yunchang/", dtype="float32", phase="forward", match=r"out: \d+ of",
-         when=lambda case: case.kind == "large_logits", kind="over the line (marginal)",
-         text="A float32 out element just over the kit's line (1.01x) on scores in the hundreds: the ring merges "
-              "blocks as `out - sigmoid(block_lse - lse) * (out - block_out)` (ring/utils.py line 24), which "
-              "rounds twice where the weighted sum rounds once; read as rounding at the edge of the error model, "
-              "not a wrong result (no smaller case fails)."),
     dict(key="yunchang/window-block-local",
          peer="yunchang/", dtype=None, phase=None, masks="window", match=r"(out|lse|d[qkv]): \d+ of",
          kind="defect (windows)",
@@ -297,6 +358,8 @@ FINDINGS = [
     dict(key="bpt/float64-raises",
          peer="bpt/", dtype="float64", phase=None, match="output types match",
          kind="not supported (float64 raises)",
+         summary="float64 raises while tracing: float32 running sums meet float64 blocks in a `lax.cond` (lines "
+                 "182-188).",
          text="float64 inputs raise while tracing: with `float32_logits=True` (what llamabpt/llama.py passes, "
               "line 574) q and k are cast to float32 (bpt.py lines 28-29), so the running numerator, sum and max "
               "are float32 (lines 32-33, 62), while a block's `exp_values` meet float64 values (line 162) and a "

@@ -31,9 +31,9 @@ RESULTS = ROOT / "peers" / "results"
 WORLD_SIZES = (2, 3, 4)        # gloo cannot send a rank to itself, which every ring here does at N = 1
 PASSES = {"forward": FORWARD, "backward": BACKWARD}
 DTYPE_ORDER = ("float64", "float32", "float16", "bfloat16")
-MASK_ORDER = ("causal / full", "window", "documents", "padding")
+MASK_ORDER = ("causal / full", "window", "documents", "padding", "padding, full")
 # the packages every run names; each peer's own library is added to these
-COMMON = ("striped-attention", "numpy", "ml_dtypes", "hypothesis", "torch")
+COMMON = ("striped-attention", "numpy", "ml_dtypes", "hypothesis", "torch", "jax", "transformers")
 REPRO = "{env}peers/.venv/bin/python -m peers.conformance --repro {peer} {phase} \"{case!r}\""
 
 
@@ -45,7 +45,7 @@ class Peer:
     library: str
     layouts: tuple
     conventions: str = ""             # the adapter module's docstring
-    unsupported: dict = field(default_factory=dict)     # dtype -> why
+    unsupported: dict = field(default_factory=dict)     # a dtype or a mask set ("padding, full") -> why
     repro_env: str = ""               # what --repro needs in front (BPT=path/to/bpt.py )
 
     @classmethod
@@ -152,11 +152,25 @@ def _order(dtype, masks, phase):
 
 # -- the page ---------------------------------------------------------------
 
-def render(runs):
-    """CONFORMANCE.md from `runs` (in the order given)."""
+def render(runs, planned=()):
+    """CONFORMANCE.md from `runs` (in the order given); `planned`: (Peer, dtype, mask set) of
+    every cell the runner would run, so that those not stored show as not run."""
+    missing = _missing(runs, planned)
     lines = ["# Conformance: other projects' ring attention against this project's oracle", "",
-             header(runs), "", *summary(runs), *matrix(runs), *sections(runs)]
+             header(runs), "", *summary(runs, missing), *matrix(runs, missing), *sections(runs)]
     return "\n".join(lines) + "\n"
+
+
+def _missing(runs, planned):
+    """{peer key: (Peer, [(dtype, mask set), ...])} of the planned cells no run is stored for."""
+    stored = {(run.peer.key, run.dtype, run.masks) for run in runs}
+    missing = {}
+    for peer, dtype, masks in planned:
+        if (peer.key, dtype, masks) not in stored:
+            cells = missing.setdefault(peer.key, (peer, []))[1]
+            if (dtype, masks) not in cells:
+                cells.append((dtype, masks))
+    return missing
 
 
 def header(runs):
@@ -183,7 +197,9 @@ def header(runs):
 
 
 def _packages(runs):
-    return list(dict.fromkeys(COMMON + tuple(run.peer.library for run in runs)))
+    """The packages the runs name (COMMON and each peer's library), those installed for at least one run."""
+    names = dict.fromkeys(COMMON + tuple(run.peer.library for run in runs))
+    return [name for name in names if any(run.versions.get(name, "not installed") != "not installed" for run in runs)]
 
 
 def _stated(runs, label, value, skip=None):
@@ -199,42 +215,110 @@ def _stated(runs, label, value, skip=None):
     return prefix + " and ".join(f"{v} ({', '.join(dict.fromkeys(keys))})" for v, keys in by_value.items())
 
 
-def summary(runs):
-    """Per implementation: agrees everywhere it ran, or each kind of disagreement in one sentence."""
-    lines = ["## Summary", ""]
-    for key in dict.fromkeys(run.peer.key for run in runs):
-        mine = [run for run in runs if run.peer.key == key]
-        failed = [run for run in mine if run.failure is not None]
-        ran = f"{len(mine)} runs: " + ", ".join(dict.fromkeys(run.dtype for run in mine)) + "; " + \
-            ", ".join(dict.fromkeys(run.masks for run in mine))
-        if not failed:
-            lines.append(f"- **{mine[0].peer.name}** agrees in every run ({ran}).")
-            continue
-        kinds = {}
+def summary(runs, missing={}):
+    """Which implementations agree everywhere they claim to work, and each defect in one sentence."""
+    peers = {}
+    for run in runs:
+        peers.setdefault(run.peer.key, []).append(run)
+    agree, defects, other = [], [], []
+    for mine in peers.values():
+        name, failed = mine[0].peer.name, [run for run in mine if run.failure is not None]
+        by_verdict = {}
         for run in failed:
-            finding = run.finding()
-            label = finding["kind"] if finding else "not classified"
-            first = finding["text"].split(". ")[0].rstrip(".") + "." if finding else "see below."
-            kinds.setdefault((label, first), []).append(f"{run.dtype} {run.masks} {run.phase}")
-        lines.append(f"- **{mine[0].peer.name}** disagrees in {len(failed)} of {len(mine)} runs ({ran}):")
-        lines += [f"  - {label} ({'; '.join(where)}): {first}" for (label, first), where in kinds.items()]
-    return lines + [""]
+            by_verdict.setdefault(verdict(run.finding()), []).append(run)
+        ran = (f"{len(mine)} runs, {len(mine) - len(failed)} agree: " + ", ".join(dict.fromkeys(r.dtype for r in mine))
+               + "; " + ", ".join(dict.fromkeys(r.masks for r in mine)))
+        if mine[0].peer.key in missing:
+            ran += f"; {len(missing[mine[0].peer.key][1])} rows not run"
+        if "defect" not in by_verdict and len(failed) < len(mine):       # (and something agrees)
+            notes = [f"{_first(group[0])} ({_where(group)})" for v in ("marginal", "unclaimed")
+                     for group in _by_finding(by_verdict.get(v, []))]
+            agree.append(f"- **{name}** ({ran})" + (": " + " ".join(notes) if notes else "."))
+        else:
+            defects.append(f"- **{name}** ({ran}):")
+            defects += [f"  - {_label(group[0])} ({_where(group)}): {_first(group[0])}"
+                        for v in ("defect", "unclaimed", "marginal") for group in _by_finding(by_verdict.get(v, []))]
+    unrun = [peer.name for key, (peer, _) in missing.items() if key not in peers]
+    agreeing = [run for run in runs if run.failure is None]
+    fewest = min((min(run.world_sizes.values()) for run in agreeing if run.world_sizes), default=0)
+    return ["## Summary", "",
+            f"{len(peers)} implementations and entry points, {len(runs)} runs (a dtype, a mask set, a pass), "
+            f"{len(agreeing)} of which agree, each on at least {fewest} examples on every world size "
+            f"({', '.join(map(str, WORLD_SIZES))}).", "",
+            "**Agree everywhere they claim to work** (what disagrees is outside what they claim, or rounding "
+            "just over the line, as said):", "", *agree, "",
+            "**Disagree** (each defect in one sentence, where it shows; the sections below give the smallest "
+            "case, the first bad element, the lines of their code that explain it and the command that "
+            "reproduces it):", "", *defects, "",
+            *([f"**Not run yet**: {', '.join(unrun)} (`python -m peers.conformance --missing`).", ""] if unrun else [])]
 
 
-def matrix(runs):
+def verdict(finding):
+    """defect; marginal (rounding just over the line); unclaimed (outside what the peer claims: a
+    dtype its kernels refuse, a pass it does not implement). A failure no finding explains: defect."""
+    if finding is None:
+        return "defect"
+    kind = finding["kind"]
+    return finding.get("verdict") or ("marginal" if kind.startswith("over the line") else
+                                      "unclaimed" if kind.startswith("not supported") else "defect")
+
+
+def _by_finding(runs):
+    groups = {}
+    for run in runs:
+        finding = run.finding()
+        groups.setdefault(finding["key"] if finding else None, []).append(run)
+    return list(groups.values())
+
+
+def _label(run):
+    finding = run.finding()
+    return finding["kind"] if finding else "not classified"
+
+
+def _first(run):
+    """The finding in one sentence: its summary, or its text's first sentence."""
+    finding = run.finding()
+    if finding is None:
+        return "not classified: see below."
+    return finding.get("summary") or finding["text"].split(". ")[0].rstrip(".") + "."
+
+
+def _where(runs):
+    """Where a group of runs failed, shortest first: 'float16, bfloat16: window (forward, backward)'."""
+    cells = {}
+    for run in runs:
+        cells.setdefault((run.masks, run.phase), []).append(run.dtype)
+    by_dtypes = {}
+    for (masks, phase), dtypes in cells.items():
+        by_dtypes.setdefault(", ".join(dtypes), []).append((masks, phase))
+    parts = []
+    for dtypes, where in by_dtypes.items():
+        masks, phases = list(dict.fromkeys(m for m, _ in where)), list(dict.fromkeys(p for _, p in where))
+        if len(where) == len(masks) * len(phases):          # every mask set in every pass
+            parts.append(f"{dtypes}: {', '.join(masks)} ({', '.join(phases)})")
+        else:
+            parts.append(f"{dtypes}: " + ", ".join(f"{m} ({p})" for m, p in where))
+    return "; ".join(parts)
+
+
+def matrix(runs, missing={}):
     lines = ["## Matrix", "",
              "| implementation | version | layout | dtype | masks | forward | backward |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     table = {}
     for run in runs:
         table.setdefault((run.peer.key, run.dtype, run.masks), {})[run.phase] = run
-    for key in dict.fromkeys(run.peer.key for run in runs):
+    for key in dict.fromkeys([run.peer.key for run in runs] + list(missing)):
         mine = [run for run in runs if run.peer.key == key]
-        peer = mine[0].peer
-        version = _stated(mine, peer.library, lambda run: run.versions.get(peer.library, ""))
+        peer = mine[0].peer if mine else missing[key][0]
+        version = _stated(mine, peer.library, lambda run: run.versions.get(peer.library, "")) if mine else peer.library
         rows = [(dtype, masks, [cell(by_phase.get(phase)) for phase in PASSES])
                 for (k, dtype, masks), by_phase in table.items() if k == key]
-        rows += [(dtype, "any", [f"not supported: {why}"] * len(PASSES)) for dtype, why in peer.unsupported.items()]
+        rows += [(dtype, masks, ["not run"] * len(PASSES)) for dtype, masks in missing.get(key, (None, []))[1]]
+        # (what it does not take: a dtype, with any mask; or a mask set, "padding, full", in any dtype)
+        rows += [(what, "any", [f"not supported: {why}"] * len(PASSES)) if what in DTYPE_ORDER else
+                 ("any", what, [f"not supported: {why}"] * len(PASSES)) for what, why in peer.unsupported.items()]
         rows.sort(key=lambda row: _order(row[0], row[1], "forward"))
         lines += [f"| {peer.name} | {version} | {', '.join(peer.layouts)} | {dtype} | {masks} | " +
                   " | ".join(cells) + " |" for dtype, masks, cells in rows]
@@ -248,27 +332,35 @@ def matrix(runs):
 
 def sections(runs):
     """Per library: the adapters' conventions, then each failure: its smallest case, the
-    kit's message, the command that reproduces it and what explains it."""
+    kit's message, the command that reproduces it and what explains it (written out
+    the first time, then pointed to)."""
     lines = []
     for library in dict.fromkeys(run.peer.library for run in runs):
         mine = [run for run in runs if run.peer.library == library]
-        lines += [f"## {_stated(mine, library, lambda run: run.versions.get(library, ''))}", "",
-                  "Conventions (from the adapter):", ""]
-        lines += ["> " + line if line else ">" for line in mine[0].peer.conventions.splitlines()] + [""]
+        lines += [f"## {_stated(mine, library, lambda run: run.versions.get(library, ''))}", ""]
+        for conventions in dict.fromkeys(run.peer.conventions for run in mine):
+            lines += ["Conventions (from the adapter):", ""]
+            lines += ["> " + line if line else ">" for line in conventions.splitlines()] + [""]
+        explained = {}                  # finding key -> the heading that gives its text
         for run in mine:
             if run.failure is None:
                 continue
             case, message = run.failure
             finding = run.finding()
-            lines += [f"### {run.peer.name}, {run.dtype}, {run.masks}, {run.phase}: "
-                      f"{finding['kind'] if finding else 'not classified'}", ""]
+            heading = f"{run.peer.name}, {run.dtype}, {run.masks}, {run.phase}: " + \
+                (finding["kind"] if finding else "not classified")
+            lines += [f"### {heading}", ""]
             if case is not None:
                 command = REPRO.format(env=run.peer.repro_env, peer=run.peer.key, phase=run.phase, case=case)
                 lines += [f"Smallest case: `{case!r}`", "", "```", message.strip(), "```", "",
                           f"Reproduce: `{command}`", ""]
             else:
                 lines += ["```", _last_lines(message, 20), "```", ""]
-            if finding:
+            if finding and finding["key"] in explained:
+                lines += [f"{finding['summary'] if 'summary' in finding else ''} (Explained under "
+                          f"\"{explained[finding['key']]}\" above.)".lstrip(), ""]
+            elif finding:
+                explained[finding["key"]] = heading
                 lines += [finding["text"], ""]
     return lines
 

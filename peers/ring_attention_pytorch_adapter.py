@@ -24,6 +24,12 @@ Its conventions, and what this adapter does about them:
 - float16 and bfloat16: out and the products accumulate in the input dtype
   (`o = torch.zeros_like(q)`), so the adapter declares it as the accumulation
   dtype of 16-bit inputs;
+- padding (S not a multiple of N): its `mask` argument, (B, c) bool of this
+  rank's keys, travels round the ring with them (ring_flash_attention.py line
+  136) and is ignored when causal (lines 105-108: padding keys come after
+  every real query anyway); the adapter passes positions < S for full
+  attention. Its padding queries attend like real ones: the harness's
+  `loss_ignores_padding`;
 - the backward is its own (`RingFlashAttentionFunction.backward`), taken by the
   harness's autograd of sum(out * dout) through the head permutation.
 """
@@ -46,6 +52,8 @@ class RingAttentionPytorch(TorchAdapter):
     dtypes = ALL_DTYPES
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
+    masks = ("causal", "full", "padding")
+    loss_ignores_padding = True
 
     def __init__(self, layout, whole_buckets=False):
         self.layout, self.whole_buckets = layout, whole_buckets
@@ -81,7 +89,9 @@ class RingAttentionPytorch(TorchAdapter):
         back = torch.argsort(perm)
         q = shard.q if shard.q.requires_grad else shard.q.requires_grad_()      # lse is read from its autograd node
         bucket = case.tile_size if case.tile_size is not None else 1024
-        out = ring_flash_attn(q[:, :, perm], shard.k, shard.v, causal=case.causal, bucket_size=bucket,
+        padded = case.padded > case.S and not case.causal
+        mask = (shard.positions < case.S).expand(case.B, -1) if padded else None      # (B, c) real keys
+        out = ring_flash_attn(q[:, :, perm], shard.k, shard.v, mask, causal=case.causal, bucket_size=bucket,
                               ring_reduce_col=True, striped_ring_attn=self.layout == "striped")   # (B, c, Hq, D), its heads
         lse = out.grad_fn.saved_tensors[4][..., 0]                                # (B, Hq, c), its heads
         return dict(out=out[:, :, back], lse=lse[:, back])

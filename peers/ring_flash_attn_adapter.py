@@ -38,6 +38,13 @@ Its conventions, and what this adapter does about them:
 - a sliding window is passed on as flash-attn's `window_size=(W - 1, 0)`
   causal, `(W - 1, W - 1)` not (the kit's W keys, the query's own
   included): each ring hands it to every block's kernel;
+- padding (S not a multiple of the layout's unit): causal, the padding keys
+  come after every real query and are never seen; full attention would see
+  them: the functions take no mask (`ring_flash_attn_func(q, k, v,
+  dropout_p, softmax_scale, causal, window_size, alibi_slopes, ...)`,
+  ring_flash_attn.py lines 276-288), so the contiguous ring's full rows take
+  no padding. The padding queries attend like real ones: the harness's
+  `loss_ignores_padding`;
 - the backward is theirs (each function's autograd.Function saves q, k, v,
   out and lse), taken by the harness's autograd.
 """
@@ -58,12 +65,19 @@ class RingFlashAttn(TorchAdapter):
                               "blocks in float32 (utils.py lines 40, 63)"}
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
+    loss_ignores_padding = True
+    NO_KEY_MASK = ("no key mask: ring_flash_attn_func takes q, k, v, dropout_p, softmax_scale, causal, "
+                   "window_size, alibi_slopes (ring_flash_attn.py lines 276-288), so padding keys are seen "
+                   "by every query")
 
     def __init__(self, layout):
         self.layout = layout
         self.layouts = (layout,)
         # zigzag and stripe assert causal; every ring takes a window argument
-        self.masks = ("causal", "full", "window") if layout == "contiguous" else ("causal", "window")
+        self.masks = ("causal", "full", "window", "padding") if layout == "contiguous" else \
+            ("causal", "window", "padding")
+        if layout == "contiguous":
+            self.unsupported = {**self.unsupported, "padding, full": self.NO_KEY_MASK}
         self.key = f"ring-flash-attn/{layout}"
         self.name = f"ring-flash-attn {FUNCTIONS[layout]}"
 
@@ -78,6 +92,11 @@ class RingFlashAttn(TorchAdapter):
     @classmethod
     def stripe(cls):
         return cls("striped")
+
+    def supports(self, case):
+        if case.padded > case.S and not case.causal:
+            return self.NO_KEY_MASK
+        return super().supports(case)
 
     def accumulate_dtype(self, dtype):
         return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)

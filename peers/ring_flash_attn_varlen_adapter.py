@@ -31,11 +31,20 @@ Its conventions, and what this adapter does about them:
   back in it), float32 run through the stand-in, float64 not run;
 - `llama3_flash_attn_varlen_func` is called with heads_k_stride = 1 (K, V
   gathered one kv head at a time; it requires Hkv % heads_k_stride == 0);
+- padding (S not a multiple of N, or 2N): the padding tokens are the packed
+  sequence's last ones. llama3 takes them as a document of their own, which
+  no real query sees; the ring and zigzag functions cut every document in N
+  (2N) equal pieces, so the padding (fewer tokens) joins the last document:
+  causal, no real query sees it (it comes after them all); full attention
+  would, so their full rows take no padding (the functions take no mask but
+  cu_seqlens). Padding queries that attend: the harness's `loss_ignores_padding`;
 - the backward is theirs (each function's autograd.Function saves q, k, v,
   out, lse), taken by the harness's autograd.
 """
 
 import numpy as np
+
+from reference.testing.harness.torch import TorchAdapter
 
 from .ring_flash_attn_adapter import RingFlashAttn, load_rings, window_size
 
@@ -43,9 +52,13 @@ FUNCTIONS = {"ring": "ring_flash_attn_varlen_func", "zigzag": "zigzag_ring_flash
              "llama3": "llama3_flash_attn_varlen_func"}
 
 
-def document_ranges(case):
-    """[(start, end)] of every document (one, the whole sequence, without cu_seqlens)."""
-    cu = case.cu_seqlens if case.cu_seqlens is not None else (0, case.S)
+def document_ranges(case, padding_alone=False):
+    """[(start, end)] of every document (one, the whole sequence, without
+    cu_seqlens) over the P positions: the padding (S .. P - 1) a document of
+    its own, or the end of the last one."""
+    cu = list(case.cu_seqlens if case.cu_seqlens is not None else (0, case.S))
+    if case.padded > case.S:
+        cu = cu + [case.padded] if padding_alone else cu[:-1] + [case.padded]
     return list(zip(cu[:-1], cu[1:]))
 
 
@@ -57,7 +70,7 @@ def per_document_positions(case, chunks_of_rank):
     for r in range(n):
         chunks, count = chunks_of_rank(r)
         row = []
-        for start, end in document_ranges(case):
+        for start, end in document_ranges(case):            # (the padding joins the last document)
             size = (end - start) // count
             for i in chunks:
                 row.extend(range(start + i * size, start + (i + 1) * size))
@@ -68,12 +81,19 @@ def per_document_positions(case, chunks_of_rank):
 class RingFlashAttnVarlen(RingFlashAttn):
     """The dense rings' dtypes, accumulation and preload; its own sharding and call."""
     max_batch = 1
+    PADDING_IN_LAST_DOCUMENT = ("every document is cut in N equal pieces, so the padding (fewer than N tokens) "
+                                "joins the last document, where full attention sees it; no mask but cu_seqlens")
 
     def __init__(self, function):
         self.function = function
         self.layouts = ("zigzag",) if function == "zigzag" else ("contiguous",)
         self.masks = ("causal", "window", "cu_seqlens") if function == "zigzag" else \
             ("causal", "full", "window", "cu_seqlens")                 # (zigzag asserts causal)
+        self.masks += ("padding",)
+        self.padding_alone = function == "llama3"
+        self.unsupported = dict(self.unsupported)
+        if function == "ring":
+            self.unsupported["padding, full"] = self.PADDING_IN_LAST_DOCUMENT
         self.key = f"ring-flash-attn/{function}-varlen"
         self.name = f"ring-flash-attn {FUNCTIONS[function]}"
 
@@ -91,9 +111,12 @@ class RingFlashAttnVarlen(RingFlashAttn):
     def supports(self, case):
         if case.B != 1:
             return "one packed sequence (B = 1)"
-        if any((end - start) % self.document_multiple(case.n_devices) for start, end in document_ranges(case)):
+        if case.padded > case.S and not case.causal and not self.padding_alone:
+            return self.PADDING_IN_LAST_DOCUMENT
+        if any((end - start) % self.document_multiple(case.n_devices)
+               for start, end in document_ranges(case, self.padding_alone)):
             return f"every document a multiple of {self.document_multiple(case.n_devices)} tokens"
-        return super().supports(case)
+        return TorchAdapter.supports(self, case)              # (not the dense rings': padding is a document here)
 
     def rings(self):
         """The module(s) whose functions (FUNCTIONS) run: ring-flash-attn's."""
@@ -103,7 +126,7 @@ class RingFlashAttnVarlen(RingFlashAttn):
         import torch
         rings = self.rings()
         q, k, v = shard.q[0], shard.k[0], shard.v[0]                         # (c, H, D): no batch
-        cu = torch.tensor([0] + [end for _, end in document_ranges(case)], dtype=torch.int32)
+        cu = torch.tensor([0] + [end for _, end in document_ranges(case, self.padding_alone)], dtype=torch.int32)
         options = dict(softmax_scale=case.scale_value, causal=case.causal, window_size=window_size(case),
                        return_attn_probs=True)
         if self.function == "llama3":

@@ -27,6 +27,14 @@ Its conventions, and what this adapter does about them:
 - a window is `window=(W - 1, ...)` for the all-gather path (`math_block` reads
   the left size only, aligned bottom-right); the p2p path refuses windows
   (`ValueError`), so its rows take none; zigzag is causal only;
+- padding (S not a multiple of N, or 2N): the packed zigzag path takes the
+  padding as a document of its own (cu_seqlens ending ..., S, P), which no
+  real query sees; for ring_attention, causal, the padding keys come after
+  every real query and are never seen, and full attention would see them:
+  it takes no mask (`ring_attention(q, k, v, *, group, causal, scaling,
+  dropout, provider, rotate_method, attn_implementation, window)`, loop.py
+  lines 20-33), so its full rows take no padding. Padding queries that
+  attend: the harness's `loss_ignores_padding`;
 - the backward is theirs (autograd through `_AllGatherKV` and the block, or
   the autograd Functions), taken by the harness's autograd.
 """
@@ -46,6 +54,10 @@ class Ringmaster(TorchAdapter):
     outputs = ("out", "dq", "dk", "dv")
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
+    loss_ignores_padding = True
+    NO_KEY_MASK = ("no key mask: ring_attention takes q, k, v, group, causal, scaling, dropout, provider, "
+                   "rotate_method, attn_implementation, window (loop.py lines 20-33), so padding keys are seen "
+                   "by every query")
 
     def __init__(self, entry):
         self.entry = entry
@@ -53,9 +65,15 @@ class Ringmaster(TorchAdapter):
         self.name = f"axolotl-ringmaster {ENTRIES[entry]}"
         self.layouts = ("zigzag",) if entry == "zigzag-packed" else ("contiguous",)
         self.masks = {"allgather": ("causal", "full", "window"), "p2p": ("causal", "full"),
-                      "zigzag-packed": ("causal", "cu_seqlens")}[entry]
+                      "zigzag-packed": ("causal", "cu_seqlens")}[entry] + ("padding",)
+        self.unsupported = {} if entry == "zigzag-packed" else {"padding, full": self.NO_KEY_MASK}
         if entry == "zigzag-packed":
             self.max_batch = 1
+
+    def supports(self, case):
+        if case.padded > case.S and not case.causal:
+            return self.NO_KEY_MASK
+        return super().supports(case)
 
     def accumulate_dtype(self, dtype):
         if np.dtype(dtype) == np.float64:
@@ -71,7 +89,8 @@ class Ringmaster(TorchAdapter):
         if self.entry == "zigzag-packed":
             import torch
             from ringmaster.ring.zigzag import zigzag_ring_attention
-            cu = torch.tensor(case.cu_seqlens or (0, case.S), dtype=torch.int32)
+            cu = (case.cu_seqlens or (0, case.S)) + ((case.padded,) if case.padded > case.S else ())
+            cu = torch.tensor(cu, dtype=torch.int32)                              # the padding: a document of its own
             g = case.Hq // case.Hkv                                                # heads expanded here
             k, v = (x.repeat_interleave(g, dim=1) for x in (k, v))
             return dict(out=zigzag_ring_attention(q, k, v, group=group, scaling=case.scale_value, cu_seqlens=cu))

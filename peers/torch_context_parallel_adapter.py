@@ -32,6 +32,13 @@ Its conventions, and what this adapter does about them:
   dtype, as each block's out comes back in it; the backward accumulates dQ,
   dK, dV in float32 and sends dK, dV round the ring in float32;
 - what it saves for the backward: q, k, v, out and lse (the adapter's autograd Function);
+- padding (S not a multiple of N, or 2N): causal, the padding keys come
+  after every real query and are never seen; full attention (no balancer)
+  would see them: the ring hands the same keyword arguments to every block's
+  op whatever keys came round (`op(q, k, v, is_causal=..., **kwargs)`,
+  _context_parallel/_attention.py lines 475-481), so an `attn_mask` of this
+  rank's keys cannot mask them: its full rows take no padding. Padding
+  queries attend like real ones: the harness's `loss_ignores_padding`;
 - causal with a negative scale: the CPU SDPA kernel itself returns NaN for
   every row (`torch.nn.functional.scaled_dot_product_attention(q, k, v,
   is_causal=True, scale=-0.7)` on the CPU, no ring involved); those cases
@@ -81,23 +88,30 @@ class TorchContextParallel(TorchAdapter):
     dtypes = ALL_DTYPES
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
+    loss_ignores_padding = True
+    NO_KEY_MASK = ("no key mask: every block's op gets the same keyword arguments whatever keys came round "
+                   "(_context_parallel/_attention.py lines 475-481), so padding keys are seen by every query")
 
     def __init__(self, load_balance, rotate, negative_scales=False):
         self.load_balance, self.rotate, self.negative_scales = load_balance, rotate, negative_scales
         self.layouts = ("zigzag",) if load_balance else ("contiguous",)
-        self.masks = ("causal",) if load_balance else ("causal", "full")
+        self.masks = ("causal", "padding") if load_balance else ("causal", "full", "padding")
+        if not load_balance:
+            self.unsupported = {"padding, full": self.NO_KEY_MASK}
         self.key = f"torch-cp/{'head-tail' if load_balance else 'no-balance'}/{rotate}" + \
             ("/negative-scale" if negative_scales else "")
         self.name = (f"torch context parallel ring ({'head-tail balancer' if load_balance else 'no balancer'}, "
                      f"{rotate.replace('_', '-').lower()}" + (", causal, scale < 0)" if negative_scales else ")"))
         if negative_scales:                                   # the one run that shows the CPU kernel's NaN
-            self.dtypes = (np.float32,)
+            self.dtypes, self.masks, self.unsupported = (np.float32,), ("causal", "full"), {}
 
     def supports(self, case):
         negative = case.causal and case.scale is not None and case.scale < 0
         if negative != self.negative_scales:
             return ("causal with a negative scale: torch's CPU SDPA kernel returns NaN (the "
                     "'causal, scale < 0' row)" if negative else "only causal cases with a negative scale")
+        if case.padded > case.S and not case.causal:
+            return self.NO_KEY_MASK
         return super().supports(case)
 
     def accumulate_dtype(self, dtype):

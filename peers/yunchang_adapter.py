@@ -18,6 +18,15 @@ Its conventions, and what this adapter does about them:
   kernels/attention.py line 135) and its out comes back in it before the
   float32 merge (ring/utils.py), so 16-bit inputs are declared to
   accumulate in their own dtype;
+- `window_size` is a parameter of `ring_pytorch_attn_func`
+  (ring/ring_pytorch_attn.py line 19) and of the block kernel
+  (kernels/attention.py line 51); the adapter passes the kit's window as
+  flash-attn's (W - 1, 0) causal, (W - 1, W - 1) not;
+- padding (S not a multiple of N): causal, the padding keys come after every
+  real query and are never seen; full attention would see them: the function
+  takes no mask (its parameters, ring_pytorch_attn.py lines 12-27), so its
+  full rows take no padding. Padding queries attend like real ones: the
+  harness's `loss_ignores_padding`;
 - causal cases with a negative scale are skipped: the CPU kernel put in
   for the CUDA one returns NaN for them (CONFORMANCE.md, the torch context
   parallel row "causal, scale < 0"), which says nothing of yunchang;
@@ -31,6 +40,8 @@ import numpy as np
 from reference.testing import ALL_DTYPES
 from reference.testing.harness.torch import TorchAdapter
 
+from .ring_flash_attn_adapter import window_size
+
 
 class Yunchang(TorchAdapter):
     library = "yunchang"
@@ -41,6 +52,12 @@ class Yunchang(TorchAdapter):
     outputs = ("out", "dq", "dk", "dv")
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
+    masks = ("causal", "full", "window", "padding")
+    loss_ignores_padding = True
+    NO_KEY_MASK = ("no key mask: ring_pytorch_attn_func takes q, k, v, dropout_p, softmax_scale, causal, "
+                   "window_size, softcap, alibi_slopes, ... (ring_pytorch_attn.py lines 12-27), so padding keys "
+                   "are seen by every query")
+    unsupported = {"padding, full": NO_KEY_MASK}
 
     def accumulate_dtype(self, dtype):
         return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
@@ -48,6 +65,8 @@ class Yunchang(TorchAdapter):
     def supports(self, case):
         if case.causal and case.scale is not None and case.scale < 0:
             return "causal with a negative scale: the CPU SDPA kernel returns NaN (see the torch context parallel rows)"
+        if case.padded > case.S and not case.causal:
+            return self.NO_KEY_MASK
         return super().supports(case)
 
     def compute(self, case, shard):
@@ -58,5 +77,5 @@ class Yunchang(TorchAdapter):
         g = case.Hq // case.Hkv
         k, v = (x.repeat_interleave(g, dim=2) for x in (shard.k, shard.v))
         out = ring_pytorch_attn_func(shard.q, k, v, softmax_scale=case.scale_value, causal=case.causal,
-                                     group=torch.distributed.group.WORLD)
+                                     window_size=window_size(case), group=torch.distributed.group.WORLD)
         return dict(out=out)                                                   # (B, c, Hq, D)

@@ -119,3 +119,48 @@ def test_a_finding_stored_with_a_run_explains_it_where_findings_no_longer_match(
     (back,) = results.load(tmp_path)
     assert back.finding()["key"] == "ring-flash-attn/float32-buffer-alias"
     assert "**defect (float32 only, which flash-attn's kernels refuse)** (0; )" in results.render([back])
+
+
+def test_what_a_peer_does_not_take_is_a_row_of_a_dtype_or_of_a_mask_set():
+    peer = Peer(key="p/q", name="p q", library="p", layouts=("contiguous",),
+                unsupported={"float64": "no float64", "padding, full": "no key mask"})
+    page = results.render([agreeing(peer=peer)])
+    assert "| p q | p ? | contiguous | float64 | any | not supported: no float64 | not supported: no float64 |" in page
+    assert "| p q | p ? | contiguous | any | padding, full | not supported: no key mask | not supported: no key mask |" \
+        in page
+
+
+def test_the_summary_puts_a_peer_whose_only_disagreement_is_rounding_among_those_that_agree():
+    marginal = Run(CONTROL, "float32", "causal / full", "forward", examples=50, world_sizes=Counter({2: 40, 3: 10}),
+                   failure=(SMALLEST, "out: 1 of 4 elements out of tolerance; first at (0, 3, 0, 0): got 0.5, "
+                                      "expected 0.25, error 3e-08 > tolerance 2e-08 (1.5x)"),
+                   stored_finding="ring-flash-attn/float32-sigmoid-merge", date="2026-12-02")
+    lines = results.summary([agreeing(), marginal, failing()])
+    agree, disagree = lines[lines.index("**Agree everywhere they claim to work** (what disagrees is outside what "
+                                        "they claim, or rounding just over the line, as said):"):], []
+    split = next(i for i, line in enumerate(agree) if line.startswith("**Disagree**"))
+    agree, disagree = agree[:split], agree[split:]
+    assert any(line.startswith("- **examples.torch_ring** (2 runs, 1 agree") and "sigmoid merge" in line
+               for line in agree)
+    assert "- **ring-flash-attn zigzag_ring_flash_attn_func** (1 runs, 0 agree: float16; window):" in disagree
+    assert any("defect (windows) (float16: window (forward)): A sliding window is measured" in line
+               for line in disagree)
+
+
+def test_a_finding_is_written_out_once_per_library_and_pointed_to_after():
+    page = results.render([failing("forward"), failing("backward")])
+    text = "A sliding window is wrong beyond the diagonal block. Every ring"
+    assert page.count(text) == 1
+    assert ('(Explained under "ring-flash-attn zigzag_ring_flash_attn_func, float16, window, forward: '
+            'defect (windows)" above.)') in page
+
+
+def test_a_planned_cell_that_is_not_stored_shows_as_not_run():
+    never = Peer(key="x/y", name="x y", library="x", layouts=("striped",))
+    page = results.render([agreeing()], planned=[(CONTROL, "float32", "causal / full"), (CONTROL, "float16", "window"),
+                                                 (never, "float64", "causal / full")])
+    assert "| examples.torch_ring | striped-attention 0.1.0 | contiguous, striped | float16 | window | not run | " \
+           "not run |" in page
+    assert "| x y | x | striped | float64 | causal / full | not run | not run |" in page
+    assert "**Not run yet**: x y (`python -m peers.conformance --missing`)." in page
+    assert "(1 runs, 1 agree: float32; causal / full; 1 rows not run)" in page

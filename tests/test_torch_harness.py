@@ -67,6 +67,25 @@ def test_planted_mask_bug_is_caught_and_shrunk():
     assert "off by one differs from the float64 oracle" in message and "out:" in message
 
 
+class CausalPadded(TorchRing):
+    """The example ring on padded sequences, causal: real queries never see the padding keys
+    (they come after every real token), but the padding queries attend to real keys."""
+    name = "causal padded"
+    masks = ("causal", "padding")
+
+
+class LossIgnoresPadding(CausalPadded):
+    loss_ignores_padding = True
+
+
+def test_a_loss_that_ignores_padding_keeps_padding_queries_gradients_off_real_keys():
+    case = Case("striped", 2, 1, 3, 1, 1, 2, None, True, None, np.float64, "gaussian", 0)     # P = 4: one padding token
+    assert case.padded > case.S
+    check_ring_attention(LossIgnoresPadding(), case)
+    with pytest.raises(AssertionError, match="dk: "):          # the padding query's gradient lands on real keys
+        check_ring_attention(CausalPadded(), case)
+
+
 def test_bfloat16_round_trips():
     import ml_dtypes
     x = np.array([1.0, -2.5, 3.140625, 1e-3], dtype=ml_dtypes.bfloat16)

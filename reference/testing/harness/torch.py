@@ -83,9 +83,14 @@ class TorchAdapter(Adapter):
     `timeout`: seconds one example may take on every rank together;
     `preload`: modules (the ring's library) the ranks import before they are
     forked, once, so that a world started after a failure starts at once
-    (taken from the adapter that starts the first world of the process)."""
+    (taken from the adapter that starts the first world of the process).
+    `loss_ignores_padding`: for a ring whose padding queries (positions >= S)
+    attend like real ones (it has no query mask): the harness zeroes dout at
+    padding positions, as a loss that leaves padding out does, so that they
+    carry no gradient to real keys."""
     timeout = 120
     preload = ()
+    loss_ignores_padding = False
 
     def compute(self, case, shard):
         raise NotImplementedError
@@ -276,6 +281,9 @@ def _answer(adapter, case, mine, rank, n):
     q, k, v = (to_torch(mine[name]).requires_grad_(adapter.backward) for name in ("q", "k", "v"))
     shard = RankShard(q=q, k=k, v=v, dout=to_torch(mine["dout"]), positions=torch.from_numpy(mine["positions"]),
                       rank=rank, world_size=n)
+    if adapter.loss_ignores_padding:
+        real = (shard.positions < case.S).to(shard.dout.dtype)                  # (c,) 0 at padding positions
+        shard.dout = shard.dout * real[None, :, None, None]
     result = adapter.compute(case, shard)
     if not isinstance(result, dict):
         raise TypeError(f"{type(adapter).__name__}.compute must return a dict of out, lse (dq, dk, dv), "
