@@ -469,9 +469,7 @@ class QueuedStep(Step):
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, counts = self._plan(queries, block, mask, tile_size)
         acc.seen |= any_visible(queries.pos, block.pos, mask)
-        # a launch copies its arguments: the positions' values, the arrays' addresses
-        acc, queries, launched = (self.gpu.by_address(x) for x in
-                                  (acc, queries, block._replace(pos=np.array(block.pos))))
+        acc, queries, launched = (self.gpu.by_address(x) for x in (acc, queries, self._launched(block)))
         self.gpu.queue_kernel(lambda: self.inner.forward_tiles(acc, queries, launched, plan))
         return counts
 
@@ -479,9 +477,16 @@ class QueuedStep(Step):
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, counts = self._plan(queries, block, mask, tile_size)
         grads, queries, rows, launched = (self.gpu.by_address(x) for x in
-                                          (grads, queries, rows, block._replace(pos=np.array(block.pos))))
+                                          (grads, queries, rows, self._launched(block)))
         self.gpu.queue_kernel(lambda: self.inner.backward_tiles(grads, queries, rows, launched, plan))
         return counts
+
+    @staticmethod
+    def _launched(block):
+        # a launch copies its arguments: the host values a step reads (the keys'
+        # positions, the owner and its finiteness flag), the arrays' addresses
+        assert isinstance(block.source, np.ndarray), "a block's owner and flag must be on the host"
+        return block._replace(pos=np.array(block.pos), source=np.array(block.source))
 
     def _plan(self, queries, block, mask, tile_size):
         from reference.step import _count
