@@ -65,6 +65,12 @@ CASES = [
     ("ring-flash-attn/zigzag-varlen", WeightedVarlen("zigzag"),
      "Case(layout='zigzag', n_devices=2, B=1, S=8, Hq=2, Hkv=1, D=7, tile_size=None, causal=True, scale=1.0, "
      "dtype=np.float32, kind='exact', seed=1, cu_seqlens=(0, 4, 8))"),
+    ("ring-flash-attn/contiguous", WeightedRing("contiguous"),
+     "Case(layout='contiguous', n_devices=2, B=2, S=14, Hq=4, Hkv=2, D=7, tile_size=1, causal=True, scale=1.0, "
+     "dtype=np.float32, kind='gaussian', seed=2)"),
+    ("yunchang/ring-pytorch", WeightedYunchang(),
+     "Case(layout='contiguous', n_devices=3, B=2, S=47, Hq=2, Hkv=1, D=2, tile_size=None, causal=True, "
+     "scale=None, dtype=np.float32, kind='large_logits', seed=1125734)"),
     ("yunchang/ring-pytorch", WeightedYunchang(),
      "Case(layout='contiguous', n_devices=2, B=2, S=25, Hq=3, Hkv=1, D=6, tile_size=None, causal=True, "
      "scale=1.0, dtype=np.float32, kind='exact', seed=29811)"),
