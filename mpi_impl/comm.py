@@ -43,12 +43,17 @@ object stages what MPI sends. Hazards, and what handles each:
   communicator the ring runs on: on a sub-communicator the message says so
   ("rank 1 of the 3-rank communicator (world rank 2)"). `named_rank` puts the
   rank in front of any other error raised inside the ring;
-- a neighbour that left the ring (an exception, `sys.exit` included, ended its
-  ring call) tells both its neighbours before it goes (ring tag 0 carries the
-  reason), so that a rank waiting for it says "rank 1 left the ring" instead of
-  failing with MPI's bare error or waiting for ever. The rank that leaves
-  cancels its receives and completes its sends first, so that MPI never reads
-  its freed memory after Python exits.
+- every rank ends its ring call with one notice to each neighbour (ring tag 0):
+  "done" from `close`, or, from a rank that left the ring (an exception,
+  `sys.exit` included, ended its ring call), the reason. A rank waiting for a
+  transfer waits for the neighbour's notice too, so that it says "rank 1 left
+  the ring" instead of failing with MPI's bare error or waiting for ever; and
+  `close` waits for both neighbours' notices, so that a neighbour that left
+  after its last transfer with this rank is named too, however late its notice
+  comes (without that, the call would return into the next collective, which
+  would wait for the rank that left for ever). The rank that leaves cancels its
+  receives and completes its sends first, so that MPI never reads its freed
+  memory after Python exits.
 
 Where the bytes live is the `memory` object's business (three verbs, below):
 `HostMemory`, the default, hands MPI the arrays as they are (NumPy; or CuPy
@@ -243,13 +248,12 @@ class RingComm:
 
     def close(self):
         """Wait for the sends still in flight (each neighbour receives every
-        block it was sent), take back this rank's notices, free the
-        communicator `on` duplicated. Every shift started must have been
-        finished, and a neighbour that left the ring meanwhile (after its last
-        transfer with this rank) makes the call fail here too: the ring call is
-        collective, and the next collective would wait for that rank for ever.
-        Closing again does nothing (the notices were taken back: reading them
-        again would read what a cancelled receive left)."""
+        block it was sent), tell both neighbours this rank is done, wait for
+        both neighbours' notices, free the communicator `on` duplicated. Every shift
+        started must have been finished, and a neighbour that left the ring
+        meanwhile (after its last transfer with this rank) makes the call fail
+        here too: the ring call is collective, and the next collective would
+        wait for that rank for ever. Closing again does nothing."""
         if self._closed:
             return
         try:
@@ -259,16 +263,18 @@ class RingComm:
                                       + ", ".join(f"the {s.what} of round {s.round}" for s in unfinished))
             for shift in list(self._active):
                 self._wait_sends(shift, lambda array: True)
+            if self._notices is not None:
+                self._notices.tell(DONE)
             for peer in dict.fromkeys((self.prev, self.next)) if self._notices is not None else ():
-                said = self._notices.reason(peer)
+                said = self._notices.end(peer)
                 if said is not None:
                     raise RingError(f"{rank_name(self.comm)}: {rank_name(self.comm, peer)} left the ring ({said}) "
                                     "before its end here")
+            if self._notices is not None:
+                self._notices.delivered()
         except BaseException as error:
             self.leave(error)
             raise
-        if self._notices is not None:
-            self._notices.withdraw()
         self._free()
 
     free = close        # the name earlier callers use
@@ -287,10 +293,13 @@ class RingComm:
         """This rank's ring call ended with `error`: tell both neighbours (they
         stop waiting for this rank and say why), cancel the receives in flight,
         complete the sends (their receivers wait for them) unless the receiver
-        left too, and free the communicator. Once closed or left, nothing more."""
+        left too, and free the communicator. Once closed or left, nothing more.
+        A rank whose `close` failed after it said "done" tells nothing more:
+        its neighbours took its one notice already, and fail on their own
+        (they were waiting for the same neighbour) or carry on."""
         if self._closed:
             return
-        if self._notices is not None:
+        if self._notices is not None and not self._notices.told:
             _quietly(lambda: self._notices.tell(f"{type(error).__name__}: {error}"))
         for shift in list(self._active):
             for _, request in shift.receives:
@@ -409,9 +418,10 @@ class _NeighbourLeft(Exception):
 
 
 class _Notices:
-    """Word between neighbours that one of them left the ring: each rank keeps
-    a receive posted for a notice from either neighbour, and waits for a
-    transfer or that notice, whichever comes first."""
+    """Word between neighbours at the end of a ring call: each rank keeps a
+    receive posted for one notice from either neighbour ("done", or the reason
+    it left the ring), and waits for a transfer or that notice, whichever
+    comes first."""
 
     def __init__(self, comm, prev, next):
         self.comm, self.prev, self.next = comm, prev, next      # no reference back: no cycle to collect
@@ -419,48 +429,87 @@ class _Notices:
         self._peers = {FROM_PREV: prev, FROM_NEXT: next}
         self._requests = {tag: comm.Irecv(self._buffers[tag], source=self._peers[tag], tag=tag)
                           for tag in (FROM_PREV, FROM_NEXT)}
-        self._said = {}             # tag -> the reason a neighbour gave
+        self._said = {}             # tag -> what the neighbour said: DONE, or the reason it left
+        self.told = False           # this rank sent its own notices
+        self._sent = []             # [(Isend request, buffer)] of those notices
 
     def _tag(self, peer):
         return FROM_PREV if peer == self.prev else FROM_NEXT
 
+    def _read(self, tag):
+        self._said[tag] = bytes(self._buffers[tag]).rstrip(b"\0").decode(errors="replace")
+
     def wait(self, request, peer):
-        """Wait for `request` or the notice from `peer`; raise _NeighbourLeft for the notice."""
+        """Wait for `request` or the notice from `peer`; raise _NeighbourLeft
+        if `peer` left. A neighbour that said "done" finished every transfer
+        with this rank, so `request` completes: it is waited for."""
         tag = self._tag(peer)
-        if tag not in self._said and request.Waitany([request, self._requests[tag]]) == 0:
-            return
-        raise _NeighbourLeft(self.reason(peer))
+        if tag not in self._said:
+            if request.Waitany([request, self._requests[tag]]) == 0:
+                return
+            self._read(tag)
+        if self._said[tag] != DONE:
+            raise _NeighbourLeft(self._said[tag])
+        request.Wait()
 
     def reason(self, peer):
         """What `peer` said when it left, or None if it has not (tested now)."""
         tag = self._tag(peer)
         if tag not in self._said and self._requests[tag].Test():
-            self._said[tag] = bytes(self._buffers[tag]).rstrip(b"\0").decode(errors="replace")
-        return self._said.get(tag)
+            self._read(tag)
+        return self._said.get(tag) or None
+
+    def end(self, peer):
+        """Wait for the notice from `peer` (both, when `peer` is both
+        neighbours); return the reason it left, or None if it said "done"."""
+        for tag in (FROM_PREV, FROM_NEXT):
+            if self._peers[tag] == peer and tag not in self._said:
+                self._requests[tag].Wait()
+                self._read(tag)
+        return next((self._said[tag] for tag in (FROM_PREV, FROM_NEXT)
+                     if self._peers[tag] == peer and self._said[tag] != DONE), None)
 
     def tell(self, reason):
-        """Tell both neighbours that this rank leaves, and why."""
+        """Tell both neighbours that this rank is done (`DONE`) or leaves, and why."""
+        self.told = True
         payload = np.zeros(NOTICE_BYTES, np.uint8)
         data = reason.encode()[:NOTICE_BYTES]
         payload[:len(data)] = np.frombuffer(data, np.uint8)
-        comm = self.comm
         # the neighbour after this one hears it from its prev, the one before from its next
-        for dest, tag in ((self.next, FROM_PREV), (self.prev, FROM_NEXT)):
-            request = comm.Isend(payload, dest=dest, tag=tag)
-            # A small message: MPI copies it when sent, so it is complete at once; one that
-            # is not is kept, with its buffer, for as long as the process lives.
-            if not request.Test():
-                _TOLD.append((request, payload))
+        self._sent = [(self.comm.Isend(payload, dest=dest, tag=tag), payload)
+                      for dest, tag in ((self.next, FROM_PREV), (self.prev, FROM_NEXT))]
+
+    def delivered(self):
+        """Wait for this rank's "done" to reach both neighbours (each takes it
+        in its own `close`, having sent its own)."""
+        for request, _ in self._sent:
+            request.Wait()
+        self._sent = []
 
     def withdraw(self):
-        """Cancel the notice receives (a notice already here is simply read)."""
+        """Cancel the notice receives not yet complete (a notice already here
+        is simply read). The notices this rank sent are small: MPI copies
+        them when sent, so they are complete at once; one that is not is kept,
+        with its buffer, until a later ring's end finds it complete (a
+        neighbour that left may never take it)."""
         for tag, request in self._requests.items():
             if tag not in self._said:       # completed requests are not cancelled (MPI_REQUEST_NULL)
                 request.Cancel()
                 request.Wait()
+        _TOLD[:] = [(request, kept) for request, kept in _TOLD + self._sent if not _completes(request)]
+        self._sent = []
 
 
+DONE = ""       # the notice of a rank that closed its ring call (a reason to leave is never empty)
 _TOLD = []      # notices MPI had not sent at once: (request, buffer)
+
+
+def _completes(request):
+    """Whether a notice kept in _TOLD is sent now (one whose test fails is dropped)."""
+    try:
+        return request.Test()
+    except Exception:       # noqa: BLE001 - nothing more can be done for it
+        return True
 
 
 def _quietly(action):

@@ -37,7 +37,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpi_impl.comm import FROM_NEXT, FROM_PREV
+
 POLL_S = 0.02
+NOTICE_TAGS = (FROM_PREV, FROM_NEXT)    # the MPI tags of the notices neighbours send at a ring's end
 ARRIVAL_TIMEOUT_S = 30      # a message that has not come by then never will
 
 
@@ -393,12 +396,15 @@ class ScriptedMPI:
     ``waits_complete_sends``, when it is waited for (the neighbour receives at
     once). Receive buffers are scribbled on when posted; a receive posted into
     the buffer of a send not complete, a send buffer written before its send
-    completes, or a wait that cannot end raise HazardError. `log` lists what
+    completes, or a wait that cannot end raise HazardError. The neighbour's
+    notice (ring tag 0) comes when it is waited for, saying `neighbour_ends`:
+    "" (done) unless a test says otherwise, None for never. `log` lists what
     happened, in order."""
 
-    def __init__(self, waits_complete_sends=True):
+    def __init__(self, waits_complete_sends=True, neighbour_ends=""):
         self.rank, self.size = 0, 2
         self.waits_complete_sends = waits_complete_sends
+        self.neighbour_ends = neighbour_ends
         self.pending = []       # requests posted and not complete
         self.log = []
 
@@ -471,6 +477,13 @@ class _Scripted:
         return self.done
 
     def Wait(self):
+        if self.done:
+            return
+        if self.tag in NOTICE_TAGS:         # the neighbour is at its own end of the ring
+            if self.kind == "send":
+                self.complete_send()
+            elif self.mpi.neighbour_ends is not None:
+                self.mpi.notify(self.tag, self.mpi.neighbour_ends)
         if not self.done:
             if not (self.kind == "send" and self.mpi.waits_complete_sends):
                 raise HazardError(f"waiting for a {self.kind} (tag {self.tag}) that cannot complete now: "

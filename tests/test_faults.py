@@ -27,19 +27,11 @@ WORKER = str(WORKERS / "fault_worker.py")
 TIME_LIMIT_MESSAGES = ("APPLICATION TIMED OUT", "time limit for job execution has been reached")
 
 
-# MPICH's launcher itself can fail when a rank dies under load: its proxy asserts on a
-# closed control socket, exits, and leaves the job to the time limit (seen once in a
-# full run at load 8; 3 reruns passed). That is the launcher's failure, not the ring's,
-# so such a job is run once more; a second one fails the test.
-LAUNCHER_CRASH = "HYD_pmcd_pmip_control_cmd_cb"
-
-
 def launch(mode, n=3, mpi4py_run=True):
-    for attempt in range(2):
-        proc, _ = mpirun(n, WORKER, mode, mpi4py_run=mpi4py_run, timeout=DEADLINE_S)
-        output = proc.stdout + proc.stderr
-        if LAUNCHER_CRASH not in output:
-            break
+    proc, _ = mpirun(n, WORKER, mode, mpi4py_run=mpi4py_run, timeout=DEADLINE_S)
+    output = proc.stdout + proc.stderr
+    # (MPICH's proxy then also prints an assertion, "HYD_pmcd_pmip_control_cmd_cb ...
+    # assert (!closed)": the time limit's kill closed its socket, not the cause of the hang)
     assert not any(m in output for m in TIME_LIMIT_MESSAGES), f"{mode}: the job hung:\n{output}"
     return proc, output
 

@@ -398,6 +398,36 @@ def test_neighbour_that_left_after_its_last_transfer_fails_the_close():
         ring_comm.close()
 
 
+def test_close_waits_for_the_notice_of_a_neighbour_still_in_its_ring():
+    """Every transfer with rank 1 done, and its notice not here when close
+    begins (it leaves while computing its last round): close waits for rank
+    1's end of the ring and names it, instead of returning into the next
+    collective, which would wait for rank 1 for ever (that race hung a job
+    in 1 launch of 8 on MPICH)."""
+    ring_comm, mpi = scripted(neighbour_ends="SystemExit: 0")
+    one_shift(ring_comm, mpi, block(0), block(1))
+    mpi.take()
+    with pytest.raises(RingError, match=r"^rank 0: rank 1 left the ring \(SystemExit: 0\) before its end here$"):
+        ring_comm.close()
+
+
+def test_close_says_done_to_both_neighbours_and_waits_for_theirs():
+    """The end of a ring call is one notice each way between neighbours:
+    "done" (empty) sent to both, both of theirs received, nothing left
+    pending; a neighbour that never comes makes close wait (here: raise)."""
+    ring_comm, mpi = scripted()
+    one_shift(ring_comm, mpi, block(0), block(1))
+    ring_comm.close()
+    sent = [line for line in mpi.log if line in ("post send 0", "post send 1")]
+    assert sent == ["post send 0", "post send 1"], mpi.log
+    assert {"complete receive 0", "complete receive 1", "complete send 0", "complete send 1"} <= set(mpi.log)
+    assert not mpi.pending, mpi.log
+    ring_comm, mpi = scripted(neighbour_ends=None)
+    one_shift(ring_comm, mpi, block(0), block(1))
+    with pytest.raises(HazardError, match="waiting for a receive \\(tag 0\\)"):
+        ring_comm.close()
+
+
 class DupMPI(ScriptedMPI):
     """ScriptedMPI that counts the duplicates made of it and freed."""
     made = freed = 0
