@@ -13,9 +13,4 @@ class ExampleRing(TorchRing):
     conventions = "examples.torch_ring"          # the module whose docstring CONFORMANCE.md quotes
     masks = ("causal", "full", "padding")
     loss_ignores_padding = True
-    unsupported = {"padding, full": "no key mask (the example ring's mask is causal or none)"}
-
-    def supports(self, case):
-        if case.padded > case.S and not case.causal:
-            return self.unsupported["padding, full"]
-        return super().supports(case)
+    no_key_mask = "no key mask (the example ring's mask is causal or none)"

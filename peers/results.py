@@ -54,8 +54,17 @@ class Peer:
         module = getattr(adapter, "conventions", type(adapter).__module__)
         return cls(key=adapter.key, name=adapter.name, library=adapter.library, layouts=tuple(adapter.layouts),
                    conventions=(sys.modules[module].__doc__ or "").strip(),
-                   unsupported=dict(getattr(adapter, "unsupported", {})),
+                   unsupported=unsupported(adapter),
                    repro_env=getattr(adapter, "repro_env", ""))
+
+
+def unsupported(adapter):
+    """What the matrix says a peer does not take: its `unsupported` (a dtype or a mask set -> why),
+    and the padding of its full rows where it has no key mask (the kit's `Adapter.no_key_mask`)."""
+    whys = dict(getattr(adapter, "unsupported", {}))
+    if adapter.no_key_mask and {"full", "padding"} <= set(adapter.masks):
+        whys["padding, full"] = adapter.no_key_mask
+    return whys
 
 
 @dataclass

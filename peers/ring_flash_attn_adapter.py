@@ -66,7 +66,7 @@ class RingFlashAttn(TorchAdapter):
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
     loss_ignores_padding = True
-    NO_KEY_MASK = ("no key mask: ring_flash_attn_func takes q, k, v, dropout_p, softmax_scale, causal, "
+    no_key_mask = ("no key mask: ring_flash_attn_func takes q, k, v, dropout_p, softmax_scale, causal, "
                    "window_size, alibi_slopes (ring_flash_attn.py lines 276-288), so padding keys are seen "
                    "by every query")
 
@@ -76,8 +76,6 @@ class RingFlashAttn(TorchAdapter):
         # zigzag and stripe assert causal; every ring takes a window argument
         self.masks = ("causal", "full", "window", "padding") if layout == "contiguous" else \
             ("causal", "window", "padding")
-        if layout == "contiguous":
-            self.unsupported = {**self.unsupported, "padding, full": self.NO_KEY_MASK}
         self.key = f"ring-flash-attn/{layout}"
         self.name = f"ring-flash-attn {FUNCTIONS[layout]}"
 
@@ -92,11 +90,6 @@ class RingFlashAttn(TorchAdapter):
     @classmethod
     def stripe(cls):
         return cls("striped")
-
-    def supports(self, case):
-        if case.padded > case.S and not case.causal:
-            return self.NO_KEY_MASK
-        return super().supports(case)
 
     def accumulate_dtype(self, dtype):
         return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)

@@ -81,6 +81,7 @@ def per_document_positions(case, chunks_of_rank):
 class RingFlashAttnVarlen(RingFlashAttn):
     """The dense rings' dtypes, accumulation and preload; its own sharding and call."""
     max_batch = 1
+    no_key_mask = None                  # (the padding is a document here: PADDING_IN_LAST_DOCUMENT)
     PADDING_IN_LAST_DOCUMENT = ("every document is cut in N equal pieces, so the padding (fewer than N tokens) "
                                 "joins the last document, where full attention sees it; no mask but cu_seqlens")
 

@@ -55,7 +55,7 @@ class Ringmaster(TorchAdapter):
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
     loss_ignores_padding = True
-    NO_KEY_MASK = ("no key mask: ring_attention takes q, k, v, group, causal, scaling, dropout, provider, "
+    no_key_mask = ("no key mask: ring_attention takes q, k, v, group, causal, scaling, dropout, provider, "
                    "rotate_method, attn_implementation, window (loop.py lines 20-33), so padding keys are seen "
                    "by every query")
 
@@ -66,14 +66,8 @@ class Ringmaster(TorchAdapter):
         self.layouts = ("zigzag",) if entry == "zigzag-packed" else ("contiguous",)
         self.masks = {"allgather": ("causal", "full", "window"), "p2p": ("causal", "full"),
                       "zigzag-packed": ("causal", "cu_seqlens")}[entry] + ("padding",)
-        self.unsupported = {} if entry == "zigzag-packed" else {"padding, full": self.NO_KEY_MASK}
         if entry == "zigzag-packed":
             self.max_batch = 1
-
-    def supports(self, case):
-        if case.padded > case.S and not case.causal:
-            return self.NO_KEY_MASK
-        return super().supports(case)
 
     def accumulate_dtype(self, dtype):
         if np.dtype(dtype) == np.float64:

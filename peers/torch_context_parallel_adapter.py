@@ -89,29 +89,25 @@ class TorchContextParallel(TorchAdapter):
     world_sizes = (2, 3, 4)
     preload = ("peers.preload",)
     loss_ignores_padding = True
-    NO_KEY_MASK = ("no key mask: every block's op gets the same keyword arguments whatever keys came round "
+    no_key_mask = ("no key mask: every block's op gets the same keyword arguments whatever keys came round "
                    "(_context_parallel/_attention.py lines 475-481), so padding keys are seen by every query")
 
     def __init__(self, load_balance, rotate, negative_scales=False):
         self.load_balance, self.rotate, self.negative_scales = load_balance, rotate, negative_scales
         self.layouts = ("zigzag",) if load_balance else ("contiguous",)
         self.masks = ("causal", "padding") if load_balance else ("causal", "full", "padding")
-        if not load_balance:
-            self.unsupported = {"padding, full": self.NO_KEY_MASK}
         self.key = f"torch-cp/{'head-tail' if load_balance else 'no-balance'}/{rotate}" + \
             ("/negative-scale" if negative_scales else "")
         self.name = (f"torch context parallel ring ({'head-tail balancer' if load_balance else 'no balancer'}, "
                      f"{rotate.replace('_', '-').lower()}" + (", causal, scale < 0)" if negative_scales else ")"))
         if negative_scales:                                   # the one run that shows the CPU kernel's NaN
-            self.dtypes, self.masks, self.unsupported = (np.float32,), ("causal", "full"), {}
+            self.dtypes, self.masks = (np.float32,), ("causal", "full")
 
     def supports(self, case):
         negative = case.causal and case.scale is not None and case.scale < 0
         if negative != self.negative_scales:
             return ("causal with a negative scale: torch's CPU SDPA kernel returns NaN (the "
                     "'causal, scale < 0' row)" if negative else "only causal cases with a negative scale")
-        if case.padded > case.S and not case.causal:
-            return self.NO_KEY_MASK
         return super().supports(case)
 
     def accumulate_dtype(self, dtype):

@@ -54,10 +54,9 @@ class Yunchang(TorchAdapter):
     preload = ("peers.preload",)
     masks = ("causal", "full", "window", "padding")
     loss_ignores_padding = True
-    NO_KEY_MASK = ("no key mask: ring_pytorch_attn_func takes q, k, v, dropout_p, softmax_scale, causal, "
+    no_key_mask = ("no key mask: ring_pytorch_attn_func takes q, k, v, dropout_p, softmax_scale, causal, "
                    "window_size, softcap, alibi_slopes, ... (ring_pytorch_attn.py lines 12-27), so padding keys "
                    "are seen by every query")
-    unsupported = {"padding, full": NO_KEY_MASK}
 
     def accumulate_dtype(self, dtype):
         return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
@@ -65,8 +64,6 @@ class Yunchang(TorchAdapter):
     def supports(self, case):
         if case.causal and case.scale is not None and case.scale < 0:
             return "causal with a negative scale: the CPU SDPA kernel returns NaN (see the torch context parallel rows)"
-        if case.padded > case.S and not case.causal:
-            return self.NO_KEY_MASK
         return super().supports(case)
 
     def compute(self, case, shard):

@@ -14,7 +14,7 @@ import numpy as np
 
 from peers import results
 from peers.results import Peer, Run
-from reference.testing import Case
+from reference.testing import Adapter, Case
 
 WINDOWED = Peer(key="ring-flash-attn/zigzag", name="ring-flash-attn zigzag_ring_flash_attn_func",
                 library="ring-flash-attn", layouts=("zigzag",), conventions="Zigzag.\n\nIts conventions.",
@@ -128,6 +128,17 @@ def test_what_a_peer_does_not_take_is_a_row_of_a_dtype_or_of_a_mask_set():
     assert "| p q | p ? | contiguous | float64 | any | not supported: no float64 | not supported: no float64 |" in page
     assert "| p q | p ? | contiguous | any | padding, full | not supported: no key mask | not supported: no key mask |" \
         in page
+
+
+def test_a_peer_with_no_key_mask_has_a_padding_full_row_where_it_takes_both():
+    class Blind(Adapter):
+        key, name, library, layouts = "p/q", "p q", "p", ("contiguous",)
+        masks, unsupported, no_key_mask = ("causal", "full", "padding"), {"float64": "no float64"}, "no key mask"
+
+    assert Peer.of(Blind()).unsupported == {"float64": "no float64", "padding, full": "no key mask"}
+    assert Peer.of(type("Causal", (Blind,), dict(masks=("causal", "padding")))()).unsupported == \
+        {"float64": "no float64"}                           # no full rows: nothing to say of them
+    assert Peer.of(type("Masked", (Blind,), dict(no_key_mask=None))()).unsupported == {"float64": "no float64"}
 
 
 def test_the_summary_puts_a_peer_whose_only_disagreement_is_rounding_among_those_that_agree():

@@ -378,6 +378,18 @@ def test_adapters_say_which_masks_and_dtypes_they_take():
         check_ring_attention(type("F32", (ToyRing,), dict(dtypes=(np.float32,)))(), case)
 
 
+def test_a_ring_with_no_key_mask_takes_padding_only_causal():
+    # S=5 on 2 ranks: position 5 is padding, after every real query (causal hides it, full shows it)
+    causal = Case("contiguous", 2, 1, 5, 1, 1, 2, None, True, None, np.float32, "gaussian", 0)
+    full = dataclasses.replace(causal, causal=False)
+    unpadded = dataclasses.replace(full, S=6)
+    blind = type("Blind", (ToyRing,), dict(no_key_mask="no key mask: its function takes none"))()
+    assert [blind.supports(c) for c in (causal, full, unpadded)] == [None, "no key mask: its function takes none", None]
+    assert ToyRing().supports(full) is None                   # default: it masks padding keys
+    with pytest.raises(Unsupported, match="no key mask"):
+        check_ring_attention(blind, full)
+
+
 def test_a_case_prints_as_the_line_that_rebuilds_it():
     case = Case("zigzag", 2, 1, 7, 2, 1, 3, (2, 3), False, 0.3, BFLOAT16, "exact", 5, window=3,
                 segment_ids=[0, 1, 0, 0, 1, 1, 2])

@@ -49,6 +49,10 @@ class Adapter:
     dtypes         the dtypes it takes (NumPy's, and ml_dtypes.bfloat16);
     masks          the masks it takes, names of `MASKS`: causal, full, window,
                    cu_seqlens, segment_ids, padding (default causal and full);
+    no_key_mask    None (it masks padding keys), or why it takes padding only with
+                   the causal mask: it takes no key mask, so every query of a full
+                   case would see the padding keys (causal, they come after every
+                   real query and none sees them);
     backward       whether `run` returns dq, dk, dv;
     outputs        the names `run` returns (default all five; an entry point that
                    gives no lse: ("out", "dq", "dk", "dv"));
@@ -88,6 +92,7 @@ class Adapter:
     world_sizes = (1, 2, 3, 4)
     flushes_subnormals = False
     shape_pool = 0
+    no_key_mask = None
 
     def positions(self, case):
         return positions(case.S, case.n_devices, case.layout)
@@ -102,6 +107,8 @@ class Adapter:
         return 1
 
     def supports(self, case):
+        if self.no_key_mask and case.padded > case.S and not case.causal:
+            return self.no_key_mask
         if case.layout not in self.layouts:
             return f"layout {case.layout!r} not in {self.layouts}"
         if np.dtype(case.dtype) not in [np.dtype(d) for d in self.dtypes]:
