@@ -69,6 +69,7 @@ from reference.layouts import ulysses_positions
 from reference.testing import ALL_DTYPES
 from reference.testing.harness.torch import TorchAdapter
 
+from .torch_context_parallel_adapter import CPU_SDPA_NAN, cpu_sdpa_nan
 from .yunchang_usp_adapter import usp_split
 
 _RUNTIMES = {}                 # (u, r) -> ringmaster's CPRuntime, its groups made once per world
@@ -113,8 +114,8 @@ class RingmasterUSP(TorchAdapter):
     def supports(self, case):
         if case.cu_seqlens is not None and case.B != 1:
             return "packed documents: one packed sequence (B = 1)"
-        if self.entry == "ulysses" and case.causal and case.scale is not None and case.scale < 0:
-            return "causal with a negative scale: torch's CPU SDPA kernel returns NaN (see the torch context parallel rows)"
+        if self.entry == "ulysses" and cpu_sdpa_nan(case):       # (its blocks: torch's SDPA)
+            return CPU_SDPA_NAN
         return super().supports(case)
 
     def compute(self, case, shard):

@@ -41,6 +41,7 @@ from reference.testing import ALL_DTYPES
 from reference.testing.harness.torch import TorchAdapter
 
 from .ring_flash_attn_adapter import window_size
+from .torch_context_parallel_adapter import CPU_SDPA_NAN, cpu_sdpa_nan
 
 
 class Yunchang(TorchAdapter):
@@ -62,8 +63,8 @@ class Yunchang(TorchAdapter):
         return np.dtype(dtype) if np.dtype(dtype).itemsize == 2 else super().accumulate_dtype(dtype)
 
     def supports(self, case):
-        if case.causal and case.scale is not None and case.scale < 0:
-            return "causal with a negative scale: the CPU SDPA kernel returns NaN (see the torch context parallel rows)"
+        if cpu_sdpa_nan(case):
+            return CPU_SDPA_NAN
         return super().supports(case)
 
     def compute(self, case, shard):

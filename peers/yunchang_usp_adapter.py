@@ -90,6 +90,7 @@ from reference.testing.harness.torch import TorchAdapter
 from .ring_flash_attn_adapter import window_size
 from .ring_flash_attn_varlen_adapter import FUNCTIONS as VARLEN_FUNCTIONS
 from .ring_flash_attn_varlen_adapter import RingFlashAttnVarlen
+from .torch_context_parallel_adapter import CPU_SDPA_NAN, cpu_sdpa_nan
 
 FLASH_DTYPES = tuple(d for d in ALL_DTYPES if np.dtype(d) != np.float64)
 NO_FLOAT64 = {"float64": "flash-attn's kernels take float16 and bfloat16 only, and the rings merge blocks in "
@@ -164,8 +165,8 @@ class YunchangUlysses(_Yunchang):
         return n
 
     def supports(self, case):
-        if self.torch_kernel and case.causal and case.scale is not None and case.scale < 0:
-            return "causal with a negative scale: the CPU SDPA kernel returns NaN (see the torch context parallel rows)"
+        if self.torch_kernel and cpu_sdpa_nan(case):
+            return CPU_SDPA_NAN
         return super().supports(case)
 
     def compute(self, case, shard):
