@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .masks import visible
+from .masks import as_mask, visible
 from .tiles import MASKED
 
 
@@ -56,8 +56,14 @@ def tile_masks(masks, q_pos, k_pos, rule):
     (tq, tk) bool each, made once and kept in `masks` (a dict living for one
     step call, so one rule): every head of a block has the same positions, so
     its tiles have the same masks. The key is the positions themselves (bytes:
-    about 1 us for a tile, against 10 for the address of a view)."""
-    key = (q_pos.tobytes(), k_pos.tobytes())
+    about 1 us for a tile, against 10 for the address of a view); under the
+    causal flag alone, where what a query sees depends on q - k only, the
+    positions less the tile's first query, so that tiles that differ by a
+    shift share one mask (a striped triangular block's diagonal tiles: one
+    mask for the block instead of one a tile)."""
+    if as_mask(rule).causal_only and len(q_pos) and q_pos.dtype.kind == k_pos.dtype.kind == "i":
+        q_pos, k_pos = q_pos - q_pos[0], k_pos - q_pos[0]
+    key = (len(q_pos), q_pos.tobytes(), k_pos.tobytes())
     found = masks.get(key)
     if found is None:
         seen = visible(q_pos, k_pos, rule)
