@@ -194,10 +194,11 @@ for layout, tr in forward.items():
     assert np.isnan(tr.arrived_s[-1]).all()                     # nothing travels after the last round
 
 contiguous = forward["contiguous"]
-cpu = contiguous.compute_cpu_s.sum(axis=0)                      # per rank, all rounds
+tiles = contiguous.tiles_computed.sum(axis=0)                   # per rank, all rounds
+cpu = contiguous.compute_cpu_s.sum(axis=0)
 ends = (contiguous.start_s + contiguous.compute_s + contiguous.wait_s).max(axis=0)
-print("contiguous, CPU ms per rank:", np.round(cpu * 1e3, 1), " done at (ms, wall):", np.round(ends * 1e3))
-assert cpu[-1] > 2 * cpu[0]          # rank 0's keys are the future of every other block; the last rank sees all
+print("contiguous, tiles per rank:", tiles, " CPU ms:", np.round(cpu * 1e3, 1), " done at (ms, wall):", np.round(ends * 1e3))
+assert tiles[-1] > 2 * tiles[0]      # rank 0's keys are the future of every other block; the last rank sees all
 assert (forward["striped"].bytes_sent[0] > 2 * 2**20).all()     # a K, V block of 2 MiB (and its positions)
 
 # %% [markdown]
@@ -205,9 +206,9 @@ assert (forward["striped"].bytes_sent[0] > 2 * 2**20).all()     # a K, V block o
 #
 # - **Contiguous** is unbalanced: rank 0 computes only its own block (every other block
 #   lies in its future) while the last rank computes a full block every round (asserted
-#   above, in CPU time), so the last rank finishes last (printed, on the wall clock)
-#   unless the scheduler holds another back. A rank that ran ahead of its sender waits
-#   for a block not yet sent (red).
+#   above in tiles; their CPU time is printed beside them), so the last rank finishes
+#   last (printed, on the wall clock) unless the scheduler holds another back. A rank
+#   that ran ahead of its sender waits for a block not yet sent (red).
 # - **Striped** and **zigzag** give every rank the same work, so their ranks keep pace;
 #   a red wait there is the scheduler's doing (a sender set aside while its receiver
 #   ran), and the table under the picture gives each kind of wait in milliseconds.
@@ -391,10 +392,11 @@ for i, line in enumerate(lines):
         triangle[name] = float(lines[i + 2].split()[-1].lstrip("x"))      # "triangle (striped, j > k)  0.198 ms/tile  x1.33"
 print("forward, a triangular block's tile against a full block's:",
       ", ".join(f"{name} x{ratio:.2f} (full tile {full_ms[name]:.3f} ms)" for name, ratio in triangle.items()))
-assert set(triangle) == {"v1", "v3", "v4"} and full_ms["v3"] < full_ms["v1"]
+assert set(triangle) == {"v1", "v3", "v4"}
+print(f"a full tile: v1 takes {full_ms['v1'] / full_ms['v3']:.1f} times v3's time")
 
 # %% [markdown]
-# Read the forward lines. `v3` computes a full tile much faster than `v1` (asserted), and
+# Read the forward lines. `v3` computes a full tile much faster than `v1` (the multiple is printed), and
 # its masked tiles by less: on the ranks above, the fit found a masked tile dearer than a
 # full one (`b > a`, printed), and striped has one in every block, every round. That is
 # the shortfall above: the step's, not the ring's. Alone in one process, a triangular
