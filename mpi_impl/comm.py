@@ -51,9 +51,19 @@ object stages what MPI sends. Hazards, and what handles each:
   `close` waits for both neighbours' notices, so that a neighbour that left
   after its last transfer with this rank is named too, however late its notice
   comes (without that, the call would return into the next collective, which
-  would wait for the rank that left for ever). The rank that leaves cancels its
-  receives and completes its sends first, so that MPI never reads its freed
-  memory after Python exits.
+  would wait for the rank that left for ever). Only neighbours are told: with
+  4 ranks or more, a rank two hops from the one that left ends its call as
+  usual, and the job ends when a neighbour's error aborts it (``python -m
+  mpi4py`` does). The rank that leaves cancels its receives and completes its
+  sends first, so that MPI never reads its freed memory after Python exits.
+  A ring call that failed may leave messages on their way (a notice, a block)
+  whose receive it cancelled: the communicator `on` duplicated is then kept,
+  never freed (a freed one's context is reused by the next duplicate, whose
+  receives would match them: seen with MPICH, where the next call's notice
+  receive took the failed call's "done" and that call then missed a neighbour
+  that left). A process that carries on after failed ring calls keeps one
+  communicator for each (MPICH has about 2,000). `RingComm` made directly on
+  a communicator (not by `on`) leaves such messages on the caller's.
 
 Where the bytes live is the `memory` object's business (three verbs, below):
 `HostMemory`, the default, hands MPI the arrays as they are (NumPy; or CuPy
@@ -84,7 +94,7 @@ TAG_STRIDE = 16     # MPI tag = ring tag * TAG_STRIDE + index of the array in th
 N_BUFFER_SETS = 2   # buffer sets per tag: one arriving, one held by the caller
 # what each ring tag carries, for error messages; ring tag 0 carries the notices below
 TRANSFERS = {ring.KV: "K/V block", ring.DKV: "dK/dV block"}
-FROM_PREV, FROM_NEXT = 0, 1     # MPI tags of a leaving neighbour's notice, by where it comes from
+FROM_PREV, FROM_NEXT = 0, 1     # MPI tags of a neighbour's notice ("done" or why it left), by where it comes from
 NOTICE_BYTES = 512              # its reason, UTF-8, cut to fit
 
 
@@ -182,6 +192,9 @@ class RingComm:
         `arrays` to the next rank. `arrays` must not be written while the
         ring runs (their send may complete as late as `close`)."""
         arrays = tuple(arrays)
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) or tag < 1:
+            raise ValueError(f"{rank_name(self.comm)}: start_shift: tag must be an int >= 1 (ring tag 0 carries "
+                             f"the neighbours' notices), got {tag!r}")
         for a in arrays:
             byte_view(a)                    # C-contiguous, or a clear error before anything is posted
         lane = self._lanes.setdefault(tag, _Lane())
@@ -295,14 +308,18 @@ class RingComm:
         complete the sends (their receivers wait for them) unless the receiver
         left too, and free the communicator. Once closed or left, nothing more.
         A rank whose `close` failed after it said "done" tells nothing more:
-        its neighbours took its one notice already, and fail on their own
-        (they were waiting for the same neighbour) or carry on."""
+        its neighbours have its one notice (sent), and fail on their own
+        if they were waiting for the same neighbour, or carry on. A
+        communicator on which a cancelled receive's message may still arrive
+        is kept, not freed (module docstring)."""
         if self._closed:
             return
         if self._notices is not None and not self._notices.told:
             _quietly(lambda: self._notices.tell(f"{type(error).__name__}: {error}"))
+        cancelled = False
         for shift in list(self._active):
             for _, request in shift.receives:
+                cancelled = True
                 _quietly(request.Cancel)
                 _quietly(request.Wait)
             shift.receives.clear()
@@ -311,7 +328,10 @@ class RingComm:
             shift.sends.clear()
         self._active.clear()
         if self._notices is not None:
-            _quietly(self._notices.withdraw)
+            cancelled = self._notices.withdraw() or cancelled
+        if cancelled and self._owns_comm:
+            _KEPT.append(self.comm)
+            self._owns_comm = False
         self._free()
 
     def _free(self):
@@ -441,8 +461,10 @@ class _Notices:
 
     def wait(self, request, peer):
         """Wait for `request` or the notice from `peer`; raise _NeighbourLeft
-        if `peer` left. A neighbour that said "done" finished every transfer
-        with this rank, so `request` completes: it is waited for."""
+        if `peer` left. A neighbour that said "done" finished every shift,
+        and both ranks start the same shifts (the ring call's agreement), so
+        its transfers with this rank are matched and `request` completes (its
+        data may land after the notice): it is waited for."""
         tag = self._tag(peer)
         if tag not in self._said:
             if request.Waitany([request, self._requests[tag]]) == 0:
@@ -487,29 +509,37 @@ class _Notices:
         self._sent = []
 
     def withdraw(self):
-        """Cancel the notice receives not yet complete (a notice already here
-        is simply read). The notices this rank sent are small: MPI copies
-        them when sent, so they are complete at once; one that is not is kept,
-        with its buffer, until a later ring's end finds it complete (a
-        neighbour that left may never take it)."""
+        """Cancel the notice receives not yet complete (a notice already
+        received is left as it is); return whether any was cancelled (its
+        notice may still come). The notices this rank sent are small: MPI
+        copies them when sent, so they are complete at once; one that is not
+        is kept, with its buffer, in _TOLD, which the next failed ring call
+        prunes of those complete by then (a neighbour that left may never take
+        one)."""
+        cancelled = False
         for tag, request in self._requests.items():
-            if tag not in self._said:       # completed requests are not cancelled (MPI_REQUEST_NULL)
-                request.Cancel()
-                request.Wait()
+            # a completed request is not cancelled (after its test it is MPI_REQUEST_NULL)
+            if tag not in self._said and not _completes(request, failed=False):
+                cancelled = True
+                _quietly(request.Cancel)
+                _quietly(request.Wait)
         _TOLD[:] = [(request, kept) for request, kept in _TOLD + self._sent if not _completes(request)]
         self._sent = []
+        return cancelled
 
 
 DONE = ""       # the notice of a rank that closed its ring call (a reason to leave is never empty)
 _TOLD = []      # notices MPI had not sent at once: (request, buffer)
+_KEPT = []      # duplicates of failed ring calls, never freed: a message of theirs may still come
 
 
-def _completes(request):
-    """Whether a notice kept in _TOLD is sent now (one whose test fails is dropped)."""
+def _completes(request, failed=True):
+    """Whether `request` is complete now; `failed` if its test raises (a
+    notice kept in _TOLD is then dropped: nothing more can be done for it)."""
     try:
         return request.Test()
-    except Exception:       # noqa: BLE001 - nothing more can be done for it
-        return True
+    except Exception:       # noqa: BLE001 - clean-up after a failure
+        return failed
 
 
 def _quietly(action):

@@ -405,6 +405,7 @@ class ScriptedMPI:
         self.rank, self.size = 0, 2
         self.waits_complete_sends = waits_complete_sends
         self.neighbour_ends = neighbour_ends
+        self.later = {}         # MPI tag -> an array that lands when its receive is waited for
         self.pending = []       # requests posted and not complete
         self.log = []
 
@@ -430,9 +431,13 @@ class ScriptedMPI:
     def deliver(self, tag, arrays, stride=16):
         """The neighbour's arrays for ring tag `tag` land in the receives posted for them."""
         for i, a in enumerate(arrays):
-            request = self._find("receive", tag * stride + i)
-            request.buf[...] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            request.complete()
+            self._find("receive", tag * stride + i).land(a)
+
+    def deliver_later(self, tag, arrays, stride=16):
+        """The neighbour's arrays for ring tag `tag` are on their way: each lands
+        when its receive is waited for (not when tested)."""
+        for i, a in enumerate(arrays):
+            self.later[tag * stride + i] = a
 
     def notify(self, mpi_tag, text):
         """The neighbour's notice that it left the ring, on `mpi_tag`."""
@@ -467,6 +472,11 @@ class _Scripted:
         self.mpi.pending.remove(self)
         self.mpi.log.append(f"complete {self.kind} {self.tag}")
 
+    def land(self, array):
+        """A receive completes with `array`'s bytes."""
+        self.buf[...] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.complete()
+
     def complete_send(self):
         if not np.array_equal(self.buf, self.snapshot):
             raise HazardError(f"a send buffer (tag {self.tag}) was written before its send completed")
@@ -484,6 +494,8 @@ class _Scripted:
                 self.complete_send()
             elif self.mpi.neighbour_ends is not None:
                 self.mpi.notify(self.tag, self.mpi.neighbour_ends)
+        elif self.kind == "receive" and self.tag in self.mpi.later:
+            self.land(self.mpi.later.pop(self.tag))
         if not self.done:
             if not (self.kind == "send" and self.mpi.waits_complete_sends):
                 raise HazardError(f"waiting for a {self.kind} (tag {self.tag}) that cannot complete now: "

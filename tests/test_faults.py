@@ -89,6 +89,18 @@ def test_neighbour_that_left_is_named():
     assert named, output
 
 
+def test_a_failed_call_leaves_nothing_for_the_next():
+    """A call that failed while a neighbour's "done" was on its way keeps its
+    communicator: in the next call, a neighbour that leaves is named (with the
+    first call's communicator freed, MPICH gave its context to the second, whose
+    notice receive took the late "done", and the job hung)."""
+    proc, output = launch("again", n=2)
+    assert proc.returncode != 0, output
+    assert "rank 1: first call: ValueError" in output and "rank 0: leaving the second call" in output, output
+    assert re.search(r"RingError: rank 1: round 0: receiving the K/V block \(array 0 of 1\) from rank 0 failed: "
+                     r"rank 0 left the ring \(SystemExit: 0\)", output), output
+
+
 def test_disagreement_on_each_agreed_field():
     """For each field that must agree, rank 1 calls the ring differently: every
     rank raises "ranks disagree on <field>" (and the job carries on to the next)."""

@@ -36,7 +36,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conftest import Case, assert_close, cases
-from mpi_impl.comm import FROM_PREV, RingComm, RingError, ShiftOrderError
+from mpi_impl.comm import FROM_NEXT, FROM_PREV, RingComm, RingError, ShiftOrderError
 from reference import attention, attention_backward, positions, ring, shard, steps, unshard
 from reference.masks import as_mask
 from strict_comm import CheckingMPI, HazardError, ScriptedMPI, StrictRing, run_threads
@@ -421,11 +421,37 @@ def test_close_says_done_to_both_neighbours_and_waits_for_theirs():
     sent = [line for line in mpi.log if line in ("post send 0", "post send 1")]
     assert sent == ["post send 0", "post send 1"], mpi.log
     assert {"complete receive 0", "complete receive 1", "complete send 0", "complete send 1"} <= set(mpi.log)
+    # told before waiting: a neighbour waits for this rank's notice as this rank waits for its
+    assert mpi.log.index("post send 1") < mpi.log.index("complete receive 0"), mpi.log
     assert not mpi.pending, mpi.log
     ring_comm, mpi = scripted(neighbour_ends=None)
     one_shift(ring_comm, mpi, block(0), block(1))
     with pytest.raises(HazardError, match="waiting for a receive \\(tag 0\\)"):
         ring_comm.close()
+    # the close failed after "done": still one notice each way (a second would arrive in a later call)
+    assert [line for line in mpi.log if line.startswith("post send") and line[-2:] in (" 0", " 1")] == \
+        ["post send 0", "post send 1"], mpi.log
+
+
+def test_ring_tag_0_is_the_notices():
+    """Ring tag 0 carries the neighbours' notices: a shift cannot take it (nor a tag that is no int)."""
+    ring_comm, mpi = scripted()
+    for tag in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"tag must be an int >= 1 \(ring tag 0 carries the neighbours' notices\)"):
+            ring_comm.start_shift(block(0), tag)
+    assert not [line for line in mpi.log if line.startswith("post send")], mpi.log
+
+
+def test_a_neighbour_done_before_its_block_lands_is_waited_for():
+    """A neighbour's "done" may overtake its last block (messages of different
+    tags keep no order between them): the receive is then waited for, and the
+    block handed back is the one that landed."""
+    ring_comm, mpi = scripted()
+    shift = ring_comm.start_shift(block(0), 1)
+    mpi.notify(FROM_PREV, "")
+    mpi.deliver_later(1, block(1))
+    arrived = ring_comm.finish_shift(shift)
+    assert all(np.array_equal(a, b) for a, b in zip(arrived, block(1)))
 
 
 class DupMPI(ScriptedMPI):
@@ -440,19 +466,30 @@ class DupMPI(ScriptedMPI):
         self.freed += 1
 
 
-@pytest.mark.parametrize("ends", ["closed", "failed"])
-def test_the_communicator_on_duplicated_is_freed_however_the_ring_ends(ends):
+@pytest.mark.parametrize("ends", ["closed", "failed", "failed, neighbours told"])
+def test_the_communicator_on_duplicated_is_freed_unless_a_message_may_still_come(ends):
     """One duplicate per ring call, freed at its end (MPICH runs out of
-    communicators after about 2,047 that are not), by close or by leave."""
+    communicators after about 2,047 that are not), by close or by leave; but
+    a call that failed while a neighbour's notice was still to come keeps its
+    duplicate, never freed: the next duplicate would reuse its context, and
+    the next call's notice receive would take the late notice."""
+    import mpi_impl.comm as comm_module
     mpi = DupMPI()
-    with pytest.raises(ValueError) if ends == "failed" else contextlib.nullcontext():
+    kept = len(comm_module._KEPT)
+    with pytest.raises(ValueError) if ends != "closed" else contextlib.nullcontext():
         with RingComm.on(mpi) as ring_comm:
             one_shift(ring_comm, mpi, block(0), block(1))
-            if ends == "failed":
+            if ends == "failed, neighbours told":                  # nothing more can come
+                mpi.notify(FROM_PREV, "RuntimeError: x")
+                mpi.notify(FROM_NEXT, "RuntimeError: x")
+            if ends != "closed":
                 raise ValueError("the step failed")
-    assert (mpi.made, mpi.freed) == (1, 1)
+    freed = 0 if ends == "failed" else 1
+    assert (mpi.made, mpi.freed) == (1, freed)
+    assert comm_module._KEPT[kept:] == ([mpi] if ends == "failed" else [])
     ring_comm.close()                                   # a second close frees nothing more
-    assert mpi.freed == 1
+    assert mpi.freed == freed
+    del comm_module._KEPT[kept:]
 
 
 def test_a_rank_leaves_the_ring_once():

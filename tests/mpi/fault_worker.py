@@ -16,6 +16,11 @@ Modes run with ``-m mpi4py`` (an exception on one rank aborts the job):
   exit             rank 1 exits (os._exit) in round 1 of the forward, saying nothing
   leave            rank 1 calls sys.exit(0) in round 1 of the forward, blocks of 256
                    tokens (above the eager threshold): its neighbours say it left
+  again            on 2 ranks, two calls: in the first rank 1 fails after its last
+                   transfer while rank 0 is still in the call (both carry on);
+                   in the second rank 0 leaves (sys.exit(0)) before its first
+                   shift: rank 1 must name it, not take the first call's late
+                   "done" for the second's and wait for ever
   truncate         rank N-1 sends a larger block than its neighbour expects in
                    round 2 (RingComm directly): a real MPI error on a transfer
   subcomm          on 4 ranks, the ring on world ranks 1..3: a disagreement, then
@@ -37,6 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpi_impl import RingComm, ring_attention, ring_attention_backward
+from mpi_impl.comm import RingError
 from reference import attention, attention_backward, shard, unshard
 from reference.step import Step
 
@@ -113,6 +119,28 @@ def in_ring_fault(mode, comm):
         comm.Barrier()          # every rank has said so before rank 1 ends the job
         if rank == FAILING_RANK:
             raise RuntimeError(f"injected failure on rank {FAILING_RANK} after the ring")
+
+
+def again(comm):
+    """Mode "again" (module docstring), on RingComm directly."""
+    rank = comm.Get_rank()
+
+    def one_shift(ring):
+        ring.finish_shift(ring.start_shift((np.full(4, float(rank)),), 1))
+    try:
+        with RingComm.on(comm) as ring:
+            one_shift(ring)
+            if rank == FAILING_RANK:
+                raise ValueError(f"rank {rank} fails after its last transfer")
+            time.sleep(0.5)             # rank 1 withdraws its notice receives before rank 0 says "done"
+    except (ValueError, RingError) as e:
+        print(f"rank {rank}: first call: {type(e).__name__}", flush=True)
+    comm.Barrier()
+    with RingComm.on(comm) as ring:
+        if rank == 0:
+            print("rank 0: leaving the second call", flush=True)
+            sys.exit(0)
+        one_shift(ring)
 
 
 def truncate(comm):
@@ -213,6 +241,8 @@ def main(mode):
         disagree(comm)
     elif mode == "truncate":
         truncate(comm)
+    elif mode == "again":
+        again(comm)
     elif mode == "subcomm":
         subcomm(comm)
     elif mode == "slow":
