@@ -38,7 +38,7 @@ import numpy as np
 from .nonfinite import all_finite, mask_rows, masked_product
 from .step import no_progress
 from .step_masks import TilePos, exp2_visible, hide, weigh
-from .step_units import column_runs, forward_units, on_this_thread, run_units, scratch
+from .step_units import column_runs, forward_units, join_full, on_this_thread, run_units, scratch
 from .tiles import by_tile
 
 LOG2E = float(np.log2(np.e))
@@ -348,10 +348,11 @@ def shifted_scores(s, q2, kt, where):
 
 # -- on worker threads (reference.step_units) --------------------------------------
 
-def threaded_forward(acc, queries, block, plan, update, workers, progress=no_progress, groups=None):
+def threaded_forward(acc, queries, block, plan, update, workers, progress=no_progress, groups=None, join=1):
     """A forward in units of stacked query tiles (`forward_units`) of one head,
     or of a group of heads (`groups`: slices of them, `step_v5`), on `workers`
-    threads (`run_units`), each tile through `update`."""
+    threads (`run_units`), each tile through `update`; up to `join` full key
+    tiles of a stack in one product (`join_full`)."""
     B, Hkv, c, G, _ = queries.q.shape
     pairs = [(i, b, h) for i, (b, h) in enumerate((b, h) for b in range(B) for h in groups or range(Hkv))]
     heads, masks, tick = {}, {}, on_this_thread(progress)
@@ -363,7 +364,7 @@ def threaded_forward(acc, queries, block, plan, update, workers, progress=no_pro
         with np.errstate(over="ignore", invalid="ignore"):   # a lazy tile may overflow; it is redone
             forward_rows(QueryRun.of(acc, queries, b, h, qs, masks), heads[i], blocks, update, tick)
 
-    units = sorted(((*p, qs, blocks) for qs, blocks in forward_units(plan, c, G) for p in pairs),
+    units = sorted(((*p, qs, blocks) for qs, blocks in join_full(forward_units(plan, c, G), join) for p in pairs),
                    key=lambda u: -len(u[4]))             # most blocks first: workers finish together
     run_units(prepare, pairs, workers, progress)
     run_units(unit, units, workers, progress)

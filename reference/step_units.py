@@ -6,6 +6,8 @@ several cores (`reference.step_v3`, `step_v4`):
 - taller products (`forward_units`): neighbouring query tiles stacked up to
   ``UNIT_ROWS`` rows, a key tile they share computed in one product; the
   stacks cover exactly the plan's tiles, so the work counted is the work done;
+  wider ones (`join_full`): neighbouring key tiles of a stack that need no
+  mask in one product (`step_v5`, at small tiles);
 - worker threads (`run_units`): units taken in order by `workers` threads,
   with BLAS held to one thread meanwhile, the calling thread calling
   `progress` while it waits (`on_this_thread`: only it may move a transfer);
@@ -50,6 +52,27 @@ def forward_units(plan, c, G):
         else:
             groups.append([(slice(qs.start, stop), tiles)])
     return [(slice(g[0][0].start, g[-1][0].stop), _blocks(g)) for g in groups]
+
+
+def join_full(units, width):
+    """`forward_units`' units with runs of up to `width` neighbouring key
+    tiles of the same rows, none masked, joined into one block (one product
+    over their keys: the lazy softmax takes any number of keys at once).
+    Blocks still cover exactly the plan's tiles; masked ones are kept as they are."""
+    if width <= 1:
+        return units
+    out = []
+    for qs, blocks in units:
+        joined = []                                   # [rows, key slice, masked rows, tiles joined]
+        for rows, ks, part in blocks:
+            last = joined[-1] if joined else None
+            if (last and part is None and last[2] is None and last[0] == rows and last[1].stop == ks.start
+                    and last[3] < width):
+                last[1], last[3] = slice(last[1].start, ks.stop), last[3] + 1
+            else:
+                joined.append([rows, ks, part, 1])
+        out.append((qs, [(rows, ks, part) for rows, ks, part, _ in joined]))
+    return out
 
 
 def _blocks(group):

@@ -18,6 +18,12 @@ overflow, whose |V| is huge or not finite, or whose rows are not all in the
 same state goes alone through version 3's tile (`lazy_tile`, `exact_update`),
 so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
 
+Wider products at small tiles: neighbouring key tiles of a stack that need no
+mask are computed in one product (`step_units.join_full`), as many as keep the
+largest group's scores within ``GROUP_SCORES`` (`join_width`: 2 at tiles of
+128 with 4 heads, 1 at tiles of 256 or with groups of 8 heads); measured 3 to
+6% off a full block's forward at tiles of 128 (BENCHMARKS.md, "Unit shapes tried").
+
 Units and threads: a unit is a stack of query tiles of one group of heads;
 the heads are cut into at least `workers` groups, of at most as many heads
 as keep a block's scores within ``GROUP_SCORES`` (in cache: 8 heads at tiles
@@ -70,12 +76,20 @@ class HeadBatchedStep(Step):
         tq = max(qs.stop - qs.start for qs, _, _ in plan)
         tk = max(ks.stop - ks.start for _, ks, _ in plan)
         rows = max(UNIT_ROWS, tq * G)                    # a unit's rows at most (`forward_units`)
+        most = max(1, GROUP_SCORES // (rows * tk))       # heads a group at most
         threaded_forward(acc, queries, block, plan, heads_tile, self.workers, progress,
-                         groups=head_groups(Hkv, self.workers, max(1, GROUP_SCORES // (rows * tk))))
+                         groups=head_groups(Hkv, self.workers, most), join=join_width(Hkv, most, rows, tk))
 
     def backward_tiles(self, grads, queries, rows, block, plan, progress=no_progress):
         # version 3's: heads stacked measured slower (module docstring)
         threaded_backward(grads, queries, rows, block, plan, backward_cols, self.workers, progress)
+
+
+def join_width(n_heads, most, rows, tk):
+    """Full key tiles a product (`step_units.join_full`): as many as keep the
+    scores of the largest group the heads may form within GROUP_SCORES. It
+    depends on the heads, not on the workers, so results do not either."""
+    return max(1, GROUP_SCORES // (min(n_heads, most) * rows * tk))
 
 
 def head_groups(n_heads, workers, most=None):
@@ -118,4 +132,4 @@ def heads_tile(st, s, heads, ks, where):
             keep_seeded(one, seed[h])
 
 
-__all__ = ["HeadBatchedStep", "GROUP_SCORES", "head_groups", "heads_tile"]
+__all__ = ["HeadBatchedStep", "GROUP_SCORES", "head_groups", "heads_tile", "join_width"]
