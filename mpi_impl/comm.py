@@ -57,11 +57,11 @@ object stages what MPI sends. Hazards, and what handles each:
   mpi4py`` does). The rank that leaves cancels its receives and completes its
   sends first, so that MPI never reads its freed memory after Python exits.
   A ring call that failed may leave messages on their way (a notice, a block)
-  whose receive it cancelled: the communicator `on` duplicated is then kept,
-  never freed (a freed one's context is reused by the next duplicate, whose
-  receives would match them: seen with MPICH, where the next call's notice
-  receive took the failed call's "done" and that call then missed a neighbour
-  that left). A process that carries on after failed ring calls keeps one
+  that no receive will take: unless both neighbours said "done", the
+  communicator `on` duplicated is then kept, never freed (a freed one's
+  context is reused by the next duplicate, whose receives would match them:
+  seen with MPICH, where the next call's notice receive took the failed call's
+  "done" and that call then missed a neighbour that left). A process that carries on after failed ring calls keeps one
   communicator for each (MPICH has about 2,000). `RingComm` made directly on
   a communicator (not by `on`) leaves such messages on the caller's.
 
@@ -309,17 +309,16 @@ class RingComm:
         left too, and free the communicator. Once closed or left, nothing more.
         A rank whose `close` failed after it said "done" tells nothing more:
         its neighbours have its one notice (sent), and fail on their own
-        if they were waiting for the same neighbour, or carry on. A
-        communicator on which a cancelled receive's message may still arrive
-        is kept, not freed (module docstring)."""
+        if they were waiting for the same neighbour, or carry on. The
+        communicator `on` duplicated is freed only if both neighbours said
+        "done" (every transfer with them matched, nothing more to come);
+        otherwise it is kept, never freed (module docstring)."""
         if self._closed:
             return
         if self._notices is not None and not self._notices.told:
             _quietly(lambda: self._notices.tell(f"{type(error).__name__}: {error}"))
-        cancelled = False
         for shift in list(self._active):
             for _, request in shift.receives:
-                cancelled = True
                 _quietly(request.Cancel)
                 _quietly(request.Wait)
             shift.receives.clear()
@@ -328,10 +327,10 @@ class RingComm:
             shift.sends.clear()
         self._active.clear()
         if self._notices is not None:
-            cancelled = self._notices.withdraw() or cancelled
-        if cancelled and self._owns_comm:
-            _KEPT.append(self.comm)
-            self._owns_comm = False
+            self._notices.withdraw()
+            if self._owns_comm and not self._notices.all_done():
+                _KEPT.append(self.comm)
+                self._owns_comm = False
         self._free()
 
     def _free(self):
@@ -509,23 +508,26 @@ class _Notices:
         self._sent = []
 
     def withdraw(self):
-        """Cancel the notice receives not yet complete (a notice already
-        received is left as it is); return whether any was cancelled (its
-        notice may still come). The notices this rank sent are small: MPI
+        """Read the notices that came, cancel the receives of those that have
+        not (they may still come). The notices this rank sent are small: MPI
         copies them when sent, so they are complete at once; one that is not
         is kept, with its buffer, in _TOLD, which the next failed ring call
         prunes of those complete by then (a neighbour that left may never take
         one)."""
-        cancelled = False
         for tag, request in self._requests.items():
-            # a completed request is not cancelled (after its test it is MPI_REQUEST_NULL)
-            if tag not in self._said and not _completes(request, failed=False):
-                cancelled = True
+            if tag in self._said:
+                continue
+            if _completes(request, failed=False):   # (after its test it is MPI_REQUEST_NULL: no cancel)
+                self._read(tag)
+            else:
                 _quietly(request.Cancel)
                 _quietly(request.Wait)
         _TOLD[:] = [(request, kept) for request, kept in _TOLD + self._sent if not _completes(request)]
         self._sent = []
-        return cancelled
+
+    def all_done(self):
+        """Both neighbours said "done": every transfer with them matched, no message of theirs still to come."""
+        return all(self._said.get(tag) == DONE for tag in (FROM_PREV, FROM_NEXT))
 
 
 DONE = ""       # the notice of a rank that closed its ring call (a reason to leave is never empty)
