@@ -11,6 +11,25 @@ the stored runs without torch.
 
 import re
 
+# an out element over the line by less than 10 times it
+MARGINAL = r"out: \d+ of [^\n]*> tolerance \S+ \(\d(\.\d+)?x\)"
+
+
+def sigmoid_merge(peer, where, summary, whose=""):
+    """The finding of a ring that merges its blocks with ring-flash-attn's
+    sigmoid form (at `where`, file and line), in float32: a few outputs just
+    over the line."""
+    return dict(key=f"{peer}float32-sigmoid-merge", peer=peer, dtype="float32", phase="forward",
+                kind="over the line (marginal)", summary=summary, match=MARGINAL,
+                text=f"A float32 out element just over the kit's line (1.0x-2.8x): {whose}"
+                     f"`out - sigmoid(block_lse - lse) * (out - block_out)` ({where}), which rounds twice where the "
+                     "weighted sum `exp(lse - new) * out + exp(block_lse - new) * block_out` rounds once, on small "
+                     "outputs that are differences of larger ones (scores in the hundreds, or values that cancel). "
+                     "With the weighted sum in its place the same cases agree: `peers/.venv/bin/python -m "
+                     "peers.conformance --explain-merge` (peers/weighted_merge.py). Rounding at the edge of the "
+                     "error model, not a wrong result.")
+
+
 # What explains each disagreement, from reading the peer's code. A finding applies
 # to a run whose peer key starts with `peer`, whose dtype, pass and mask set match
 # (None or absent: any), whose message `match`es (a regular expression) and whose
@@ -96,21 +115,13 @@ FINDINGS = [
               "and `dq += block_dq_buffer` then adds the new block twice; dk and dv are sent from the buffer the "
               "next kernel overwrites. flash-attn itself takes only float16 and bfloat16, where `.to` copies; the "
               "stand-in takes float32, as a kernel that did would."),
-    dict(key="ring-flash-attn/float32-sigmoid-merge",
-         peer="ring-flash-attn/", dtype="float32", phase="forward", kind="over the line (marginal)",
-         summary="float32 out just over the line: the sigmoid merge rounds twice (utils.py line 47); with the "
-                 "weighted sum the same cases agree.",
-         match=r"out: \d+ of [^\n]*> tolerance \S+ \(\d(\.\d+)?x\)",           # (less than 10 times the line)
-         text="A float32 out element just over the kit's line (1.0x-2.8x): the ring merges blocks as "
-              "`out - sigmoid(block_lse - lse) * (out - block_out)` (utils.py line 47), which rounds twice where the weighted sum "
-              "`exp(lse - new) * out + exp(block_lse - new) * block_out` rounds once, on small outputs that are "
-              "differences of larger ones (scores in the hundreds, or values that cancel). With the weighted sum in "
-              "its place the same cases agree: `peers/.venv/bin/python -m peers.conformance --explain-merge` "
-              "(peers/weighted_merge.py). Rounding at the edge of the error model, not a wrong result."),
+    sigmoid_merge("ring-flash-attn/", "utils.py line 47", whose="the ring merges blocks as ",
+                  summary="float32 out just over the line: the sigmoid merge rounds twice (utils.py line 47); with "
+                          "the weighted sum the same cases agree."),
     dict(key="torch-cp/float32-sigmoid-merge",
          peer="torch-cp/", dtype="float32", phase="forward", kind="over the line (marginal)",
          summary="float32 out just over the line: ring-flash-attn's sigmoid merge (line 186), which rounds twice.",
-         match=r"out: \d+ of [^\n]*> tolerance \S+ \(\d(\.\d+)?x\)",           # (less than 10 times the line)
+         match=MARGINAL,
          text="A float32 out element just over the kit's line (1.4x-2.6x): `_SDPAMerger` merges blocks with "
               "ring-flash-attn's `out - sigmoid(block_lse - lse) * (out - block_out)` "
               "(_context_parallel/_attention.py line 186), which rounds twice where the weighted sum rounds once; "
@@ -217,17 +228,9 @@ FINDINGS = [
               "softmax_scale, causal)` (line 28); its block kernel `pytorch_attn_forward` takes a `window_size` too "
               "(kernels/attention.py line 51) and does not pass it to SDPA (lines 66-73). Every query sees every key "
               "the causal mask (or none) lets it see."),
-    dict(key="yunchang/float32-sigmoid-merge",
-         peer="yunchang/", dtype="float32", phase="forward", kind="over the line (marginal)",
-         summary="float32 out just over the line: ring-flash-attn's sigmoid merge (ring/utils.py line 24); with the "
-                 "weighted sum the case agrees.",
-         match=r"out: \d+ of [^\n]*> tolerance \S+ \(\d(\.\d+)?x\)",           # (less than 10 times the line)
-         text="A float32 out element just over the kit's line (1.0x-2.8x): the merge is ring-flash-attn's, "
-              "`out - sigmoid(block_lse - lse) * (out - block_out)` (ring/utils.py line 24), which rounds twice where the weighted sum "
-              "`exp(lse - new) * out + exp(block_lse - new) * block_out` rounds once, on small outputs that are "
-              "differences of larger ones (scores in the hundreds, or values that cancel). With the weighted sum in "
-              "its place the same cases agree: `peers/.venv/bin/python -m peers.conformance --explain-merge` "
-              "(peers/weighted_merge.py). Rounding at the edge of the error model, not a wrong result."),
+    sigmoid_merge("yunchang/", "ring/utils.py line 24", whose="the merge is ring-flash-attn's, ",
+                  summary="float32 out just over the line: ring-flash-attn's sigmoid merge (ring/utils.py line 24); "
+                          "with the weighted sum the case agrees."),
     dict(key="yunchang/ulysses-torch-attends-across-ranks",
          peer="yunchang/ulysses-torch-flash", dtype=None, phase="forward", match=r"out: \d+ of",
          kind="defect (attends to other ranks' heads)",
