@@ -3,7 +3,7 @@
 `bench.block_shapes` says what a computed tile costs in a full and a
 triangular block; this says why. It runs the same blocks (one device's
 round t >= 1, one BLAS thread held with threadpoolctl) through a tuned step
-with every NumPy call of `reference.step_parts` timed where it is called,
+with every NumPy call of `reference.steps.parts` timed where it is called,
 by this thread's CPU time (a loaded machine stretches wall time, not CPU
 time), and prints CPU microseconds per computed tile for each kind of pass,
 the shapes side by side, the least of the repeats (shapes taking turns).
@@ -21,11 +21,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from reference import step_masks, step_parts, steps
+from reference import steps
+from reference.steps import parts, tile_masks
 
 from .block_shapes import SHAPES, block_arguments, block_pairs, run_on_one_thread, timed_block
 
-# each NumPy name step_parts calls, and the pass it belongs to
+# each NumPy name parts calls, and the pass it belongs to
 PASSES = {
     "matmul": "products", "masked_product": "products",
     "exp2": "exp2",
@@ -36,7 +37,7 @@ PASSES = {
 
 
 class _Timed:
-    """Stands for the `np` module in step_parts and step_masks: the calls
+    """Stands for the `np` module in parts and tile_masks: the calls
     named in PASSES add their CPU time to `spent`; everything else is NumPy's own."""
 
     def __init__(self, spent, stack):
@@ -70,8 +71,8 @@ PIECES = ("masked_product", "tile_masks", "mask_rows", "augment", "set_shift", "
 
 @contextmanager
 def timed_parts(spent):
-    """step_parts' and step_masks' NumPy calls and small pieces timed into `spent` {pass: seconds}."""
-    saved = [(module, name, getattr(module, name)) for module in (step_parts, step_masks)
+    """parts' and tile_masks' NumPy calls and small pieces timed into `spent` {pass: seconds}."""
+    saved = [(module, name, getattr(module, name)) for module in (parts, tile_masks)
              for name in ("np",) + PIECES if hasattr(module, name)]
     stack = []                                           # the timed calls under way (one thread)
     try:

@@ -1,10 +1,10 @@
 """How step v5's forward is cut into units and products, tried against its own cut.
 
-`reference.step_units.forward_units` stacks neighbouring query tiles up to
+`reference.steps.units.forward_units` stacks neighbouring query tiles up to
 ``UNIT_ROWS`` rows and computes each key tile they share in one product;
 step v5 then joins neighbouring key tiles of a stack that need no mask into
-one product (`step_units.join_full`), as many as keep a group's scores within
-its budget (`step_v5.join_width`: 2 at tiles of 128 with 4 heads, 1 at 256).
+one product (`units.join_full`), as many as keep a group's scores within
+its budget (`v5.join_width`: 2 at tiles of 128 with 4 heads, 1 at 256).
 A triangular block's stacks are ragged, so it has fewer tiles a product than
 a full block, and each product's fixed work weighs more on its tiles
 (`bench.tile_parts`). This tries another cut against v5's own, in the same
@@ -25,7 +25,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from reference import step_units, step_v5, steps
+from reference import steps
+from reference.steps import units, v5
 
 from .block_shapes import SHAPES, block_arguments, block_pairs, run_on_one_thread, timed_block
 
@@ -34,15 +35,15 @@ from .block_shapes import SHAPES, block_arguments, block_pairs, run_on_one_threa
 def cut(rows=None, join=None):
     """Step v5's forward cut into stacks of up to `rows` rows and products of
     up to `join` full key tiles (None: v5's own), meanwhile."""
-    own_rows, own_join = step_units.UNIT_ROWS, step_v5.join_width
-    step_units.UNIT_ROWS = step_v5.UNIT_ROWS = rows or own_rows      # (v5 sizes its groups of heads by it)
+    own_rows, own_join = units.UNIT_ROWS, v5.join_width
+    units.UNIT_ROWS = v5.UNIT_ROWS = rows or own_rows      # (v5 sizes its groups of heads by it)
     if join is not None:
-        step_v5.join_width = lambda *shape: join
+        v5.join_width = lambda *shape: join
     try:
         yield
     finally:
-        step_units.UNIT_ROWS = step_v5.UNIT_ROWS = own_rows
-        step_v5.join_width = own_join
+        units.UNIT_ROWS = v5.UNIT_ROWS = own_rows
+        v5.join_width = own_join
 
 
 def main(argv=None):
@@ -57,7 +58,7 @@ def report(args, machine):
     c = args.seq_len // args.n_devices
     x = np.random.default_rng(0).standard_normal((1, c, args.heads, args.head_dim), dtype=np.float32)
     step, pairs, best = steps.get("v5", xp=np), block_pairs(args.seq_len, args.n_devices), {}
-    tried = f"rows {args.rows or step_units.UNIT_ROWS}, join {args.join or 'as v5'}"
+    tried = f"rows {args.rows or units.UNIT_ROWS}, join {args.join or 'as v5'}"
     cuts = {"v5's cut": dict(), tried: dict(rows=args.rows, join=args.join)}
     for r in range(args.repeats):
         for name, how in list(cuts.items())[::1 if r % 2 else -1]:      # each first in turn

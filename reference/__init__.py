@@ -11,7 +11,7 @@ layout), `step` (one device, one block: the readable version 1 and the
 contract), `call` (a ring call checked once, at the door), `ring` (one
 device's rounds, shared by every backend), `virtual` (N
 devices as threads), `lockstep` (the same rounds in one loop), `steps` (the
-numbered step versions: `step_v2`, `step_v3`), `trace` (and its files), `plot`,
+numbered step versions, the workshop: `steps.v2` .. `steps.v5`), `trace` (and its files), `plot`,
 `inputs` (random shards a device makes alone), `cost`, `tms`.
 ``python -m reference`` prints the per-device work of each layout.
 """

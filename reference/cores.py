@@ -31,7 +31,7 @@ first to hold it, until its hold ends; holds made meanwhile by other threads
 do nothing. The ring holds it around its devices, so the share it holds
 already counts v3's workers: with more than one worker per device, one BLAS
 thread per product. A step called on its own (a benchmark, an MPI rank) holds
-BLAS to one thread around its workers itself (`step_parts.run_units`).
+BLAS to one thread around its workers itself (`steps.units.run_units`).
 
     step, share = cores.for_devices(step, n_devices=8)   # Share(cores=2, devices=8, workers=1, blas=1)
     with share.held():

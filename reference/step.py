@@ -33,8 +33,8 @@ a key, count the work for the trace. The tiles read the mask from
 ``queries.mask`` (a MASKED tile's mask is ``visible(q_pos, k_pos,
 queries.mask)``); a version that applies dropout (``has_dropout``) weighs P V
 by `masks.keep_weights`, as version 1 does.
-Faster versions sit beside this one (`step_v2`, `step_v3`, `step_v4`, each
-built from the pieces of `step_parts` and `step_units`; `gpu_impl.fused`), each checked
+Faster versions sit beside this one in the workshop (`reference.steps`: `v2` .. `v5`, each
+built from the pieces of `steps.parts` and `steps.units`; `gpu_impl.fused`), each checked
 against it (tests/test_step.py).
 
 Rows without a visible key and NaN (DESIGN.md):
@@ -107,7 +107,7 @@ class ForwardAcc:
     """Out_j of Algorithm 1: the unnormalised output `o`, the running row max
     `m` and row sum `l` of exp(S - m), and which query rows have a visible key
     so far (`seen`, from positions). Version 1 keeps `m` the true running max;
-    a version may keep any shift below it (step_v3's lazy max): ``o / l`` and
+    a version may keep any shift below it (v3's lazy max): ``o / l`` and
     ``m + log(l)`` do not depend on the shift."""
     o: object            # (B, Hkv, c, G, D)
     m: object            # (B, Hkv, c, G)

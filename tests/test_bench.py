@@ -258,7 +258,7 @@ def test_kernel_says_when_blas_is_held_below_the_cores():
 def test_kernel_check_catches_a_wrong_step():
     """The error column is a real check: a step that drops a tile shows a large error."""
     from bench import kernel
-    from reference.step_v2 import ExactBase2Step
+    from reference.steps.v2 import ExactBase2Step
 
     class DropsATile(ExactBase2Step):
         def forward_tiles(self, acc, queries, block, plan, progress=None):
@@ -366,13 +366,14 @@ def test_overlap_figures_read_the_sender_upstream():
 
 
 def test_join_full_joins_only_full_neighbouring_key_tiles():
-    """step_units.join_full (step v5's wider products) covers exactly the
+    """units.join_full (step v5's wider products) covers exactly the
     tiles of forward_units' cut, joins only unmasked key tiles of the same
     rows, W at most; bench.unit_shapes' cut changes v5's forward only within
     rounding (a joined product sums in another order), and is put back after."""
     from bench.block_shapes import block_pairs
     from bench.unit_shapes import cut
-    from reference import ring_attention, step_units, step_v5
+    from reference import ring_attention
+    from reference.steps import units, v5
     from reference.masks import Mask
     from reference.tiles import tile_plan
 
@@ -380,10 +381,10 @@ def test_join_full_joins_only_full_neighbouring_key_tiles():
         return sum((r.stop - r.start) * (k.stop - k.start) for r, k, _ in blocks)
     padded = (np.arange(512), np.arange(512), Mask(causal=False, seq_len=500))   # a masked tile beside full ones
     for q_pos, k_pos, *mask in [*block_pairs(2048, 4).values(), padded]:
-        own = step_units.forward_units(tile_plan(q_pos, k_pos, 64, *mask)[0], len(q_pos), 1)
-        assert step_units.join_full(own, 1) is own
+        own = units.forward_units(tile_plan(q_pos, k_pos, 64, *mask)[0], len(q_pos), 1)
+        assert units.join_full(own, 1) is own
         for width in (2, 3):
-            tried = step_units.join_full(own, width)
+            tried = units.join_full(own, width)
             assert [qs for qs, _ in tried] == [qs for qs, _ in own]
             for (_, blocks), (_, joined) in zip(own, tried):
                 assert area(joined) == area(blocks)
@@ -394,9 +395,9 @@ def test_join_full_joins_only_full_neighbouring_key_tiles():
     q, k, v = np.random.default_rng(0).standard_normal((3, 1, 1024, 2, 16)).astype(np.float32)
     opts = dict(n_devices=4, layout="striped", tile_size=64, step="v5")
     want = ring_attention(q, k, v, **opts)
-    join_width = step_v5.join_width
+    join_width = v5.join_width
     with cut(join=1, rows=256):
         got = ring_attention(q, k, v, **opts)
-    assert step_units.UNIT_ROWS == step_v5.UNIT_ROWS == 512 and step_v5.join_width is join_width
+    assert units.UNIT_ROWS == v5.UNIT_ROWS == 512 and v5.join_width is join_width
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

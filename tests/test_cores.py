@@ -11,7 +11,7 @@ import pytest
 
 from reference import cores, ring_attention, steps
 from reference.step import ReadableStep, no_progress
-from reference.step_parts import run_units
+from reference.steps.parts import run_units
 
 
 @pytest.fixture

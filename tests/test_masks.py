@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import reference.virtual
 from conftest import BFLOAT16, MAX_HEAD_DIM, Case, assert_close, make_qkv, tile_sizes
-from reference.step_v4 import SubTiledStep
+from reference.steps.v4 import SubTiledStep
 from test_gpu import fake_mpi  # noqa: F401 (a fixture)
 from reference import (LAYOUTS, attention, attention_backward, cost, lockstep, positions, ring,
                        ring_attention, ring_attention_backward, shard, steps, unshard)

@@ -25,7 +25,7 @@ from reference import attention, attention_backward, steps
 from reference.heads import kv_from_heads, q_from_heads, rows_from_heads
 from reference.ring import own_block
 from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward, masked_product
-from reference.step_v4 import SubTiledStep
+from reference.steps.v4 import SubTiledStep
 
 # every registered step that computes with NumPy, v3 with worker threads, and
 # v4 with sub-tiles small enough to cut these small tiles

@@ -1,4 +1,4 @@
-"""What only step version 3 (reference/step_v3.py) has: the lazy max (kept
+"""What only step version 3 (reference/steps/v3.py) has: the lazy max (kept
 for ordinary scores, redone exactly when a tile would overflow, off for huge
 values) and worker threads (results bit for bit the same on 1, 2 or 3; the
 calling thread calls `progress` while it waits for them; a unit that raises,
@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import LARGE_LOGITS_FACTOR, assert_close
-from reference import attention, step_parts, steps
+from reference import attention, steps
+from reference.steps import parts
 from reference.heads import q_from_heads, rows_from_heads
 from reference.masks import make_mask
 from reference.step import ForwardAcc, Queries, finish_forward
-from reference.step_parts import forward_units
+from reference.steps.parts import forward_units
 from reference.tiles import FULL, MASKED, tile_plan
 from test_step import (check_against_dense, growing_scores, key_block, perm_blocks, problem, step_backward,
                        step_forward)
@@ -31,14 +32,14 @@ from test_step import (check_against_dense, growing_scores, key_block, perm_bloc
 
 @pytest.fixture
 def exact_tiles(monkeypatch):
-    """Counts the exact (not lazy) tiles: version 3 falls back to `step_parts.exact_tile`."""
+    """Counts the exact (not lazy) tiles: version 3 falls back to `parts.exact_tile`."""
     calls = []                                         # list.append: safe from the worker threads
-    exact = step_parts.exact_tile
+    exact = parts.exact_tile
 
     def counting(*args, **kwargs):
         calls.append(1)
         return exact(*args, **kwargs)
-    monkeypatch.setattr(step_parts, "exact_tile", counting)
+    monkeypatch.setattr(parts, "exact_tile", counting)
     return calls
 
 
@@ -61,7 +62,7 @@ def test_lazy_max_is_raised_when_scores_grow(dtype, exact_tiles):
 
 def test_lazy_max_is_kept_for_gaussian_scores(exact_tiles):
     # the counterpart: ordinary scores never come near SUM_LIMIT, and a row's
-    # first tile (no shift yet) is seeded (`step_parts.seeded_tile`): none is exact
+    # first tile (no shift yet) is seeded (`parts.seeded_tile`): none is exact
     S, H = 256, 2
     q, k, v, _ = problem(B=1, S=S, Hq=H, Hkv=H, dtype=np.float32)
     out, lse, _ = step_forward(steps.get("v3"), q, k, v, [np.arange(S)], tile_size=32)
@@ -120,7 +121,7 @@ def test_a_sum_that_overflows_is_redone(exact_tiles):
 
 
 def test_a_masked_pair_that_overflows_is_redone(exact_tiles):
-    # version 3 clears masked pairs by a product with 0 (`step_masks.weigh`):
+    # version 3 clears masked pairs by a product with 0 (`tile_masks.weigh`):
     # a masked score that overflows exp2 gives inf x 0 = NaN, which must send
     # the tile to the exact path, not into O. Keys 24..31 score 700 for the
     # queries that cannot see them; the second block is the one redone
@@ -188,7 +189,7 @@ def test_progress_is_called_while_waiting_for_the_workers(name, kind, monkeypatc
     # thread, its own unit done, has called `progress` three times: only a
     # step that calls it while it waits lets the worker go (no timing involved)
     patched = "forward_rows" if kind == "forward" else "backward_head"
-    real, caller = getattr(step_parts, patched), threading.get_ident()
+    real, caller = getattr(parts, patched), threading.get_ident()
     own_done, go, calls = threading.Event(), threading.Event(), []
 
     def unit(*args, **kwargs):
@@ -198,7 +199,7 @@ def test_progress_is_called_while_waiting_for_the_workers(name, kind, monkeypatc
         else:
             assert go.wait(timeout=20), "the calling thread never called progress while waiting"
             real(*args, **kwargs)
-    monkeypatch.setattr(step_parts, patched, unit)
+    monkeypatch.setattr(parts, patched, unit)
 
     def progress():
         calls.append(threading.get_ident())
@@ -220,13 +221,13 @@ def _failing(monkeypatch, kind, fail):
     """Patch the unit of `kind` (forward: a run of query tiles of one head;
     backward: one head) so that ``fail(args)`` decides whether it raises."""
     patched = "forward_rows" if kind == "forward" else "backward_head"
-    real = getattr(step_parts, patched)
+    real = getattr(parts, patched)
 
     def unit(*args, **kwargs):
         if fail(args):
             raise RuntimeError("unit failed")
         return real(*args, **kwargs)
-    monkeypatch.setattr(step_parts, patched, unit)
+    monkeypatch.setattr(parts, patched, unit)
 
 
 def _run(kind, step, q, k, v, dout):

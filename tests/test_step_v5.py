@@ -1,4 +1,4 @@
-"""What only step version 5 (reference/step_v5.py) has: a group of heads
+"""What only step version 5 (reference/steps/v5.py) has: a group of heads
 computed together, lazy or seeded, and a head that does not pass the row
 sums' check (or cannot be lazy) redone alone while the others keep their
 batched result. Each case here is built so that some heads of a group take
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import LARGE_LOGITS_FACTOR, assert_close
-from reference import attention, step_parts, step_units, step_v5, steps
-from reference.step_v5 import head_groups
+from reference import attention, steps
+from reference.steps import parts, units, v5
+from reference.steps.v5 import head_groups
 from test_step_v3 import exact_tiles, n_blocks  # noqa: F401 (a fixture)
 from test_step import check_against_dense, growing_scores, problem, step_forward
 
@@ -126,13 +127,13 @@ def test_a_group_holds_as_many_heads_as_its_scores_allow(scores, G, sizes, monke
     # tiles of 8 keys: GROUP_SCORES of 512 rows x 8 keys x 2 heads makes groups of 2 of the 4 heads; with
     # 128 query heads a key/value head, a tile of 8 queries is 1024 rows: groups of one head
     if scores is not None:
-        monkeypatch.setattr(step_v5, "GROUP_SCORES", scores)
-    seen, real = set(), step_parts.forward_rows
+        monkeypatch.setattr(v5, "GROUP_SCORES", scores)
+    seen, real = set(), parts.forward_rows
 
     def recording(run, *args, **kwargs):
         seen.add(run.q.shape[0])                       # the group's heads (a leading axis)
         return real(run, *args, **kwargs)
-    monkeypatch.setattr(step_parts, "forward_rows", recording)
+    monkeypatch.setattr(parts, "forward_rows", recording)
     q, k, v, _ = problem(B=1, S=32, Hq=4 * G, Hkv=4, D=4, dtype=np.float32)
     forward_against_dense(q, k, v, [np.arange(32)], tile_size=8)
     assert seen == sizes
@@ -143,17 +144,17 @@ def test_full_key_tiles_are_joined_as_far_as_the_scores_allow(scores, widths, mo
     # 4 heads, stacks of 2 query tiles of 8 (16 rows), tiles of 8 keys, S = 64 in one causal block: the stacks
     # see 2, 4, 6 full key tiles, all joined; a budget of 16 x 8 x 4 x 2 joins them in pairs, 16 x 8 x 4 not at
     # all; a masked tile is never joined (the diagonal ones stay 8 keys wide); the result is dense's
-    monkeypatch.setattr(step_units, "UNIT_ROWS", 16)
-    monkeypatch.setattr(step_v5, "UNIT_ROWS", 16)
+    monkeypatch.setattr(units, "UNIT_ROWS", 16)
+    monkeypatch.setattr(v5, "UNIT_ROWS", 16)
     if scores is not None:
-        monkeypatch.setattr(step_v5, "GROUP_SCORES", scores)
-    seen, real = set(), step_parts.forward_rows
+        monkeypatch.setattr(v5, "GROUP_SCORES", scores)
+    seen, real = set(), parts.forward_rows
 
     def recording(run, head, blocks, *args, **kwargs):
         seen.update((ks.stop - ks.start) // 8 for _, ks, _ in blocks)
         assert all(ks.stop - ks.start == 8 for _, ks, part in blocks if part is not None)
         return real(run, head, blocks, *args, **kwargs)
-    monkeypatch.setattr(step_parts, "forward_rows", recording)
+    monkeypatch.setattr(parts, "forward_rows", recording)
     q, k, v, _ = problem(B=1, S=64, Hq=4, Hkv=4, D=4, dtype=np.float32)
     forward_against_dense(q, k, v, [np.arange(64)], tile_size=8)
     assert seen == widths
@@ -161,5 +162,5 @@ def test_full_key_tiles_are_joined_as_far_as_the_scores_allow(scores, widths, mo
 
 def test_join_width_keeps_the_largest_groups_scores_within_the_budget():
     # 4 heads of 512 rows and tiles of 128: pairs; groups of 8 heads, or tiles of 256: none
-    assert step_v5.join_width(4, 8, 512, 128) == 2 and step_v5.join_width(8, 8, 512, 128) == 1
-    assert step_v5.join_width(4, 4, 512, 256) == 1 and step_v5.join_width(1, 1, 512, 128) == 8
+    assert v5.join_width(4, 8, 512, 128) == 2 and v5.join_width(8, 8, 512, 128) == 1
+    assert v5.join_width(4, 4, 512, 256) == 1 and v5.join_width(1, 1, 512, 128) == 8

@@ -1,4 +1,4 @@
-"""bench.tile_parts times step_parts' passes by patching the module: it must
+"""bench.tile_parts times parts' passes by patching the module: it must
 put everything back and count the passes it names. No timing is asserted: only which passes ran (tiny blocks: S = 64, N = 4,
 tiles of 8, one repeat)."""
 
@@ -6,19 +6,19 @@ import numpy as np
 
 from bench import tile_parts
 from bench.block_shapes import SHAPES
-from reference import step_masks, step_parts
+from reference.steps import parts, tile_masks
 
 
 def test_timed_parts_puts_the_modules_back_even_after_an_error():
-    before = [dict(vars(m)) for m in (step_parts, step_masks)]
+    before = [dict(vars(m)) for m in (parts, tile_masks)]
     try:
         with tile_parts.timed_parts({}):
-            assert step_parts.np is not np and step_masks.weigh is not step_parts.weigh
+            assert parts.np is not np and tile_masks.weigh is not parts.weigh
             raise RuntimeError("inside")
     except RuntimeError:
         pass
-    assert step_parts.np is np and step_masks.np is np
-    assert [dict(vars(m)) for m in (step_parts, step_masks)] == before
+    assert parts.np is np and tile_masks.np is np
+    assert [dict(vars(m)) for m in (parts, tile_masks)] == before
 
 
 def test_only_a_triangular_block_makes_masks():

@@ -1,13 +1,13 @@
 """The work of a tuned NumPy step cut into units, and the units run on worker threads.
 
-What `reference.step_parts` computes a unit at a time, arranged for a CPU of
-several cores (`reference.step_v3`, `step_v4`):
+What `reference.steps.parts` computes a unit at a time, arranged for a CPU of
+several cores (`reference.steps.v3`, `v4`):
 
 - taller products (`forward_units`): neighbouring query tiles stacked up to
   ``UNIT_ROWS`` rows, a key tile they share computed in one product; the
   stacks cover exactly the plan's tiles, so the work counted is the work done;
   wider ones (`join_full`): neighbouring key tiles of a stack that need no
-  mask in one product (`step_v5`, at small tiles);
+  mask in one product (`v5`, at small tiles);
 - worker threads (`run_units`): units taken in order by `workers` threads,
   with BLAS held to one thread meanwhile, the calling thread calling
   `progress` while it waits (`on_this_thread`: only it may move a transfer);
@@ -20,9 +20,9 @@ import threading
 
 import numpy as np
 
-from .cores import blas_limit
-from .step import no_progress
-from .tiles import MASKED, by_tile
+from ..cores import blas_limit
+from ..step import no_progress
+from ..tiles import MASKED, by_tile
 
 UNIT_ROWS = 512         # the forward stacks query tiles up to this many rows: taller products run faster
 # the backward stacks a key tile's query tiles up to this many pairs: tiles of 128 four at a time

@@ -3,7 +3,7 @@
 On a CPU a tile's element-wise passes (subtract the max, exp, row sums, the
 mask) cost as much as its two matrix products, so version 2 removes passes;
 the formulas are version 1's (`reference.step`), tile by tile, exact max,
-with the pieces of `reference.step_parts`:
+with the pieces of `reference.steps.parts`:
 
 - base 2: ``exp2`` is about twice as fast as ``exp``, so ``log2(e)`` is folded
   into Q once and ``m`` and ``lse`` are carried in base 2 inside a tile loop;
@@ -25,10 +25,10 @@ products keep both busy. Version 3 puts both cores to work on it.
 Shapes per (batch, head): q (c, G, D), k, v (ck, D); R = tq * G rows of a tile.
 """
 
-from .step import Step, no_progress
-from .step_parts import (KeyHead, QueryRun, backward_cols, backward_head, by_tile, exact_update,
-                         forward_rows)
-from .tiles import FULL
+from ..step import Step, no_progress
+from ..tiles import FULL
+from .parts import (KeyHead, QueryRun, backward_cols, backward_head, by_tile, exact_update,
+                    forward_rows)
 
 
 class ExactBase2Step(Step):

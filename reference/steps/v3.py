@@ -1,7 +1,7 @@
 """Step version 3 (NumPy): version 2 with a lazy max, taller products and worker threads.
 
-What it changes from version 2 (`reference.step_v2`), and why (the pieces
-are in `reference.step_parts`, the units and threads in `reference.step_units`):
+What it changes from version 2 (`reference.steps.v2`), and why (the pieces
+are in `reference.steps.parts`, the units and threads in `reference.steps.units`):
 
 - a lazy max (`lazy_tile`): the running shift ``m`` is raised only when a
   tile would overflow. Any shift gives the same ``O / l`` and ``m + log(l)``;
@@ -16,7 +16,7 @@ are in `reference.step_parts`, the units and threads in `reference.step_units`):
   version, ``acc.m`` is a shift, not the running max;
 - masks on the masked rows only: a stack of query tiles sharing a key tile
   is masked only on the rows of its masked tiles (`forward_units`), and a
-  lazy tile clears them by a product with a 0/1 matrix (`step_masks.weigh`; a masked
+  lazy tile clears them by a product with a 0/1 matrix (`tile_masks.weigh`; a masked
   inf or NaN turns to NaN there, and the tile is redone exactly);
 - taller products (`forward_units`): the forward stacks neighbouring query
   tiles (up to ``UNIT_ROWS`` rows) and computes a key tile they share in one
@@ -46,9 +46,9 @@ at tiles of 128 (was about 1.26x).
 Shapes as in version 2; ``W`` workers.
 """
 
-from .step import Step, no_progress
-from .step_parts import backward_cols, lazy_tile, threaded_backward, threaded_forward
-from .step_units import check_workers, workers_label
+from ..step import Step, no_progress
+from .parts import backward_cols, lazy_tile, threaded_backward, threaded_forward
+from .units import check_workers, workers_label
 
 
 class LazyThreadedStep(Step):

@@ -1,7 +1,7 @@
 """How the tuned NumPy steps mask a block: a block's mask made once for all heads, on its masked rows only.
 
-`reference.step_parts` computes a block of stacked query tiles at a time
-(`reference.step_units.forward_units`); only the rows of its masked tiles
+`reference.steps.parts` computes a block of stacked query tiles at a time
+(`reference.steps.units.forward_units`); only the rows of its masked tiles
 need the mask (`TilePos.part`). Masks come from positions
 (`reference.masks.visible`), are made once per step call for all heads
 (`tile_masks`), and are applied either by ``copyto(..., where=)`` (`hide`:
@@ -15,14 +15,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .masks import as_mask, visible
-from .tiles import MASKED
+from ..masks import as_mask, visible
+from ..tiles import MASKED
 
 
 class TilePos(NamedTuple):
     """What makes a masked block's mask: its query and key positions, the
     rule, where masks already made are kept (`tile_masks`), and `part`, the
-    query rows that hold its masked tiles (`step_units.forward_units`): the
+    query rows that hold its masked tiles (`units.forward_units`): the
     other rows see every key, so only `part` is masked."""
     q_pos: np.ndarray
     k_pos: np.ndarray
@@ -88,7 +88,7 @@ def hide(s, hidden, value):
 
 
 def exp2_visible(p, hq, col, qs, members):
-    """The backward's P (`step_parts.backward_cols`: hq, col its queries and
+    """The backward's P (`parts.backward_cols`: hq, col its queries and
     key column): p (R, tk) := exp2(p), then 0 at the masked pairs of the
     masked tiles among `members` [(query slice, kind)] of the run `qs`. A
     masked entry may overflow to inf or be NaN before it is cleared; it

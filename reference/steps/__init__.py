@@ -12,10 +12,10 @@ Adding a version adds one line to `STEPS`.
 | name | file | what it changes from the one before |
 | --- | --- | --- |
 | ``v1`` | reference/step.py | the formulas, whole tiles, any array module (the default of `reference`) |
-| ``v2`` | reference/step_v2.py | NumPy: base 2, folded columns, mask after exp2, one head at a time |
-| ``v3`` | reference/step_v3.py | NumPy: lazy max, taller products, worker threads |
-| ``v4`` | reference/step_v4.py | NumPy: masked tiles in sub-tiles (a diagonal tile costs a full one) |
-| ``v5`` | reference/step_v5.py | NumPy: version 3, all heads of a key tile in one batched product |
+| ``v2`` | reference/steps/v2.py | NumPy: base 2, folded columns, mask after exp2, one head at a time |
+| ``v3`` | reference/steps/v3.py | NumPy: lazy max, taller products, worker threads |
+| ``v4`` | reference/steps/v4.py | NumPy: masked tiles in sub-tiles (a diagonal tile costs a full one) |
+| ``v5`` | reference/steps/v5.py | NumPy: version 3, all heads of a key tile in one batched product |
 
 A backend adds its own versions with `register` when it is imported: the GPU
 package registers its CUDA kernels (``fused``, ``fused_v2``) beside these, and
@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .step import ReadableStep, Step
-from .step_v2 import ExactBase2Step
-from .step_v3 import LazyThreadedStep
-from .step_v4 import SubTiledStep
-from .step_v5 import HeadBatchedStep
+from ..step import ReadableStep, Step
+from .v2 import ExactBase2Step
+from .v3 import LazyThreadedStep
+from .v4 import SubTiledStep
+from .v5 import HeadBatchedStep
 
 # name -> Step class; `register` adds a backend's
 STEPS = {"v1": ReadableStep, "v2": ExactBase2Step, "v3": LazyThreadedStep, "v4": SubTiledStep,

@@ -1,6 +1,6 @@
 """Step version 4 (NumPy): version 3 with masked tiles computed in sub-tiles.
 
-What it changes from version 3 (`reference.step_v3`), and why. A masked tile
+What it changes from version 3 (`reference.steps.v3`), and why. A masked tile
 (one that holds both visible and hidden pairs: a causal block's diagonal, and
 every tile of striped's triangular blocks that the diagonal crosses) cost 1.3
 to 1.5 times a full tile in version 3: the whole tile is computed, then a mask
@@ -12,7 +12,7 @@ one product over the span of keys its visible sub-tiles cover: the sub-tiles
 that no query sees are not computed, and the mask is built and applied on the
 masked sub-tiles only (a band of width ``SUB`` along the diagonal). A masked
 256 x 256 tile then does 10/16 of the products and a quarter of the mask
-work. Everything else is version 3's, from `reference.step_parts`: the lazy
+work. Everything else is version 3's, from `reference.steps.parts`: the lazy
 shift's test and its exact fall-back, taller products, worker threads.
 
 Measured (``OPENBLAS_NUM_THREADS=1 python -m bench.block_shapes --steps v3 v4``,
@@ -32,11 +32,11 @@ import functools
 
 import numpy as np
 
-from .masks import visible
-from .step import Step, no_progress
-from .step_parts import SUM_LIMIT, backward_cols, exact_update, lazy_tile, threaded_backward, threaded_forward
-from .step_units import check_workers, workers_label
-from .tiles import FULL, SKIP, classify
+from ..masks import visible
+from ..step import Step, no_progress
+from ..tiles import FULL, SKIP, classify
+from .parts import SUM_LIMIT, backward_cols, exact_update, lazy_tile, threaded_backward, threaded_forward
+from .units import check_workers, workers_label
 
 SUB = 64          # the side of a sub-tile: masked tiles are computed SUB x SUB at a time
 
@@ -89,7 +89,7 @@ class SubTiledStep(Step):
         threaded_backward(grads, queries, rows, block, plan, self.subtiled_cols, self.workers, progress)
 
     def subtiled_cols(self, hq, col, dq, tiles, guard, tick=no_progress):
-        """`step_parts.backward_cols`, with the masked tiles in sub-tiles (not
+        """`parts.backward_cols`, with the masked tiles in sub-tiles (not
         when the inputs hold NaN or inf: the guarded products are version 2's)."""
         full = [(qs, kind) for qs, kind in tiles if kind == FULL]
         if guard or len(full) == len(tiles):

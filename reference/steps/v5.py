@@ -1,6 +1,6 @@
 """Step version 5 (NumPy): version 3 with all heads of a key tile in one batched product.
 
-What it changes from version 3 (`reference.step_v3`), and why. Version 3
+What it changes from version 3 (`reference.steps.v3`), and why. Version 3
 runs its forward one head at a time: for every block of stacked query tiles
 and every head, a dozen NumPy calls (two products, exp2, the mask, the row
 sums' check, the accumulation), each on a matrix of one head. What these calls
@@ -12,14 +12,14 @@ against ``[K, 1]`` stacked as (heads, D+1, keys) in one ``np.matmul`` (with
 grouped-query heads, a key/value head's query heads are already its rows),
 then exp2, the mask, ``P @ [V, 1]`` and the check on arrays of all those
 heads; each pass runs once per block instead of once per head. Everything
-else is version 3's, from `reference.step_parts`: the lazy shift and its
+else is version 3's, from `reference.steps.parts`: the lazy shift and its
 seeded first tile (`lazy_product`, `seeded_product`), and a head that would
 overflow, whose |V| is huge or not finite, or whose rows are not all in the
 same state goes alone through version 3's tile (`lazy_tile`, `exact_update`),
 so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
 
 Wider products at small tiles: neighbouring key tiles of a stack that need no
-mask are computed in one product (`step_units.join_full`), as many as keep the
+mask are computed in one product (`units.join_full`), as many as keep the
 largest group's scores within ``GROUP_SCORES`` (`join_width`: 2 at tiles of
 128 with 4 heads, 1 at tiles of 256 or with groups of 8 heads); measured 3 to
 6% off a full block's forward at tiles of 128 (BENCHMARKS.md, "Unit shapes tried").
@@ -47,10 +47,10 @@ Shapes as in version 2, with a leading axis of ``Hg`` heads per group.
 
 import numpy as np
 
-from .step import Step, no_progress
-from .step_parts import (SUM_LIMIT, backward_cols, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits,
-                         seeded_product, threaded_backward, threaded_forward)
-from .step_units import UNIT_ROWS, check_workers, workers_label
+from ..step import Step, no_progress
+from .parts import (SUM_LIMIT, backward_cols, exact_update, keep_seeded, lazy_product, lazy_tile, seed_fits,
+                    seeded_product, threaded_backward, threaded_forward)
+from .units import UNIT_ROWS, check_workers, workers_label
 
 # a group's scores (heads x stacked rows x keys of a tile) at most this many: 2 MiB of float32, so that
 # they stay in a core's cache (groups of 8 heads at tiles of 256, 4 MiB, measured 1.03 to 1.04 times
@@ -86,7 +86,7 @@ class HeadBatchedStep(Step):
 
 
 def join_width(n_heads, most, rows, tk):
-    """Full key tiles a product (`step_units.join_full`): as many as keep the
+    """Full key tiles a product (`units.join_full`): as many as keep the
     scores of the largest group the heads may form within GROUP_SCORES. It
     depends on the heads, not on the workers, so results do not either."""
     return max(1, GROUP_SCORES // (min(n_heads, most) * rows * tk))
@@ -101,7 +101,7 @@ def head_groups(n_heads, workers, most=None):
 
 
 def heads_tile(st, s, heads, ks, where):
-    """One tile of a group of heads (`step_parts.Base2Rows` st and scores s
+    """One tile of a group of heads (`parts.Base2Rows` st and scores s
     with a leading axis of heads; `heads` a `KeyHead` of the group): lazy,
     or seeded where no row has a shift yet, all heads in one pass each. A
     head whose row sums do not pass the check is redone exactly alone; when

@@ -1,4 +1,4 @@
-"""The pieces the tuned NumPy steps (`step_v2` to `step_v5`) are built from.
+"""The pieces the tuned NumPy steps (`v2` to `v5`) are built from.
 
 Each version is a `reference.step.Step` that composes these functions; read a
 version top to bottom with `reference.step` (the contract, version 1) and this
@@ -12,13 +12,13 @@ module open. What the pieces do is version 1's arithmetic (the formulas of
   backward ``[Q, -lse] @ [K, 1]^T = S - lse`` and ``[dO, -delta] @ [V, 1]^T = dP - delta``;
 - mask after exp2: masked scores are cleared after ``exp2`` rather than set to
   -inf before it where a version can (NumPy's exp2 takes a slow path for -inf);
-- one (batch, head) at a time, on contiguous 2-D matrices (`step_v5`: a group of heads);
+- one (batch, head) at a time, on contiguous 2-D matrices (`v5`: a group of heads);
 - the lazy shift (`lazy_tile`): a tile first tried with the current shift,
   redone exactly (`exact_tile`) only if a row sum could overflow;
 - the forward in stacks of query tiles and the backward by head, on worker
   threads (`threaded_forward`, `threaded_backward`), with the units and
-  threads of `reference.step_units`, and a block's mask on its masked rows
-  only (`reference.step_masks`);
+  threads of `reference.steps.units`, and a block's mask on its masked rows
+  only (`reference.steps.tile_masks`);
 - a row's first tile shifted by a sample of its scores (`seeded_tile`), not by its exact max.
 
 A forward runs over a *run* of query rows of one head (`QueryRun`), in base 2
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .nonfinite import all_finite, mask_rows, masked_product
-from .step import no_progress
-from .step_masks import TilePos, exp2_visible, hide, weigh
-from .step_units import column_runs, forward_units, join_full, on_this_thread, run_units, scratch
-from .tiles import by_tile
+from ..nonfinite import all_finite, mask_rows, masked_product
+from ..step import no_progress
+from ..tiles import by_tile
+from .tile_masks import TilePos, exp2_visible, hide, weigh
+from .units import column_runs, forward_units, join_full, on_this_thread, run_units, scratch
 
 LOG2E = float(np.log2(np.e))
 SUM_LIMIT = 2.0 ** 32   # a lazy tile's row sum may reach this before the tile is redone
@@ -73,7 +73,7 @@ class QueryRun:
 class KeyHead:
     """One (batch, head) of the key/value block, prepared for the forward; or
     several heads (h a slice: a leading axis of heads, flags per head, ``[i]``
-    the i-th head alone; `step_v5`)."""
+    the i-th head alone; `v5`)."""
     k1: np.ndarray       # (ck, D+1) [K, 1]
     v1: np.ndarray       # (ck, D+1) [V, 1]
     pos: np.ndarray      # (ck,)
@@ -114,7 +114,7 @@ def forward_rows(run, head, blocks, update, tick=no_progress):
     (query slice within the run, key slice, masked rows: a slice of the
     block's query rows, or None), each through ``update(st, s, head, ks,
     where)``; `tick` after each. A run of several heads (a leading axis
-    ``H``, `step_v5`) gives `update` that axis in front: s (H, rows, tk)."""
+    ``H``, `v5`) gives `update` that axis in front: s (H, rows, tk)."""
     *lead, tq, G, D = run.q.shape
     R, dtype, n = tq * G, run.q.dtype, int(np.prod(lead, dtype=int))
     m2_in = run.m.reshape(*lead, R) * LOG2E          # (..., R) the running shift, base 2
@@ -346,11 +346,11 @@ def shifted_scores(s, q2, kt, where):
         hide(where.rows(s), where.hidden(), -np.inf)
 
 
-# -- on worker threads (reference.step_units) --------------------------------------
+# -- on worker threads (reference.steps.units) --------------------------------------
 
 def threaded_forward(acc, queries, block, plan, update, workers, progress=no_progress, groups=None, join=1):
     """A forward in units of stacked query tiles (`forward_units`) of one head,
-    or of a group of heads (`groups`: slices of them, `step_v5`), on `workers`
+    or of a group of heads (`groups`: slices of them, `v5`), on `workers`
     threads (`run_units`), each tile through `update`; up to `join` full key
     tiles of a stack in one product (`join_full`)."""
     B, Hkv, c, G, _ = queries.q.shape
