@@ -16,9 +16,12 @@ import argparse
 import sys
 import time
 
+from contextlib import nullcontext
+
 import numpy as np
 
 import reference
+from mpi_impl.cores import rank_share, wait_quietly
 
 from . import train, transformer
 
@@ -86,6 +89,17 @@ def main(argv=None):
     if rank == 0:
         print(f"model: {config.as_dict()}, {args.dtype}\ntask: copy a block of {args.period} tokens, "
               f"B={args.batch}, S={args.seq_len}; {backend}, N={n}; {args.steps} Adam steps, lr {args.lr}")
+    # each rank holds BLAS (its layers' products and the ring's steps) to its share of the machine's cores
+    with rank_share(comm).held() if comm is not None else nullcontext():
+        curves, times = run_layouts(args, config, layouts, comm, rank)
+    if rank == 0:
+        report(args, curves, times, n, backend)
+    if comm is not None:
+        wait_quietly(comm)          # the others sleep while rank 0 writes the curves and draws them
+
+
+def run_layouts(args, config, layouts, comm, rank):
+    """Train each layout from the same start: ({layout: losses}, {layout: (total s, median step s, ring s)})."""
     curves, times = {}, {}
     for layout in layouts:
         replica = make_replica(args, config, layout, comm)
@@ -96,8 +110,7 @@ def main(argv=None):
                                               seq_len=args.seq_len, period=args.period, lr=args.lr,
                                               seed=args.seed, progress=progress)
         times[layout] = (time.perf_counter() - start, np.median(seconds), replica.attn.seconds)
-    if rank == 0:
-        report(args, curves, times, n, backend)
+    return curves, times
 
 
 def report(args, curves, times, n, backend):

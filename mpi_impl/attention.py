@@ -33,6 +33,7 @@ from reference.call import check_call
 from reference.trace import Trace
 
 from .comm import RingComm, communicator_name, named_rank
+from .cores import wait_quietly
 
 TRACE_CHOICES = (False, True, "rank")
 
@@ -103,6 +104,7 @@ def agree(comm, check, **also):
         mine = {**checked.describe(), **also}
     except Exception as e:      # noqa: BLE001 - reported to every rank, re-raised below
         checked, mine, error = None, None, e
+    wait_quietly(comm)          # a rank that comes early sleeps instead of spinning in the allgather
     everyone = comm.allgather((mine, _describe_error(error)))    # every rank gets here
     failed = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
     if failed:
@@ -136,4 +138,5 @@ def _trace_result(log, comm, trace):
 
 def gather_trace(log, comm):
     """Every rank's RoundLog -> one Trace ([t, j] arrays), on every rank. Collective."""
+    wait_quietly(comm)          # ranks that finished their rounds first sleep until the last one has
     return Trace.from_logs(comm.allgather(log))

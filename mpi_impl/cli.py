@@ -7,12 +7,11 @@
     mpiexec -n 4 python -m mpi4py -m mpi_impl --window 256 --dropout 0.1 --backward --check
 
 Every rank makes its own shard of random q, k, v (chunk by chunk from a seed;
-only --check builds the whole sequence, on rank 0), runs `ring_attention` (and with ``--backward``
-`ring_attention_backward`) for each layout, and rank 0 prints one row per layout:
+only --check builds the whole sequence, on rank 0: `mpi_impl.check`), runs
+`ring_attention` (and with ``--backward`` `ring_attention_backward`) for each
+layout, and rank 0 prints one row per layout (`mpi_impl.table`):
 
-  max error     with --check: rank 0 gathers the shards and compares with the
-                reference (`reference.attention`, or for S > 2048 the NumPy ring on
-                one virtual device), scaled by max(1, |ref|)
+  max error     with --check: against the float64 reference, scaled by max(1, |ref|)
   critical path sum over rounds of the busiest rank's CPU time in the step
                 (`compute_cpu_s`): what the run costs when every rank has a core
   wall          slowest rank, best of --repeat, after one untimed warm-up run
@@ -20,58 +19,42 @@ only --check builds the whole sequence, on rank 0), runs `ring_attention` (and w
   predicted     the cost model's speedup (`reference.cost`, "tiles", same tile size)
 
 With more ranks than cores, wall time measures the scheduler; read the critical
-path. The ranks on one machine share its cores (`reference.cores`): each holds
-BLAS (threadpoolctl) to its share, one thread with more ranks than cores or with
-worker threads, whatever OPENBLAS_NUM_THREADS says; --threads and --blas-threads
-choose otherwise, and the table's first line says what ran.
+path. The ranks on one machine share its cores (`mpi_impl.cores`): each holds
+BLAS and a step's workers to its share, within the rank's own limit
+(OPENBLAS_NUM_THREADS=1 is one core); --threads and --blas-threads choose
+otherwise within it, and the table's first line says what ran.
 
-Another backend reuses the command line with a `Backend` of its own:
+Another backend reuses the command line with a `Backend` of its own (`gpu_impl.__main__`):
 
-    from mpi_impl.cli import Backend, build_parser, main
     parser = build_parser(prog="mpiexec -n N python -m mpi4py -m gpu_impl")
-    parser.add_argument("--transfer", choices=("staged", "cuda-aware"), default="staged")
     sys.exit(main(parser=parser, backend=lambda args: Backend("cupy", fwd, bwd, to_device=cupy.asarray,
                                                                to_host=cupy.asnumpy, synchronize=sync)))
 
-with ``fwd``, ``bwd`` taking this package's keyword arguments (``comm``,
-``layout``, ``causal``, ``tile_size``, ``trace="rank"``), e.g.
-``functools.partial(mpi_impl.ring_attention, make_ring=...)``. What it writes
-is read with the library: `reference.trace.read_trace` (--trace-out), and
-`reference.plot.plot_timeline` draws --plot; the random shards are
-`reference.inputs.make_shard`.
+with ``fwd``, ``bwd`` taking this package's keyword arguments, e.g.
+``functools.partial(mpi_impl.ring_attention, make_ring=...)``.
+`reference.trace.read_trace` reads --trace-out; `reference.plot.plot_timeline` draws --plot.
 """
 
 import argparse
 import resource
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from reference import LAYOUTS, attention, attention_backward, cores, cost, positions, steps, unshard
-from reference import ring_attention as reference_ring
-from reference import ring_attention_backward as reference_ring_backward
+from reference import LAYOUTS, cost, positions, steps
 from reference.inputs import make_shard
 from reference.masks import cu_seqlens_from_lengths, layout_mask, make_mask
-from reference.plot import plot_timeline
-from reference.testing.compare import TOL
-from reference.trace import write_trace
 
 from .attention import gather_trace, ring_attention, ring_attention_backward
+from .check import Checker
+from .cores import rank_share, wait_quietly
+from .table import Row, largest, report, wait_fraction
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-DENSE_MAX_SEQ = 2048     # --check uses the dense S x S formula up to here
-
-
-def check_tolerance(dtype):
-    """--check fails above this error, scaled by max(1, |reference|): the
-    project's tolerance table (`reference.testing.TOL`) allows |actual -
-    expected| <= atol max(1, |expected|) + rtol |expected|, so atol + rtol."""
-    tol = TOL[np.dtype(dtype)]
-    return tol.atol + tol.rtol
 
 
 def _same(x):
@@ -99,20 +82,6 @@ class Backend:
 
 
 NUMPY = Backend("numpy", ring_attention, ring_attention_backward)
-
-
-@dataclass
-class Row:
-    """One layout's result, on rank 0."""
-    layout: str
-    wall_s: float
-    critical_cpu_s: float
-    predicted: float
-    error: float = float("nan")
-    errors: dict = field(default_factory=dict)       # --check: "out", "lse", "dq", ... -> scaled error
-    wait_fraction: float = float("nan")
-    traces: dict = field(default_factory=dict)       # "forward"/"backward" -> Trace
-    peak_rss_kb: list = field(default_factory=list)  # per rank, over the whole process so far
 
 
 def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=None):
@@ -208,48 +177,26 @@ def main(argv=None, backend=NUMPY, parser=None):
         return 2
     try:
         with hold_share(args, backend, comm):
-            rows = run(args, backend, comm)
-        status = report(rows, args, comm, backend) if comm.Get_rank() == 0 else 0
+            rows, checker = run(args, backend, comm)
+        status = report(rows, args, comm, backend, checker) if comm.Get_rank() == 0 else 0
     except Exception:           # noqa: BLE001 - printed with this rank's name, then the job ends
         abort_job(comm)
         raise                   # where Abort returns (a stand-in communicator)
     # every rank exits with rank 0's verdict: a failed check fails the job
-    # whichever rank's exit status the launcher passes on
+    # whichever rank's exit status the launcher passes on; the others sleep
+    # while rank 0 prints, writes and draws
+    wait_quietly(comm)
     return comm.bcast(status, root=0)
 
 
 def hold_share(args, backend, comm):
-    """This rank's share of its machine's cores (`reference.cores`), shared
-    with the ranks on the same machine: sets --threads and --blas-threads
-    where not given, and returns the BLAS hold to run inside."""
-    from mpi4py import MPI
-    here = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = here.Get_size()
-    here.Free()
+    """This rank's share of its machine's cores (`mpi_impl.cores.rank_share`),
+    within the rank's own budget (OPENBLAS_NUM_THREADS included): sets
+    --threads and --blas-threads where not given, and returns the hold to run inside."""
     step = make_steps(args, backend, comm.Get_size())[0]
-    share = cores.share(ranks_here, takes_workers=step.takes_workers, threads=args.threads,
-                        blas_threads=args.blas_threads)
+    share = rank_share(comm, takes_workers=step.takes_workers, threads=args.threads, blas_threads=args.blas_threads)
     args.threads, args.blas_threads = share.workers, share.blas
     return share.held()
-
-
-def report(rows, args, comm, backend):
-    """Rank 0: print the table, write the trace and the plot; the exit status
-    (1 if --check found an error above the tolerance, or NaN)."""
-    print(format_table(rows, args, comm.Get_size(), backend.name, busy=backend.busy))
-    if args.trace_out:
-        write_trace(args.trace_out, run_document(rows, args, comm.Get_size()))
-    if args.plot:
-        plot_timeline(args.plot, {r.layout: r.traces for r in rows},
-                      f"S={args.seq_len}, N={comm.Get_size()}, tile={args.tile_size}")
-    tol = check_tolerance(args.dtype)
-    failed = [r for r in rows if args.check and not r.error <= tol]     # NaN is not <= tol: it fails
-    if failed:
-        print("CHECK FAILED: " + ", ".join(
-            f"{r.layout} ({', '.join(f'{name} {e:.1e}' for name, e in r.errors.items() if not e <= tol)})"
-            for r in failed) + f" above {tol:g}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def abort_job(comm):
@@ -273,15 +220,31 @@ def check_args(args, n_ranks, backend=NUMPY):
     if args.doc_lengths is not None and sum(args.doc_lengths) != args.seq_len:
         return f"--doc-lengths add up to {sum(args.doc_lengths)} tokens, not --seq-len {args.seq_len}"
     try:
-        mask = make_mask(causal=args.causal, seq_len=args.seq_len, **mask_options(args))
+        make_mask(causal=args.causal, seq_len=args.seq_len, **mask_options(args))
     except (TypeError, ValueError) as e:          # the reference's words, with the options' names
         for name in ("window", "cu_seqlens", "dropout"):
             e = str(e).replace(f"{name} must", f"--{name.replace('_', '-')} must")
         return str(e)
+    for option, path in (("--trace-out", args.trace_out), ("--plot", args.plot)):
+        problem = output_problem(option, path)
+        if problem:
+            return problem
     try:                                          # the library's step rules, for this call
         make_steps(args, backend, n_ranks)
     except ValueError as e:
         return f"--step {args.step}: {e}"
+    return None
+
+
+def output_problem(option, path):
+    """A message if `path` (an output file) cannot be written, checked before the run: None if it can."""
+    if path is None:
+        return None
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        return f"{option} {path}: the folder {folder} does not exist"
+    if Path(path).is_dir():
+        return f"{option} {path}: is a folder; give a file name"
     return None
 
 
@@ -323,11 +286,19 @@ def _layouts(args):
 
 
 def run(args, backend, comm):
-    """Run every requested layout; return the rows on rank 0, None elsewhere."""
+    """Run every requested layout; return (the rows on rank 0, None elsewhere; the Checker)."""
+    checker = Checker(args, inputs, mask_options)
     if args.warmup:
+        say(comm, f"warm-up: one untimed run of {_layouts(args)[0]} ...")
         time_passes(args, _layouts(args)[0], backend, comm)
-    rows = [run_layout(args, layout, backend, comm) for layout in _layouts(args)]
-    return rows if comm.Get_rank() == 0 else None
+    rows = [run_layout(args, layout, backend, comm, checker) for layout in _layouts(args)]
+    return (rows if comm.Get_rank() == 0 else None), checker
+
+
+def say(comm, text):
+    """A progress line from rank 0, on stderr (the table is stdout's)."""
+    if comm.Get_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
 
 
 # -- one layout --------------------------------------------------------------
@@ -362,7 +333,8 @@ def time_passes(args, layout, backend, comm):
     opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size, seq_len=args.seq_len,
                 **mask_options(args))
     fwd_step, bwd_step = make_steps(args, backend, n)
-    comm.Barrier()
+    wait_quietly(comm)          # ranks still busy (rank 0's check) are waited for asleep,
+    comm.Barrier()              # then every rank starts the clock together
     start = time.perf_counter()
     out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", step=fwd_step, **opts)
     grads, logs = None, {"forward": fwd_log}
@@ -374,7 +346,7 @@ def time_passes(args, layout, backend, comm):
     return Timed(wall, out, lse, grads, logs)
 
 
-def run_layout(args, layout, backend, comm):
+def run_layout(args, layout, backend, comm, checker):
     """--repeat timed runs of `layout`: on rank 0 its Row, None elsewhere."""
     n, rank = comm.Get_size(), comm.Get_rank()
     best, least = None, {}
@@ -389,13 +361,14 @@ def run_layout(args, layout, backend, comm):
     # are all near it: each (round, rank) keeps its least CPU time over the repeats.
     traces = {kind: _least_times(gather_trace(log, comm), least[kind], backend.busy, comm)
               for kind, log in best.logs.items()}
-    errors = check_errors(args, layout, comm, backend, best.out, best.lse, best.grads) if args.check else {}
+    errors = checker.errors(layout, comm, backend, best.out, best.lse, best.grads) if args.check else {}
+    wait_quietly(comm)          # the others sleep while rank 0 computes the reference
     rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if rank != 0:
         return None
-    return Row(layout=layout, wall_s=best.wall_s, error=_largest(errors.values()), errors=errors, traces=traces,
+    return Row(layout=layout, wall_s=best.wall_s, error=largest(errors.values()), errors=errors, traces=traces,
                peak_rss_kb=rss, critical_cpu_s=sum(t.critical_path(backend.busy) for t in traces.values()),
-               wait_fraction=_wait_fraction(traces.values()),
+               wait_fraction=wait_fraction(traces.values()),
                predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal,
                                       **mask_options(args)))
 
@@ -409,115 +382,3 @@ def _least_times(trace, least, busy, comm):
 def _max():
     from mpi4py import MPI
     return MPI.MAX
-
-
-def _wait_fraction(traces):
-    """Largest, over ranks, of (time waiting for transfers) / (time computing)."""
-    wait = sum(t.wait_s.sum(axis=0) for t in traces)              # (N,)
-    compute = sum(t.compute_s.sum(axis=0) for t in traces)
-    return float((wait / np.maximum(compute, 1e-12)).max())
-
-
-def _largest(errors):
-    """The largest error; NaN if any is NaN, or if there is none (Python's max
-    would skip a NaN that is not first, and pass a NaN result)."""
-    errors = list(errors)
-    return float(np.max(errors)) if errors else float("nan")
-
-
-def check_errors(args, layout, comm, backend, out, lse, grads):
-    """{"out", "lse" (and "dq", "dk", "dv"): error against the reference, scaled by
-    max(1, |reference|), NaN if NaN} on rank 0, {} elsewhere. Collective."""
-    mine = [backend.to_host(x) for x in (out, lse, *(grads or ()))]
-    gathered = comm.gather(mine)
-    if comm.Get_rank() != 0:
-        return {}
-    axes = [1, 2, 1, 1, 1]                   # sequence axis of out, lse, dq, dk, dv
-    got = [unshard([g[i] for g in gathered], layout, axis=axes[i], seq_len=args.seq_len)
-           for i in range(len(mine))]
-    full = np.arange(args.seq_len)
-    q, k, v, dout = (x.astype(np.float64) for x in inputs(args, full))   # the reference in float64
-    forward, backward = _reference(args.seq_len)
-    ref_out, ref_lse = forward(q, k, v, causal=args.causal, **mask_options(args))
-    want = [ref_out, ref_lse]
-    if grads is not None:
-        want += backward(q, k, v, ref_out, ref_lse, dout, causal=args.causal, **mask_options(args))
-    names = ("out", "lse", "dq", "dk", "dv")[:len(want)]
-    # a result the backend did not return counts as wrong, never as checked
-    return {name: _scaled_error(got[i], want[i]) if i < len(got) else float("inf") for i, name in enumerate(names)}
-
-
-def _reference(seq_len):
-    """The dense formula up to DENSE_MAX_SEQ tokens; beyond, where its S x S
-    scores would not fit, the NumPy ring on one virtual device (tested against
-    the dense formula), whose memory grows linearly with S."""
-    if seq_len <= DENSE_MAX_SEQ:
-        return attention, attention_backward
-    return (partial(reference_ring, n_devices=1, layout="contiguous"),
-            partial(reference_ring_backward, n_devices=1, layout="contiguous"))
-
-
-def _scaled_error(actual, expected):
-    """max |actual - expected| / max(1, max |expected|); NaN anywhere gives NaN,
-    and a wrong shape gives inf (never a broadcast)."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    if actual.shape != expected.shape:
-        return float("inf")
-    return float(np.abs(actual - expected).max() / max(1.0, np.abs(expected).max()))
-
-
-# -- output ------------------------------------------------------------------
-
-def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"):
-    """layout | max error | critical path | wall | speedups measured | predicted."""
-    base = next((r for r in rows if r.layout == "contiguous"), None)
-    passes = "forward+backward" if args.backward else "forward"
-    ran = steps_ran(rows)
-    lines = [f"{backend_name}: N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, Hq={args.heads}, "
-             f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
-             f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}, "
-             f"{args.blas_threads} BLAS thread{'s' if args.blas_threads != 1 else ''} per product",
-             f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'wall speedup':>12} "
-             f"{'crit. speedup':>13} {'predicted':>9} {'wait/compute':>12}",
-             "-" * 93]
-    for r in rows:
-        speed = f"{base.wall_s / r.wall_s:>12.2f}" if base else f"{'-':>12}"
-        crit = f"{base.critical_cpu_s / r.critical_cpu_s:>13.2f}" if base else f"{'-':>13}"
-        err = f"{r.error:>9.1e}" if args.check else f"{'-':>9}"
-        lines.append(f"{r.layout:<11} {err} {r.critical_cpu_s * 1e3:>8.1f}ms {r.wall_s * 1e3:>7.1f}ms "
-                     f"{speed} {crit} {r.predicted:>9.2f} {r.wait_fraction:>12.1%}")
-    what = "CPU time" if busy == "compute_cpu_s" else "device time (CUDA events)"
-    lines.append(f"crit. path: sum over rounds of the busiest rank's {what} in the step; "
-                 "speedups: contiguous / layout; predicted: reference.cost, tiles")
-    return "\n".join(lines)
-
-
-def mask_label(args):
-    """'causal', or 'causal, window 256, 9 documents, dropout 0.1'."""
-    parts = ["causal" if args.causal else "not causal"]
-    if args.window is not None:
-        parts.append(f"window {args.window}")
-    docs = args.doc_lengths or (args.cu_seqlens and args.cu_seqlens[1:])
-    if docs:
-        parts.append(f"{len(docs)} documents")
-    if args.dropout:
-        parts.append(f"dropout {args.dropout:g}")
-    return ", ".join(parts)
-
-
-def steps_ran(rows):
-    """'step v3 (1 worker)' or 'forward step fused, backward step v1': read from the traces."""
-    ran = {kind: t.step for r in rows[:1] for kind, t in r.traces.items()}
-    if len(set(ran.values())) == 1:
-        return f"step {ran['forward']}"
-    return ", ".join(f"{kind} step {name}" for kind, name in ran.items())
-
-
-def run_document(rows, args, n_ranks):
-    """What --trace-out writes (`reference.trace.write_trace`): the options, and
-    per layout the figures of the table and the traces of its passes."""
-    return {"args": vars(args), "n_ranks": n_ranks, "layouts": {
-        r.layout: {"wall_s": r.wall_s, "critical_cpu_s": r.critical_cpu_s, "predicted_speedup": r.predicted,
-                   "max_error": None if np.isnan(r.error) else r.error, "wait_fraction": r.wait_fraction,
-                   "peak_rss_kb": r.peak_rss_kb, **r.traces}
-        for r in rows}}

@@ -20,10 +20,18 @@ before its devices start:
   every few milliseconds: 8 devices on 2 cores, striped, took 0.75 times the
   time (BENCHMARKS.md, "Devices that take turns at the cores").
 
-Arguments override both (``threads=``, ``blas_threads=``; ``--threads`` and
-``--blas-threads`` on the command lines), and the trace says what ran
-(``Trace.threads``). BLAS is held with threadpoolctl, around the call only:
-no environment variable is read or written.
+Arguments choose otherwise (``threads=``, ``blas_threads=``; ``--threads``
+and ``--blas-threads`` on the command lines), within the caller's budget,
+and the trace says what ran (``Trace.threads``).
+
+One rule for nested limits: a limit set inside another never raises the
+thread count. A call's budget (`budget`) is the share held around it (a
+ring's devices, an MPI rank: `Share.held`), else this process's cores capped
+by BLAS's thread count now (OPENBLAS_NUM_THREADS=1, or a threadpoolctl limit
+of the caller's, is an outer limit of one core). `share` deals that budget,
+never more: a device's workers x BLAS threads fit in it, and
+`blas_limit(n)` holds BLAS to ``min(n, its count now)``. BLAS is held with
+threadpoolctl, around the call only: no environment variable is written.
 
 OpenBLAS (built with pthreads, as NumPy's wheels are) has one thread pool for
 the whole process, so threadpoolctl lets one thread at a time hold it: the
@@ -31,16 +39,18 @@ first to hold it, until its hold ends; holds made meanwhile by other threads
 do nothing. The ring holds it around its devices, so the share it holds
 already counts v3's workers: with more than one worker per device, one BLAS
 thread per product. A step called on its own (a benchmark, an MPI rank) holds
-BLAS to one thread around its workers itself (`steps.units.run_units`).
+BLAS to one thread around its workers itself (`steps.units.run_units`), and
+runs at most as many workers as its budget.
 
     step, share = cores.for_devices(step, n_devices=8)   # Share(cores=2, devices=8, workers=1, blas=1)
     with share.held():
-        ...                                      # run the devices
+        ...                                      # run the devices; cores.budget() is 1 in there
     cores.blas_description()                     # 'openblas 0.3.31 (SkylakeX kernels, pthreads), 2 threads'
 """
 
 import copy
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -57,9 +67,17 @@ class Share:
         """How many devices compute at a time: as many as the cores hold."""
         return max(1, min(self.devices, self.cores // (self.workers * self.blas)))
 
+    @contextmanager
     def held(self):
-        """Hold BLAS to this share's threads inside a `with` block."""
-        return blas_limit(self.blas)
+        """Inside a `with` block: BLAS held to this share's threads, and a
+        device's cores (workers x BLAS threads) the budget of any call made there."""
+        entry = (object(), self.workers * self.blas)       # removed by identity below
+        _HELD.append(entry)
+        try:
+            with blas_limit(self.blas):
+                yield self
+        finally:
+            _HELD.remove(entry)
 
     @property
     def label(self):
@@ -71,16 +89,22 @@ class Share:
 
 
 def share(n_devices, *, takes_workers=True, threads=None, blas_threads=None, cores=None):
-    """The cores' share of each of `n_devices` threads running at once (module
-    docstring), for a step that takes worker threads or not; `threads`
-    (workers per device) and `blas_threads` override it."""
-    cores = available_cores() if cores is None else cores
+    """The budget's share of each of `n_devices` threads running at once (module
+    docstring), for a step that takes worker threads or not. `cores`: the
+    budget (None: `budget()`). `threads` (workers per device) and `blas_threads`
+    choose otherwise, within the budget: a device's workers x BLAS threads
+    never exceed it (with more devices than that, they take turns: `at_once`)."""
     for name, value in (("threads", threads), ("blas_threads", blas_threads)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            raise ValueError(f"{name} must be a positive int (threads per device) or None (the device's share "
+                             f"of the cores), got {value!r}")
+    cores = budget() if cores is None else cores
     each = max(1, cores // n_devices)
+    blas = min(cores, blas_threads) if blas_threads is not None else None
     workers = (each if takes_workers else 1) if threads is None else threads
-    blas = (each if workers == 1 else 1) if blas_threads is None else blas_threads
+    if blas is None:
+        blas = each if workers == 1 else 1
+    workers = min(workers, max(1, cores // blas))
     return Share(cores=cores, devices=n_devices, workers=workers, blas=blas)
 
 
@@ -106,9 +130,20 @@ def available_cores():
         return os.cpu_count() or 1
 
 
+def budget():
+    """The cores a call made now may use (module docstring): the share held
+    around it (`Share.held`), else this process's cores capped by BLAS's
+    thread count now, an outer limit of the caller's."""
+    if _HELD:
+        return _HELD[-1][1]
+    count = blas_threads()
+    return max(1, min(available_cores(), count)) if count else available_cores()
+
+
 # -- holding BLAS's thread count -------------------------------------------------
 
 _CONTROLLER = []        # threadpoolctl's view of the loaded libraries, made once
+_HELD = []              # the budgets of the shares held now, innermost last (process-wide)
 
 
 def _controller():
@@ -119,8 +154,10 @@ def _controller():
 
 
 def blas_limit(n):
-    """Hold BLAS to at most `n` threads inside a `with` block (module docstring)."""
-    return _controller().limit(limits=n, user_api="blas")
+    """Hold BLAS to at most `n` threads inside a `with` block, never more than
+    it has now (a limit inside another never raises the count)."""
+    now = blas_threads()
+    return _controller().limit(limits=min(n, now) if now else n, user_api="blas")
 
 
 def blas_threads():

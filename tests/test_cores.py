@@ -64,7 +64,7 @@ def test_the_share_of_each_device():
     assert cores.share(1, cores=2, takes_workers=False) == cores.Share(2, 1, workers=1, blas=2)
     assert cores.share(2, cores=8, takes_workers=False) == cores.Share(8, 2, workers=1, blas=4)
     assert cores.share(2, cores=8) == cores.Share(cores=8, devices=2, workers=4, blas=1)
-    assert cores.share(8, cores=2, threads=2, blas_threads=3) == cores.Share(2, 8, workers=2, blas=3)
+    assert cores.share(8, cores=2, threads=2, blas_threads=3) == cores.Share(2, 8, workers=1, blas=2)   # within 2 cores
     assert "1 BLAS thread per product" in cores.share(8, cores=2).label
     # devices computing at once: as many as the cores hold
     assert [cores.share(n, cores=2).at_once for n in (1, 2, 8)] == [1, 2, 2]

@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ..cores import blas_limit
+from ..cores import blas_limit, budget
 from ..step import no_progress
 from ..tiles import MASKED, by_tile
 
@@ -149,7 +149,9 @@ def run_units(fn, units, workers, progress=no_progress):
     on the same cores oversubscribe them: measured several times slower). A
     unit owns the rows it writes, so results do not depend on `workers`, bit
     for bit. This thread calls `progress` every PROGRESS_S while it waits for
-    the others. The first exception is raised here, after all stop."""
+    the others. The first exception is raised here, after all stop. Never
+    more workers than the caller's budget of cores (`reference.cores.budget`)."""
+    workers = min(workers, budget())
     if workers <= 1 or len(units) <= 1:
         for u in units:
             fn(*u)
