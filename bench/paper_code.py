@@ -195,7 +195,7 @@ def main(argv=None):
     ap.add_argument("--tiles", type=int, nargs="+", default=[128, 256], help="tile sides T (default 128 256)")
     ap.add_argument("--step", default="auto", help="our step (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="best of (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)     # the JAX side
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)

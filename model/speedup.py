@@ -81,7 +81,8 @@ def paper_rows_tile_aware(tables=None):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m model.speedup", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hardware", choices=sorted(HARDWARE), default="a100")
+    ap.add_argument("--hardware", choices=sorted(HARDWARE), default="a100",
+                    help="the accelerator whose rates the paper's TMS uses")
     args = ap.parse_args(argv)
     print(f"{'table':>5} {'model':>5} {'mesh':>5} {'n_seq':>7} {'c':>6} {'TMS':>6} {'tiles':>6} "
           f"{'speed-up':>8} {'/TMS':>5} {'/tiles':>6}")

@@ -92,18 +92,19 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--heads", type=int, default=4, help="query heads Hq")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads Hkv (default: Hq, as --heads)")
     ap.add_argument("--head-dim", type=int, default=64, help="head dim D")
-    ap.add_argument("--dtype", choices=DTYPES, default="float32")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="q, k, v dtype (float16 and bfloat16 accumulate in float32)")
     ap.add_argument("--tile-size", type=tile_arg, default=128,
                     help="tile side T (T queries by T keys), or TQxTK for a rectangle")
-    ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
+    ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all", help="how tokens are dealt to ranks; all: each in turn")
     ap.add_argument("--step", choices=steps.names(), default="auto",
                     help="block step version (reference.steps): auto is the fastest validated one for the arrays")
     ap.add_argument("--threads", type=int, default=None,
-                    help="worker threads per rank, for steps that take them (v3, v4, v5) (default: the rank's share "
-                         "of this machine's cores, reference.cores)")
+                    help="worker threads per rank (at least 1), for steps that take them (v3, v4, v5); default: "
+                         "the rank's share of its machine's cores (mpi_impl.cores), never more than its own limit")
     ap.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per product (default: the rank's share of the cores; 1 with workers)")
-    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                    help="causal mask (--no-causal: every key visible)")
     ap.add_argument("--window", type=int, default=None,
                     help="sliding window W: a query sees the previous W tokens, itself included")
     docs = ap.add_mutually_exclusive_group()
@@ -126,7 +127,7 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
                          "imports, BLAS start-up and first-touch page faults")
     ap.add_argument("--trace-out", metavar="FILE.json", help="write every rank's per-round trace")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the per-rank, per-round timeline")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random q, k, v (and of dropout)")
     return ap
 
 

@@ -27,14 +27,14 @@ def parse_args(argv=None):
     ap.add_argument("--tile-size", type=int, default=4, help="tile size (default %(default)s)")
     ap.add_argument("--heads", type=int, default=2, help="query heads (default %(default)s)")
     ap.add_argument("--head-dim", type=int, default=16, help="head dim D (default %(default)s)")
-    ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all")
+    ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all", help="how tokens are dealt to devices")
     ap.add_argument("--step", choices=steps.names(), default=steps.DEFAULT, help="block step (default %(default)s)")
     ap.add_argument("--threads", type=int, default=None,
                     help="worker threads per device, for steps that take them (default: the devices' share of "
                          "the cores, reference.cores)")
     ap.add_argument("--blas-threads", type=int, default=None,
                     help="BLAS threads per product (default: the devices' share of the cores)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random q, k, v")
     return ap.parse_args(argv)
 
 

@@ -13,7 +13,7 @@ invisible (`reference.masks`, ``seq_len``). `shard` pads with zeros and
 
 Legend: ``N`` devices, ``S`` tokens, ``c = S // N`` tokens per device.
 
-Run ``python -m reference.layouts`` to print the three layouts for S=16, N=4.
+    positions(16, 4, "striped")   # dev0 [0 4 8 12]  dev1 [1 5 9 13]  dev2 [2 6 10 14]  dev3 [3 7 11 15]
 """
 
 import numpy as np
@@ -188,8 +188,3 @@ def array_module(x):
 def to_host(x):
     """A small array (positions, the owner) as NumPy, wherever it lives."""
     return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-if __name__ == "__main__":
-    for name in LAYOUTS:
-        print(f"{name:<11}", "  ".join(f"dev{r} {p}" for r, p in enumerate(positions(16, 4, name))))

@@ -116,11 +116,13 @@ def paper_rows(path=PAPER_CSV):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=sorted(MODELS))
-    p.add_argument("--seq-parallel", type=int, default=4)
-    p.add_argument("--n-seq", type=int, default=65536)
-    p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100")
+    p = argparse.ArgumentParser(prog="python -m reference.tms", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), help="one model of the paper's table (default: all)")
+    p.add_argument("--seq-parallel", type=int, default=4, help="devices in the ring N")
+    p.add_argument("--n-seq", type=int, default=65536, help="sequence length S")
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100",
+                   help="the accelerator whose FLOP rate and bandwidth set the overlap")
     args = p.parse_args()
     if args.model:
         print(f"{theoretical_max_speedup(args.model, args.seq_parallel, args.n_seq, args.hardware):.4f}")

@@ -124,7 +124,7 @@ def children_cpu_s():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python scripts/run_notebooks.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="*", type=Path, help="notebooks to run (default: all)")
     ap.add_argument("--write", action="store_true", help="save each executed notebook as .ipynb beside it")
     ap.add_argument("--timings", action="store_true", help="print each notebook's three slowest cells")

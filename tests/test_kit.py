@@ -418,8 +418,23 @@ CASE = Case("striped", 2, 1, 4, 2, 1, 2, None, True, None, np.float32, "gaussian
 
 
 def test_a_missing_rank_or_output_fails():
-    with pytest.raises(AssertionError, match="run returned 1 ranks' results, expected 2"):
+    with pytest.raises(AssertionError, match="run must return a list of 2 dicts.*it returned 1 ranks' results"):
         check_ring_attention(Edited(lambda case, results: results[:1]), CASE)
+
+
+class ReturnsNothing(VirtualRingAdapter):
+    name = "forgetful"
+
+    def run(self, case, shards):
+        super().run(case, shards)           # and forgets to return it
+
+
+def test_a_run_that_returns_the_wrong_kind_of_thing_is_named():
+    with pytest.raises(AssertionError, match=r"forgetful: run must return a list of 2 dicts, one per rank, "
+                                             r"mapping 'out', 'lse'.*it returned NoneType"):
+        check_ring_attention(ReturnsNothing(), CASE)
+    with pytest.raises(AssertionError, match="rank 1's is a tuple"):
+        check_ring_attention(Edited(lambda case, results: [results[0], tuple(results[1].values())]), CASE)
     for name in NAMES:
         def drop(case, results, name=name):
             del results[1][name]

@@ -160,9 +160,7 @@ def check_ring_attention(adapter, case, *, model=None, names=None, usage=None):
     if reason:
         _skip(reason)
     pos = _check_positions(adapter.positions(case), case)
-    results = adapter.run(case, make_shards(case, pos))
-    if len(results) != case.n_devices:
-        raise AssertionError(f"{adapter.name}: run returned {len(results)} ranks' results, expected {case.n_devices}")
+    results = _results(adapter, adapter.run(case, make_shards(case, pos)), case)
     names = [name for name in names or (NAMES if adapter.backward else FORWARD) if name in adapter.outputs]
     want = oracle(case)
     tol = tolerances(case, accumulate=adapter.accumulate_dtype(case.dtype), model=model,
@@ -174,6 +172,20 @@ def check_ring_attention(adapter, case, *, model=None, names=None, usage=None):
             raise AssertionError(f"{adapter.name} differs from the float64 oracle on\n  {case!r}\n  {problem}")
         if usage is not None:
             usage[name] = max(usage.get(name, 0.0), used)
+    return results
+
+
+def _results(adapter, results, case):
+    """`run`'s results, or an AssertionError naming the adapter and what `run` must return."""
+    want = (f"{adapter.name}: run must return a list of {case.n_devices} dicts, one per rank, "
+            f"mapping {', '.join(repr(n) for n in adapter.outputs)} to that rank's arrays")
+    if not isinstance(results, (list, tuple)):
+        raise AssertionError(f"{want}; it returned {type(results).__name__}")
+    if len(results) != case.n_devices:
+        raise AssertionError(f"{want}; it returned {len(results)} ranks' results")
+    odd = [r for r, got in enumerate(results) if not isinstance(got, dict)]
+    if odd:
+        raise AssertionError(f"{want}; rank {odd[0]}'s is a {type(results[odd[0]]).__name__}")
     return results
 
 
