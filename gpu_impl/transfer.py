@@ -1,10 +1,10 @@
-"""Where a GPU ring's bytes live: the memory objects `mpi_impl.comm.RingComm` takes.
+"""Where a GPU ring's bytes live: the memory objects `mpi_impl.comm.RingComm` takes (`mpi_impl.memory`).
 
 One `RingComm` posts the Isend/Irecv pairs for every backend (paper, Algorithm
 1: "send K_k, V_k to the next device while computing"); what differs on a GPU
 is only where MPI reads and writes, so this module gives RingComm one of two
 memory objects (three verbs: ``buffer_set``, ``outgoing``, ``arrived``; see
-`mpi_impl.comm.HostMemory`), chosen once per run:
+`mpi_impl.memory.HostMemory`), chosen once per run:
 
 - `DeviceBuffers` (``cuda-aware``): the MPI library reads and writes GPU
   memory itself, so device arrays go straight to Isend/Irecv;
@@ -55,7 +55,7 @@ import ctypes
 
 import numpy as np
 
-from mpi_impl.comm import BufferSet
+from mpi_impl.memory import BufferSet
 
 TRANSFERS = ("auto", "cuda-aware", "staged", "cuda-aware-unchecked")
 

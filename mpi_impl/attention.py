@@ -32,8 +32,9 @@ from reference import ring
 from reference.call import check_call
 from reference.trace import Trace
 
-from .comm import RingComm, communicator_name, named_rank
+from .comm import RingComm
 from .cores import wait_quietly
+from .ranks import communicator_name, named_rank
 
 TRACE_CHOICES = (False, True, "rank")
 

@@ -52,6 +52,7 @@ from reference.masks import cu_seqlens_from_lengths, layout_mask, make_mask
 from .attention import gather_trace, ring_attention, ring_attention_backward
 from .check import Checker
 from .cores import rank_share, wait_quietly
+from .ranks import rank_name
 from .table import Row, largest, report, wait_fraction
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -204,7 +205,6 @@ def abort_job(comm):
     """End every rank because this one failed, saying which rank and why. Run
     without ``-m mpi4py``, the other ranks would otherwise wait for it forever."""
     import traceback
-    from .comm import rank_name
     print(f"{rank_name(comm)} of {comm.Get_size()} failed; ending the job:", file=sys.stderr)
     traceback.print_exc()
     sys.stderr.flush()

@@ -39,39 +39,13 @@ object stages what MPI sends. Hazards, and what handles each:
   never matches another kind's or the application's messages;
 - a transfer that fails (a message larger than its buffer, a neighbour that
   exited) raises `RingError` naming this rank, the neighbour, the round and
-  the transfer, instead of MPI's bare error code. Ranks are those of the
-  communicator the ring runs on: on a sub-communicator the message says so
-  ("rank 1 of the 3-rank communicator (world rank 2)"). `named_rank` puts the
-  rank in front of any other error raised inside the ring;
-- every rank ends its ring call with one notice to each neighbour (ring tag 0):
-  "done" from `close`, or, from a rank that left the ring (an exception,
-  `sys.exit` included, ended its ring call), the reason. A rank waiting for a
-  transfer waits for the neighbour's notice too, so that it says "rank 1 left
-  the ring" instead of failing with MPI's bare error or waiting for ever; and
-  `close` waits for both neighbours' notices, so that a neighbour that left
-  after its last transfer with this rank is named too, however late its notice
-  comes (without that, the call would return into the next collective, which
-  would wait for the rank that left for ever). Only neighbours are told: with
-  4 ranks or more, a rank two hops from the one that left ends its call as
-  usual, and the job ends when a neighbour's error aborts it (``python -m
-  mpi4py`` does). The rank that leaves cancels its receives and completes its
-  sends first, so that MPI never reads its freed memory after Python exits.
-  A ring call that failed may leave messages on their way (a notice, a block)
-  that no receive will take: unless both neighbours said "done", the
-  communicator `on` duplicated is then kept, never freed (a freed one's
-  context is reused by the next duplicate, whose receives would match them:
-  seen with MPICH, where the next call's notice receive took the failed call's
-  "done" and that call then missed a neighbour that left). A process that carries on after failed ring calls keeps one
-  communicator for each (MPICH has about 2,000). `RingComm` made directly on
-  a communicator (not by `on`) leaves such messages on the caller's.
+  the transfer, instead of MPI's bare error code (`mpi_impl.ranks`);
+- every rank ends its ring call with one notice to each neighbour (ring tag 0),
+  "done" or why it left: `mpi_impl.notices`, the failure protocol.
 
-Where the bytes live is the `memory` object's business (three verbs, below):
-`HostMemory`, the default, hands MPI the arrays as they are (NumPy; or CuPy
-with a CUDA-aware MPI, after synchronizing the stream) and receives into arrays
-of the same module; `gpu_impl.transfer` adds device buffers ordered with CUDA
-events, and staging through pinned host memory. A memory object may also carry
-a `clock` for the ring's RoundLog (CUDA events on a GPU), exposed as
-``RingComm.clock``.
+Where the bytes live is the `memory` object's business (`mpi_impl.memory`:
+the host's arrays by default, device buffers in `gpu_impl.transfer`); one may
+carry a `clock` for the ring's RoundLog (CUDA events), exposed as ``RingComm.clock``.
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
         from mpi_impl.comm import RingComm; \\
@@ -79,7 +53,6 @@ a `clock` for the ring's RoundLog (CUDA events on a GPU), exposed as
             print(ring.rank, ring.finish_shift(ring.start_shift((np.full(3, ring.rank),), 1)))"
 """
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -90,32 +63,20 @@ import numpy as np
 from reference import ring
 from reference.layouts import array_module
 
+from .memory import BufferSet, HostMemory, byte_view, overlap, span
+from .notices import DONE, KEPT, NeighbourLeft, Notices, quietly
+from .ranks import RingError, rank_name
+
 TAG_STRIDE = 16     # MPI tag = ring tag * TAG_STRIDE + index of the array in the tuple
 N_BUFFER_SETS = 2   # buffer sets per tag: one arriving, one held by the caller
 # what each ring tag carries, for error messages; ring tag 0 carries the notices below
 TRANSFERS = {ring.KV: "K/V block", ring.DKV: "dK/dV block"}
-FROM_PREV, FROM_NEXT = 0, 1     # MPI tags of a neighbour's notice ("done" or why it left), by where it comes from
-NOTICE_BYTES = 512              # its reason, UTF-8, cut to fit
-
-
-class RingError(RuntimeError):
-    """A transfer of the ring failed; the message names this rank, the
-    neighbour, the round and the transfer."""
 
 
 class ShiftOrderError(RuntimeError):
     """The communication object was used out of order: a shift finished twice
     or never started, a second shift of a tag started before the first
     finished, or a block sent after its buffers were handed back to MPI."""
-
-
-@dataclass(eq=False)
-class BufferSet:
-    """One of a tag's buffer sets (the memory object allocates it)."""
-    receive: tuple      # what MPI writes the arriving arrays into
-    handed: tuple       # what finish_shift hands the caller: `receive` itself, or device copies of it
-    staged: tuple       # where the memory object stages what MPI sends (None: MPI reads the caller's array)
-    mark: object = None     # the memory object's own: e.g. an event when the set was taken
 
 
 @dataclass(eq=False)
@@ -172,7 +133,7 @@ class RingComm:
         self.buffer_sets_allocated = 0
         self.transfers = []         # a Transfer per shift finished: its times, for the trace
         self._tested_at = float("-inf")     # when progress() last tested the requests
-        self._notices = _Notices(mpi_comm, self.prev, self.next) if self.size > 1 else None
+        self._notices = Notices(mpi_comm, self.prev, self.next) if self.size > 1 else None
         self._owns_comm = False     # a duplicate made by `on`, freed by `close`
         self._closed = False        # closed, or left: the ring's end has been dealt with
 
@@ -316,20 +277,20 @@ class RingComm:
         if self._closed:
             return
         if self._notices is not None and not self._notices.told:
-            _quietly(lambda: self._notices.tell(f"{type(error).__name__}: {error}"))
+            quietly(lambda: self._notices.tell(f"{type(error).__name__}: {error}"))
         for shift in list(self._active):
             for _, request in shift.receives:
-                _quietly(request.Cancel)
-                _quietly(request.Wait)
+                quietly(request.Cancel)
+                quietly(request.Wait)
             shift.receives.clear()
             for _, request in shift.sends:
-                _quietly(lambda: self._wait(request, self.next))
+                quietly(lambda: self._wait(request, self.next))
             shift.sends.clear()
         self._active.clear()
         if self._notices is not None:
             self._notices.withdraw()
             if self._owns_comm and not self._notices.all_done():
-                _KEPT.append(self.comm)
+                KEPT.append(self.comm)
                 self._owns_comm = False
         self._free()
 
@@ -353,16 +314,16 @@ class RingComm:
             self.buffer_sets_allocated += 1
         buffers = lane.sets[lane.turn]
         lane.turn = (lane.turn + 1) % N_BUFFER_SETS
-        handed = [_span(h) for h in buffers.handed]
+        handed = [span(h) for h in buffers.handed]
         for i, a in enumerate(arrays):
-            if any(_overlap(_span(a), h) for h in handed):
+            if any(overlap(span(a), h) for h in handed):
                 raise ShiftOrderError(
                     f"{rank_name(self.comm)}: start_shift: array {i} to send lies in the buffers the next "
                     f"{TRANSFERS.get(tag, f'tag {tag} message')} arrives in: a block finish_shift returned "
                     "is valid only until the second start_shift after it with the same tag")
-        touched = [_span(b) for b in buffers.receive + buffers.staged if b is not None]
+        touched = [span(b) for b in buffers.receive + buffers.staged if b is not None]
         for shift in list(self._active):
-            self._wait_sends(shift, lambda array: any(_overlap(_span(array), s) for s in touched))
+            self._wait_sends(shift, lambda array: any(overlap(span(array), s) for s in touched))
         return buffers
 
     # -- requests ----------------------------------------------------------------------
@@ -395,7 +356,7 @@ class RingComm:
 
     def _wait(self, request, peer):
         """Wait for `request`, a transfer with neighbour `peer`, or for that
-        neighbour's notice that it left (then raise _NeighbourLeft)."""
+        neighbour's notice that it left (then raise NeighbourLeft)."""
         if self._notices is None:
             request.Wait()
         else:
@@ -418,7 +379,7 @@ class RingComm:
             yield
         except Exception as e:      # noqa: BLE001 - mpi4py.MPI.Exception, re-raised with names
             peer = self.prev if receiving else self.next
-            if isinstance(e, _NeighbourLeft):
+            if isinstance(e, NeighbourLeft):
                 why = f"{rank_name(self.comm, peer)} left the ring ({e})"
             else:
                 kind = "MPI error" if type(e).__module__.startswith("mpi4py") else type(e).__name__
@@ -432,262 +393,3 @@ class RingComm:
                 f"{'from' if receiving else 'to'} {rank_name(self.comm, peer)} failed: {why}") from e
 
 
-class _NeighbourLeft(Exception):
-    """The neighbour a transfer waits for sent word that it left the ring."""
-
-
-class _Notices:
-    """Word between neighbours at the end of a ring call: each rank keeps a
-    receive posted for one notice from either neighbour ("done", or the reason
-    it left the ring), and waits for a transfer or that notice, whichever
-    comes first."""
-
-    def __init__(self, comm, prev, next):
-        self.comm, self.prev, self.next = comm, prev, next      # no reference back: no cycle to collect
-        self._buffers = {FROM_PREV: np.zeros(NOTICE_BYTES, np.uint8), FROM_NEXT: np.zeros(NOTICE_BYTES, np.uint8)}
-        self._peers = {FROM_PREV: prev, FROM_NEXT: next}
-        self._requests = {tag: comm.Irecv(self._buffers[tag], source=self._peers[tag], tag=tag)
-                          for tag in (FROM_PREV, FROM_NEXT)}
-        self._said = {}             # tag -> what the neighbour said: DONE, or the reason it left
-        self.told = False           # this rank sent its own notices
-        self._sent = []             # [(Isend request, buffer)] of those notices
-
-    def _tag(self, peer):
-        return FROM_PREV if peer == self.prev else FROM_NEXT
-
-    def _read(self, tag):
-        self._said[tag] = bytes(self._buffers[tag]).rstrip(b"\0").decode(errors="replace")
-
-    def wait(self, request, peer):
-        """Wait for `request` or the notice from `peer`; raise _NeighbourLeft
-        if `peer` left. A neighbour that said "done" finished every shift,
-        and both ranks start the same shifts (the ring call's agreement), so
-        its transfers with this rank are matched and `request` completes (its
-        data may land after the notice): it is waited for."""
-        tag = self._tag(peer)
-        if tag not in self._said:
-            if request.Waitany([request, self._requests[tag]]) == 0:
-                return
-            self._read(tag)
-        if self._said[tag] != DONE:
-            raise _NeighbourLeft(self._said[tag])
-        request.Wait()
-
-    def reason(self, peer):
-        """What `peer` said when it left, or None if it has not (tested now)."""
-        tag = self._tag(peer)
-        if tag not in self._said and self._requests[tag].Test():
-            self._read(tag)
-        return self._said.get(tag) or None
-
-    def end(self, peer):
-        """Wait for the notice from `peer` (both, when `peer` is both
-        neighbours); return the reason it left, or None if it said "done"."""
-        for tag in (FROM_PREV, FROM_NEXT):
-            if self._peers[tag] == peer and tag not in self._said:
-                self._requests[tag].Wait()
-                self._read(tag)
-        return next((self._said[tag] for tag in (FROM_PREV, FROM_NEXT)
-                     if self._peers[tag] == peer and self._said[tag] != DONE), None)
-
-    def tell(self, reason):
-        """Tell both neighbours that this rank is done (`DONE`) or leaves, and why."""
-        self.told = True
-        payload = np.zeros(NOTICE_BYTES, np.uint8)
-        data = reason.encode()[:NOTICE_BYTES]
-        payload[:len(data)] = np.frombuffer(data, np.uint8)
-        # the neighbour after this one hears it from its prev, the one before from its next
-        self._sent = [(self.comm.Isend(payload, dest=dest, tag=tag), payload)
-                      for dest, tag in ((self.next, FROM_PREV), (self.prev, FROM_NEXT))]
-
-    def delivered(self):
-        """Wait for this rank's "done" to reach both neighbours (each takes it
-        in its own `close`, having sent its own)."""
-        for request, _ in self._sent:
-            request.Wait()
-        self._sent = []
-
-    def withdraw(self):
-        """Read the notices that came, cancel the receives of those that have
-        not (they may still come). The notices this rank sent are small: MPI
-        copies them when sent, so they are complete at once; one that is not
-        is kept, with its buffer, in _TOLD, which the next failed ring call
-        prunes of those complete by then (a neighbour that left may never take
-        one)."""
-        for tag, request in self._requests.items():
-            if tag in self._said:
-                continue
-            if _completes(request, failed=False):   # (after its test it is MPI_REQUEST_NULL: no cancel)
-                self._read(tag)
-            else:
-                _quietly(request.Cancel)
-                _quietly(request.Wait)
-        _TOLD[:] = [(request, kept) for request, kept in _TOLD + self._sent if not _completes(request)]
-        self._sent = []
-
-    def all_done(self):
-        """Both neighbours said "done": every transfer with them matched, no message of theirs still to come."""
-        return all(self._said.get(tag) == DONE for tag in (FROM_PREV, FROM_NEXT))
-
-
-DONE = ""       # the notice of a rank that closed its ring call (a reason to leave is never empty)
-_TOLD = []      # notices MPI had not sent at once: (request, buffer)
-_KEPT = []      # duplicates of failed ring calls, never freed: a message of theirs may still come
-
-
-def _completes(request, failed=True):
-    """Whether `request` is complete now; `failed` if its test raises (a
-    notice kept in _TOLD is then dropped: nothing more can be done for it)."""
-    try:
-        return request.Test()
-    except Exception:       # noqa: BLE001 - clean-up after a failure
-        return failed
-
-
-def _quietly(action):
-    """Run `action`, ignoring its errors: for clean-up after a failure, which
-    must not hide the failure."""
-    try:
-        action()
-    except Exception:       # noqa: BLE001 - the first error is the one reported
-        pass
-
-
-class HostMemory:
-    """MPI reads and writes the arrays themselves: receive buffers are new
-    arrays of each array's own module. The three verbs a memory object has:
-
-        buffer_set(like) -> BufferSet  for arrays shaped like `like` (called
-                                       in start_shift, before the step runs)
-        outgoing(arrays, buffers) -> what MPI sends (the same arrays here, made ready)
-        arrived(buffers) -> what `finish_shift` hands the caller
-    """
-    clock = None
-
-    def buffer_set(self, like):
-        received = tuple(array_module(a).empty(a.shape, dtype=a.dtype) for a in like)
-        return BufferSet(received, received, (None,) * len(like))
-
-    def outgoing(self, arrays, buffers):
-        _ready_for_mpi(arrays)
-        return arrays
-
-    def arrived(self, buffers):
-        return buffers.receive
-
-
-def _span(a):
-    """(memory space, first byte, end) of a C-contiguous array, host or device."""
-    if hasattr(a, "__cuda_array_interface__"):
-        start, space = a.__cuda_array_interface__["data"][0], "cuda"
-    else:
-        start, space = a.__array_interface__["data"][0], "host"
-    return space, start, start + a.nbytes
-
-
-def _overlap(a, b):
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
-
-
-def byte_view(a):
-    """The bytes of a C-contiguous array, as a view: MPI must read and write
-    the array itself, never a copy."""
-    if not a.flags.c_contiguous:
-        raise ValueError(f"ring buffers must be C-contiguous, got an array of shape {a.shape} "
-                         f"with strides {a.strides}")
-    return a.reshape(-1).view("uint8")
-
-
-def _ready_for_mpi(arrays):
-    """Always make sure a GPU buffer is ready before any MPI operation: MPI
-    knows nothing of CUDA streams, so kernels writing `arrays`, or still reading
-    a receive buffer about to be reused, must have finished."""
-    for a in arrays:
-        xp = array_module(a)
-        if xp.__name__ == "cupy":
-            xp.cuda.get_current_stream().synchronize()
-            return
-
-
-# -- an asynchronous progress thread -------------------------------------------------
-
-ASYNC_PROGRESS = "MPIR_CVAR_ASYNC_PROGRESS"      # MPICH's control variable, read when MPI starts
-
-
-def ask_for_async_progress(environ=None):
-    """Ask the MPI library for its asynchronous progress thread, which moves
-    messages while no MPI call runs, at the cost of a thread polling: MPICH
-    starts one when MPI starts with MPIR_CVAR_ASYNC_PROGRESS=1 in the
-    environment (raising the thread level to MPI_THREAD_MULTIPLE; its own
-    help text, in libmpi, asks to leave a hardware thread free for it), so
-    call this before ``from mpi4py import MPI``. Open MPI 5 has none for
-    shared memory (only its TCP transport's btl_tcp_progress_thread, in
-    ``ompi_info --all``): see `progress_engine`."""
-    (os.environ if environ is None else environ)[ASYNC_PROGRESS] = "1"
-
-
-def progress_engine(MPI, environ=None):
-    """What moves the ring's transfers while ranks compute, in words: the
-    step's progress() calls, and the library's progress thread where it runs."""
-    environ = os.environ if environ is None else environ
-    library = MPI.Get_library_version().strip().splitlines()[0]
-    asked = environ.get(ASYNC_PROGRESS) == "1"
-    if not asked:
-        return "progress() between tiles"
-    if library.startswith("MPICH"):
-        return "progress() between tiles and MPICH's progress thread"
-    return (f"progress() between tiles only: {library.split(',')[0]} has no asynchronous progress thread "
-            "here (asked with --async-progress)")
-
-
-def rank_name(mpi_comm, rank=None):
-    """'rank 1' on the world communicator (or a duplicate of it); on a smaller
-    one 'rank 1 of the 3-rank communicator (world rank 2)', since MPI numbers
-    ranks per communicator. `rank` defaults to the caller's."""
-    rank = mpi_comm.Get_rank() if rank is None else rank
-    world = _world_rank(mpi_comm, rank)
-    if world is None or (world == rank and mpi_comm.Get_size() == _world_size()):
-        return f"rank {rank}"
-    return f"rank {rank} of the {mpi_comm.Get_size()}-rank communicator (world rank {world})"
-
-
-def communicator_name(mpi_comm):
-    """'' on the world communicator, ' of the 3-rank communicator' on a smaller one."""
-    name = rank_name(mpi_comm, 0)
-    return f" of the {mpi_comm.Get_size()}-rank communicator" if " of the " in name else ""
-
-
-def _world_rank(mpi_comm, rank):
-    """`rank` of `mpi_comm` as a rank of MPI.COMM_WORLD, or None for a communicator
-    that is not mpi4py's (the tests' stand-ins)."""
-    if not type(mpi_comm).__module__.startswith("mpi4py"):    # and never import (initialize) MPI for one
-        return None
-    from mpi4py import MPI
-    group, world = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return MPI.Group.Translate_ranks(group, [rank], world)[0]
-    finally:
-        group.Free()
-        world.Free()
-
-
-def _world_size():
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.Get_size()
-
-
-@contextmanager
-def named_rank(mpi_comm):
-    """An exception raised inside carries this rank's name at the start of its
-    message (the launcher's line naming the failed rank is sometimes lost),
-    keeping its type and traceback."""
-    try:
-        yield
-    except Exception as e:
-        name = rank_name(mpi_comm)
-        if not isinstance(e, RingError) and not str(e).startswith(name):
-            if len(e.args) == 1 and isinstance(e.args[0], str):
-                e.args = (f"{name}: {e.args[0]}",)
-            if not str(e).startswith(name) and hasattr(e, "add_note"):   # a message built otherwise
-                e.add_note(f"raised on {name}")
-        raise

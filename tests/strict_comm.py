@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpi_impl.comm import FROM_NEXT, FROM_PREV
+from mpi_impl.notices import FROM_NEXT, FROM_PREV
 
 POLL_S = 0.02
 NOTICE_TAGS = (FROM_PREV, FROM_NEXT)    # the MPI tags of the notices neighbours send at a ring's end

@@ -8,7 +8,8 @@ transfer named by rank, round, neighbour and transfer.
 import numpy as np
 import pytest
 
-from mpi_impl.comm import TAG_STRIDE, RingComm, RingError, named_rank, rank_name
+from mpi_impl.comm import TAG_STRIDE, RingComm
+from mpi_impl.ranks import RingError, named_rank, rank_name
 from test_gpu import OneRank
 
 

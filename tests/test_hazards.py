@@ -36,7 +36,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conftest import Case, assert_close, cases
-from mpi_impl.comm import FROM_NEXT, FROM_PREV, RingComm, RingError, ShiftOrderError
+from mpi_impl.comm import RingComm, RingError, ShiftOrderError
+from mpi_impl.notices import FROM_NEXT, FROM_PREV
 from reference import attention, attention_backward, positions, ring, shard, steps, unshard
 from reference.masks import as_mask
 from strict_comm import CheckingMPI, HazardError, ScriptedMPI, StrictRing, run_threads
@@ -473,9 +474,9 @@ def test_the_communicator_on_duplicated_is_freed_unless_a_message_may_still_come
     a call that failed keeps its duplicate, never freed, unless both
     neighbours said "done": a late notice or block of theirs would otherwise
     be taken by the next call, whose duplicate reuses the context."""
-    import mpi_impl.comm as comm_module
+    from mpi_impl import notices
     mpi = DupMPI()
-    kept = len(comm_module._KEPT)
+    kept = len(notices.KEPT)
     with pytest.raises(ValueError) if ends != "closed" else contextlib.nullcontext():
         with RingComm.on(mpi) as ring_comm:
             one_shift(ring_comm, mpi, block(0), block(1))
@@ -487,10 +488,10 @@ def test_the_communicator_on_duplicated_is_freed_unless_a_message_may_still_come
                 raise ValueError("the step failed")
     freed = int(ends in ("closed", "failed, neighbours done"))
     assert (mpi.made, mpi.freed) == (1, freed)
-    assert comm_module._KEPT[kept:] == ([] if freed else [mpi])
+    assert notices.KEPT[kept:] == ([] if freed else [mpi])
     ring_comm.close()                                   # a second close frees nothing more
     assert mpi.freed == freed
-    del comm_module._KEPT[kept:]
+    del notices.KEPT[kept:]
 
 
 def test_a_rank_leaves_the_ring_once():

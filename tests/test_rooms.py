@@ -26,7 +26,7 @@ IMPORT_PATH = re.compile(rf"(?<![\w.])({'|'.join(BACKENDS)})[.:][A-Za-z_]")   # 
 LEVELS = ("reference", "mpi_impl", "gpu_impl", "model", "bench", "scripts")
 CAPPED = ("reference", "mpi_impl", "gpu_impl", "bench", "scripts", "model")
 # modules being split by job (emptied as each is split)
-TO_SPLIT = {"mpi_impl/comm.py", "scripts/gpu_check.py", "bench/kernel.py"}
+TO_SPLIT = {"scripts/gpu_check.py", "bench/kernel.py"}
 
 
 def modules(package="reference", everywhere=False):

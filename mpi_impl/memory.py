@@ -1,0 +1,78 @@
+"""Where a ring's bytes live: the memory objects `mpi_impl.comm.RingComm` takes, and the host's.
+
+A memory object has three verbs (`HostMemory` below is the default; `gpu_impl.transfer`
+adds device buffers ordered with CUDA events, and staging through pinned host memory):
+
+    buffer_set(like) -> BufferSet  for arrays shaped like `like` (called in start_shift)
+    outgoing(arrays, buffers) -> what MPI sends (ready: on the host, or a device after its stream)
+    arrived(buffers) -> what `finish_shift` hands the caller
+"""
+
+from dataclasses import dataclass
+
+from reference.layouts import array_module
+
+
+@dataclass(eq=False)
+class BufferSet:
+    """One of a tag's buffer sets (the memory object allocates it)."""
+    receive: tuple      # what MPI writes the arriving arrays into
+    handed: tuple       # what finish_shift hands the caller: `receive` itself, or device copies of it
+    staged: tuple       # where the memory object stages what MPI sends (None: MPI reads the caller's array)
+    mark: object = None     # the memory object's own: e.g. an event when the set was taken
+
+
+class HostMemory:
+    """MPI reads and writes the arrays themselves: receive buffers are new
+    arrays of each array's own module. The three verbs a memory object has:
+
+        buffer_set(like) -> BufferSet  for arrays shaped like `like` (called
+                                       in start_shift, before the step runs)
+        outgoing(arrays, buffers) -> what MPI sends (the same arrays here, made ready)
+        arrived(buffers) -> what `finish_shift` hands the caller
+    """
+    clock = None
+
+    def buffer_set(self, like):
+        received = tuple(array_module(a).empty(a.shape, dtype=a.dtype) for a in like)
+        return BufferSet(received, received, (None,) * len(like))
+
+    def outgoing(self, arrays, buffers):
+        ready_for_mpi(arrays)
+        return arrays
+
+    def arrived(self, buffers):
+        return buffers.receive
+
+
+def span(a):
+    """(memory space, first byte, end) of a C-contiguous array, host or device."""
+    if hasattr(a, "__cuda_array_interface__"):
+        start, space = a.__cuda_array_interface__["data"][0], "cuda"
+    else:
+        start, space = a.__array_interface__["data"][0], "host"
+    return space, start, start + a.nbytes
+
+
+def overlap(a, b):
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def byte_view(a):
+    """The bytes of a C-contiguous array, as a view: MPI must read and write
+    the array itself, never a copy."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"ring buffers must be C-contiguous, got an array of shape {a.shape} "
+                         f"with strides {a.strides}")
+    return a.reshape(-1).view("uint8")
+
+
+def ready_for_mpi(arrays):
+    """Always make sure a GPU buffer is ready before any MPI operation: MPI
+    knows nothing of CUDA streams, so kernels writing `arrays`, or still reading
+    a receive buffer about to be reused, must have finished."""
+    for a in arrays:
+        xp = array_module(a)
+        if xp.__name__ == "cupy":
+            xp.cuda.get_current_stream().synchronize()
+            return
