@@ -123,3 +123,13 @@ def test_ulysses_positions_follow_the_definition(sizes, u):
     # ring groups inner: rank g holds what rank (g % r) * u + g // r holds with Ulysses groups inner
     outer = ulysses_positions(S, r, u, layout, ulysses_inner=False)
     assert outer.tolist() == [pos[(g % r) * u + g // r].tolist() for g in range(r * u)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_inverse_of_a_padded_layout_holds_only_the_real_tokens(layout):
+    # S = 7 on 2 devices: striped and contiguous pad to 8, zigzag to 8; the padding has no place in x
+    x = np.arange(7) * 10
+    index = inverse_positions(7, 2, layout)
+    assert len(index) == 7
+    assert (np.concatenate(shard(x, 2, layout, axis=0))[index] == x).all()
+

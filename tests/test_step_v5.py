@@ -164,3 +164,5 @@ def test_join_width_keeps_the_largest_groups_scores_within_the_budget():
     # 4 heads of 512 rows and tiles of 128: pairs; groups of 8 heads, or tiles of 256: none
     assert v5.join_width(4, 8, 512, 128) == 2 and v5.join_width(8, 8, 512, 128) == 1
     assert v5.join_width(4, 4, 512, 256) == 1 and v5.join_width(1, 1, 512, 128) == 8
+    # more heads than a group holds: the largest group's scores set the width, not all the heads'
+    assert v5.join_width(16, 4, 512, 128) == v5.join_width(4, 4, 512, 128) == 2
