@@ -390,8 +390,9 @@ class CheckingMPI(ThreadMPI):
 
 
 class ScriptedMPI:
-    """Rank 0 of a 2-rank ring whose neighbour is the test itself, on one
-    thread: `deliver(tag, arrays)` completes the receives posted for ring tag
+    """Rank 0 of a 2-rank ring (or `rank` of `size`: both neighbours then tell
+    their notices apart by their tags, FROM_PREV and FROM_NEXT) whose neighbours
+    are the test itself, on one thread: `deliver(tag, arrays)` completes the receives posted for ring tag
     `tag`; a send completes when the test `take`s it or, with
     ``waits_complete_sends``, when it is waited for (the neighbour receives at
     once). Receive buffers are scribbled on when posted; a receive posted into
@@ -401,8 +402,8 @@ class ScriptedMPI:
     "" (done) unless a test says otherwise, None for never. `log` lists what
     happened, in order."""
 
-    def __init__(self, waits_complete_sends=True, neighbour_ends=""):
-        self.rank, self.size = 0, 2
+    def __init__(self, waits_complete_sends=True, neighbour_ends="", rank=0, size=2):
+        self.rank, self.size = rank, size
         self.waits_complete_sends = waits_complete_sends
         self.neighbour_ends = neighbour_ends
         self.later = {}         # MPI tag -> an array that lands when its receive is waited for
