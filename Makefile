@@ -56,10 +56,13 @@ TRAIN_ARGS  ?=
 train: $(VENV)/.installed
 	OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n $(TRAIN_RANKS) $(PY) -m mpi4py -m model --steps 300 $(TRAIN_ARGS)
 
-# pytest exits 5 when it collected no test: not a failure of the code (every other
-# non-zero status is passed on).
+# One pytest worker per core (pytest-xdist), and the slowest tests named at the end so
+# that growth shows. pytest exits 5 when it collected no test: not a failure of the
+# code (every other non-zero status is passed on).
+CORES := $(shell $(PYTHON) -c 'import os; print(len(os.sched_getaffinity(0)))')
+TEST_ARGS ?=
 test: $(VENV)/.installed
-	$(MPI_ENV) $(PY) -m pytest -q $(TESTS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+	$(MPI_ENV) $(PY) -m pytest -q -n $(CORES) --durations=15 $(TEST_ARGS) $(TESTS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
 notebooks: $(VENV)/.installed
 	$(PY) scripts/run_notebooks.py --write
