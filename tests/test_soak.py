@@ -5,7 +5,7 @@ A ring call that did not free the communicator it duplicated, or kept a
 buffer alive, would pass every other test; here, after a warm-up cycle, no
 duplicated communicator may stay open and Python's live memory may not grow
 between the middle and the end of the run (a leaked block of the smallest
-shard here is 512 bytes a call, 150 calls there: 75 KiB). The long run (thousands of calls, where MPICH itself fails
+shard here is 512 bytes a call, 108 calls there: 54 KiB). The long run (thousands of calls, where MPICH itself fails
 on a communicator leak) is `python -m bench.soak`.
 
     .venv/bin/python -m pytest tests/test_soak.py -q
@@ -20,7 +20,7 @@ from test_mpi import MPIEXEC, WORKERS, mpirun
 pytest.importorskip("mpi4py")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
 
-CALLS = 300                     # ring calls per rank: forward and backward count one each
+CALLS = 180                     # ring calls per rank (whole cycles of 36): forward and backward count one each
 GROWTH_BYTES = 32 * 1024        # live memory may not grow more in the second half
 
 
