@@ -16,14 +16,15 @@ numbered step versions, the workshop: `steps.v2` .. `steps.v5`), `trace` (and it
 ``python -m reference`` prints the per-device work of each layout.
 """
 
-from . import lockstep, masks, steps
+from . import lockstep, masks, schemes, steps
 from .dense import attention, attention_backward, merge
 from .layouts import LAYOUTS, inverse_positions, positions, shard, unshard
+from .schemes import SCHEMES
 from .tiles import DEFAULT_TILE_SIZE
 from .trace import Trace
 from .virtual import ring_attention, ring_attention_backward
 
-__all__ = ["attention", "attention_backward", "merge", "ring_attention", "lockstep", "masks", "steps",
+__all__ = ["attention", "attention_backward", "merge", "ring_attention", "lockstep", "masks", "steps", "schemes", "SCHEMES",
            "ring_attention_backward",
            "shard", "unshard", "positions", "inverse_positions", "LAYOUTS", "Trace", "cost",
            "DEFAULT_TILE_SIZE"]

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checks, steps
-from .layouts import array_module, check_layout, padded_length, positions
+from .layouts import array_module, check_layout, padded_length
 from .masks import layout_mask
+from .schemes import Scheme
 from .step import Step
 from .tiles import tile_shape
 
@@ -40,6 +41,7 @@ class RingCall:
     tile_size: object        # as given (None: the default tile)
     layout: str
     arrays: dict             # name -> (shape, dtype name) of the arrays passed
+    scheme: Scheme = None    # how the devices share the work (`reference.schemes`): the ring by default
 
     @property
     def backward(self):
@@ -52,21 +54,23 @@ class RingCall:
         return dict(kind="backward" if self.backward else "forward", **shapes, dtype=self.arrays["q"][1],
                     layout=self.layout, causal=bool(self.mask.causal), scale=self.scale,
                     tile_size=tile_shape(self.tile_size), step=self.step.name, mask=self.mask.describe(),
-                    **grads)
+                    **self.scheme.describe(), **grads)
 
 
 def check_call(q, k, v, *, n_devices, layout="striped", causal=True, scale=None, tile_size=None, step="auto",
-               grads=None, per_device=False, seq_len=None, **mask_options):
+               grads=None, per_device=False, seq_len=None, scheme="ring", ulysses_degree=None, **mask_options):
     """Check a ring call's arguments (`reference.checks`, `reference.steps.check_step`,
     `reference.masks`) and return its RingCall, or raise the clear error.
     `grads`: (out, lse, dout) for a backward. `per_device`: q, k, v are one
     device's shard of c tokens, and `seq_len` the real length the layout padded
     to N c (None: N c); else they are whole sequences of any length (padded
-    inside, `reference.layouts.padded_length`)."""
+    inside, `reference.layouts.padded_length`). `scheme`, `ulysses_degree`:
+    `reference.schemes`."""
     B, S, Hq, Hkv, D = checks.check_qkv(q, k, v, seq_axis_name="c" if per_device else "S")
     if grads is not None:
         checks.check_grads_inputs(q, *grads)
     check_layout(layout, S, n_devices)
+    plan = Scheme.checked(scheme, ulysses_degree, n_devices=n_devices, Hq=Hq, Hkv=Hkv)
     scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
     if per_device:
         seq_len = _real_length(S, n_devices, layout, seq_len)
@@ -78,8 +82,8 @@ def check_call(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
     step = steps.check_step(step, array_module(q), backward=grads is not None, dropout=mask.dropout,
                             plain_mask=mask.causal_only, call=steps.call_of(q, k, tile_size))
     named = dict(zip(("q", "k", "v", "out", "lse", "dout"), (q, k, v) + tuple(grads or ())))
-    return RingCall(scale=scale, step=step, mask=mask, positions=positions(seq_len, n_devices, layout),
-                    tile_size=tile_size, layout=layout,
+    return RingCall(scale=scale, step=step, mask=mask, positions=plan.positions(seq_len, layout),
+                    tile_size=tile_size, layout=layout, scheme=plan,
                     arrays={name: (tuple(x.shape), str(x.dtype)) for name, x in named.items()})
 
 

@@ -125,9 +125,14 @@ def shard(x, n_devices, layout, axis=1):
     padded with zeros at the end to `padded_length` first."""
     _check_sharded_array("x", x)
     axis = _check_axis(axis, x.ndim, f"x of shape {tuple(x.shape)}")
+    return shard_at(x, positions(x.shape[axis], n_devices, layout), axis)
+
+
+def shard_at(x, pos, axis=1):
+    """Device j's shard holds the tokens at positions pos[j] (`pos` (N, c), any
+    dealing, e.g. `ulysses_positions`); positions past x's length are zero padding."""
     xp = array_module(x)
     S = x.shape[axis]
-    pos = positions(S, n_devices, layout)
     if pos.size > S:
         pad = list(x.shape)
         pad[axis] = pos.size - S
@@ -151,15 +156,21 @@ def unshard(shards, layout, axis=1, seq_len=None):
         if tuple(s.shape) != tuple(shards[0].shape):
             raise ValueError(f"shards must all have one shape, got {tuple(shards[0].shape)} for shards[0] "
                              f"and {tuple(s.shape)} for shards[{i}]")
-    xp = array_module(shards[0])
-    joined = xp.concatenate(list(shards), axis=axis)
-    total, n = joined.shape[axis], len(shards)
+    total, n = sum(s.shape[axis] for s in shards), len(shards)
     seq_len = total if seq_len is None else seq_len
     if padded_length(seq_len, n, layout) != total:
         raise ValueError(f"seq_len {seq_len} does not pad to the {total} tokens of the shards "
                          f"(layout {layout!r}, {n} devices)")
-    index = inverse_positions(total, n, layout)[:seq_len]
-    return xp.take(joined, xp.asarray(index), axis=axis)
+    return unshard_at(shards, positions(total, n, layout), seq_len, axis)
+
+
+def unshard_at(shards, pos, seq_len, axis=1):
+    """Inverse of `shard_at`: the first `seq_len` tokens in natural order."""
+    xp = array_module(shards[0])
+    joined = xp.concatenate(list(shards), axis=axis)
+    index = np.empty(pos.size, dtype=np.int64)
+    index[pos.ravel()] = np.arange(pos.size)               # where each position lies in `joined`
+    return xp.take(joined, xp.asarray(index[:seq_len]), axis=axis)
 
 
 def _check_sharded_array(name, x):

@@ -65,7 +65,9 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
         with turn(comm), log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step),
                                   mask=mask, tile_size=tile_size, progress=comm.progress)
-        log.record(t, counts, block, sent=block if in_flight is not None else ())
+        more = in_flight is not None           # a block arrives while this one is attended to
+        log.record(t, counts, block, sent=block if more else (), received=block if more else (),
+                   held=(block, block) if more else block)
         # "receive K_(k-1), V_(k-1) from device (j - 1) mod N"
         if in_flight is not None:
             with log.waiting(t):
@@ -96,7 +98,11 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         with turn(comm), log.computing(t):
             counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
                                    mask=mask, tile_size=tile_size, progress=comm.progress)
-        log.record(t, counts, block, sent=(block if in_flight is not None else (), grads.dk, grads.dv))
+        more = in_flight is not None
+        # received: the next K, V, the dK, dV of the round before (and, in the last round, those going home)
+        log.record(t, counts, block, sent=(block if more else (), grads.dk, grads.dv),
+                   received=(block if more else (), (grads.dk, grads.dv) * ((t > 0) + (t == n - 1))),
+                   held=(block, block) if more else block)
         # receive the next K, V first, while the step's kernels run: sending dK, dV
         # below waits for them (they write dK, dV), and K, V would wait behind it
         if in_flight is not None:

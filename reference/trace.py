@@ -5,7 +5,11 @@ Fields (all shape (N rounds, N devices)):
   tiles_computed  tiles attended to (full or masked)
   tiles_skipped   tiles skipped because no query in them can see any key
   pairs           visible (query, key) pairs, per batch element and head
-  bytes_sent      bytes this device put on the ring in round t
+  bytes_sent      bytes this device sent in round t (K/V blocks, dK/dV, and a
+                  scheme's all-to-all: in its first round, and back in its last)
+  bytes_received  bytes it received in round t, counted the same way
+  kv_bytes        bytes of K/V blocks it held in round t: the block attended to
+                  and the one arriving (the ring), every block (the all-gather)
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
                   seconds spent waiting for a transfer (zero where not timed)
   start_s         when the step of round t started (host clock, seconds since the
@@ -74,11 +78,16 @@ class Trace(Work):
     threads: str = ""
     start_s: np.ndarray = None      # the timeline (module docstring); NaN where not recorded
     arrived_s: np.ndarray = None
+    bytes_received: np.ndarray = None
+    kv_bytes: np.ndarray = None
 
     def __post_init__(self):
         for name in TIMELINE:
             if getattr(self, name) is None:
                 setattr(self, name, np.full(self.pairs.shape, np.nan))
+        for name in MOVED:
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(self.pairs.shape, dtype=np.int64))
 
     @classmethod
     def from_logs(cls, logs, threads=""):
@@ -99,7 +108,8 @@ class Trace(Work):
 
 FIELDS = tuple(f.name for f in fields(Trace) if f.name not in ("step", "threads"))   # the [t, j] arrays
 TIMELINE = ("start_s", "arrived_s")             # seconds since the device's ring began; NaN where none
-_REQUIRED = set(FIELDS) - set(TIMELINE)         # a trace file written before the timeline lacks it
+MOVED = ("bytes_received", "kv_bytes")          # zero in a trace file written before they were recorded
+_REQUIRED = set(FIELDS) - set(TIMELINE) - set(MOVED)   # a trace file written before the timeline lacks it
 
 
 class RoundLog:
@@ -124,15 +134,22 @@ class RoundLog:
         self.clock, self._marks = clock, []      # [(t, start event, end event)]
         self.began = time.perf_counter()        # the timeline's zero
 
-    def record(self, t, counts, block, *, sent):
+    def record(self, t, counts, block, *, sent, received=(), held=()):
         """The step's counts (`reference.step.StepCounts`), the device `block`
         started on (read from the block: it travels with it) and the bytes of
-        `sent` (arrays)."""
+        `sent`, `received` and `held` (K/V blocks: arrays or tuples of them)."""
         self.source[t] = int(to_host(block.source)[0])     # NumPy: no wait for the device
         self.tiles_computed[t] = counts.tiles_computed
         self.tiles_skipped[t] = counts.tiles_skipped
         self.pairs[t] = counts.pairs
-        self.bytes_sent[t] = _nbytes(sent)
+        self.bytes_sent[t] += _nbytes(sent)
+        self.bytes_received[t] += _nbytes(received)
+        self.kv_bytes[t] = _nbytes(held)
+
+    def moved(self, t, *, sent=(), received=()):
+        """Bytes sent and received in round t besides the ring's blocks (a scheme's all-to-all)."""
+        self.bytes_sent[t] += _nbytes(sent)
+        self.bytes_received[t] += _nbytes(received)
 
     @contextmanager
     def computing(self, t):
@@ -191,7 +208,7 @@ def wait_parts(trace):
 
 
 def _nbytes(x):
-    if isinstance(x, tuple):
+    if isinstance(x, (tuple, list)):
         return sum(_nbytes(a) for a in x)
     return int(x.nbytes)
 

@@ -17,24 +17,35 @@ import queue
 import threading
 from contextlib import nullcontext
 
-from . import cores, ring, steps
+import numpy as np
+
+from . import cores, schemes, steps
 from .call import check_call
-from .layouts import shard, unshard
+from .layouts import shard_at, unshard_at
 from .trace import Trace
 
 POLL_S = 0.05
 
 
 class VirtualRing:
-    """One device's end of a ring of N threads: `start_shift` posts a copy of
+    """One device's end of a ring of threads: `start_shift` posts a copy of
     the arrays to the next device's mailbox, `finish_shift` takes what the
     previous device posted with the same tag; `turn` holds one of the cores
-    while the device computes."""
+    while the device computes. `group(members)` is the same device's end of a
+    smaller ring (the devices `members`, in their order), and `all_to_all`
+    trades a piece with every member of the group (a scheme's Ulysses group)."""
 
-    def __init__(self, rank, size, mailboxes, failed, turns=None):
+    def __init__(self, rank, size, mailboxes, failed, turns=None, members=None):
         self.rank, self.size = rank, size
+        self.members = tuple(range(size)) if members is None else members
         self._mailboxes, self._failed = mailboxes, failed
         self._turns = turns
+
+    def group(self, members):
+        """This device's end of the ring of `members` (global ranks, this device among them)."""
+        me = self.members[self.rank]
+        return VirtualRing(members.index(me), len(members), self._mailboxes, self._failed, self._turns,
+                           tuple(members))
 
     def turn(self):
         """A `with` block that computes on one of the cores: with more devices
@@ -42,14 +53,26 @@ class VirtualRing:
         return nullcontext() if self._turns is None else self._turns
 
     def start_shift(self, arrays, tag):
-        self._mailboxes[(self.rank + 1) % self.size][tag].put(tuple(a.copy() for a in arrays))
+        self._box((self.rank + 1) % self.size, tag).put(tuple(a.copy() for a in arrays))
         return tag
 
     def progress(self):
         """Nothing to move: `start_shift` posted a copy of the block at once."""
 
     def finish_shift(self, tag):
-        box = self._mailboxes[self.rank][tag]
+        return self._take(self._box(self.rank, tag))
+
+    def all_to_all(self, pieces):
+        """Piece i to group rank i; returns the piece each group rank sent here, in rank order."""
+        for i, piece in enumerate(pieces):
+            self._box(i, ("all_to_all", self.rank)).put(piece.copy())
+        return [self._take(self._box(self.rank, ("all_to_all", i))) for i in range(self.size)]
+
+    def _box(self, rank, tag):
+        """The mailbox of group rank `rank` for `tag` (made on first use; dict.setdefault is atomic)."""
+        return self._mailboxes.setdefault((self.members, rank, tag), queue.Queue())
+
+    def _take(self, box):
         while True:     # poll, so that a failure on another device ends the wait
             try:
                 return box.get(timeout=POLL_S)
@@ -62,7 +85,7 @@ def run_devices(n_devices, device_fn, at_once=None):
     """Run ``device_fn(rank, comm)`` on N threads; return their results in rank
     order, or raise the first device's exception. `at_once`: how many devices
     compute at a time (their `turn`s; None: all)."""
-    mailboxes = [{ring.KV: queue.Queue(), ring.DKV: queue.Queue()} for _ in range(n_devices)]
+    mailboxes = {}
     failed = threading.Event()
     turns = None if at_once is None or at_once >= n_devices else threading.BoundedSemaphore(at_once)
     results, errors = [None] * n_devices, [None] * n_devices
@@ -92,56 +115,63 @@ def _secondary(e):
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
                    tile_size=None, step=steps.DEFAULT, trace=False, window=None, cu_seqlens=None,
-                   segment_ids=None, dropout=0.0, seed=0, threads=None, blas_threads=None):
+                   segment_ids=None, dropout=0.0, seed=0, threads=None, blas_threads=None, scheme="ring",
+                   ulysses_degree=None):
     """Exact attention over N virtual devices. Returns (out, lse) or (out, lse, Trace).
     `step`: a name of `reference.steps` ("v1", the readable step, by default;
     "auto": the fastest for the arrays) or a `reference.step.Step`.
     Mask options (`reference.masks`): a sliding `window`, packed documents
     (`cu_seqlens` or `segment_ids`), `dropout` with its `seed`; any S.
+    `scheme`: "ring" (the paper's), "all_gather", "ulysses" or "usp" with
+    `ulysses_degree` (`reference.schemes`); the layout deals the ring's tokens.
     `threads` (workers per device, for steps that take them) and
     `blas_threads` (per product): the devices' share of the cores by default
     (`reference.cores`); the trace says what ran (``Trace.threads``)."""
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout,
-                      seed=seed)
-    (outs, lses), ran = run_shards(call, [shard(x, n_devices, layout) for x in (q, k, v)],
-                                   threads=threads, blas_threads=blas_threads)
-    S = q.shape[1]
-    out, lse = unshard(outs, layout, axis=1, seq_len=S), unshard(lses, layout, axis=2, seq_len=S)
+                      seed=seed, scheme=scheme, ulysses_degree=ulysses_degree)
+    pos, S = call.positions, q.shape[1]
+    (outs, lses), ran = run_shards(call, [shard_at(x, pos) for x in (q, k, v)], threads=threads,
+                                   blas_threads=blas_threads)
+    out, lse = unshard_at(outs, pos, S, axis=1), unshard_at(lses, pos, S, axis=2)
     return (out, lse, ran) if trace else (out, lse)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
                             scale=None, tile_size=None, step=steps.DEFAULT, trace=False, window=None,
                             cu_seqlens=None, segment_ids=None, dropout=0.0, seed=0, threads=None,
-                            blas_threads=None):
+                            blas_threads=None, scheme="ring", ulysses_degree=None):
     """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace);
-    mask and thread options as `ring_attention` (dropout drops the forward's pairs again)."""
+    mask, scheme and thread options as `ring_attention` (dropout drops the forward's pairs again)."""
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, grads=(out, lse, dout), window=window, cu_seqlens=cu_seqlens,
-                      segment_ids=segment_ids, dropout=dropout, seed=seed)
-    shards = [shard(x, n_devices, layout) for x in (q, k, v, out)] + [shard(lse, n_devices, layout, axis=2),
-                                                                       shard(dout, n_devices, layout)]
+                      segment_ids=segment_ids, dropout=dropout, seed=seed, scheme=scheme,
+                      ulysses_degree=ulysses_degree)
+    pos = call.positions
+    shards = [shard_at(x, pos) for x in (q, k, v, out)] + [shard_at(lse, pos, axis=2), shard_at(dout, pos)]
     grads, ran = run_shards(call, shards, threads=threads, blas_threads=blas_threads)
-    grads = tuple(unshard(g, layout, axis=1, seq_len=q.shape[1]) for g in grads)
+    grads = tuple(unshard_at(g, pos, q.shape[1], axis=1) for g in grads)
     return grads + (ran,) if trace else grads
 
 
 def run_shards(call, shards, *, threads=None, blas_threads=None):
-    """The ring of a checked `call` (`reference.call.check_call`) on shards
-    already dealt in the layout's local order: `shards` is [qs, ks, vs], or
+    """The devices of a checked `call` (`reference.call.check_call`) on shards
+    already dealt as its positions deal them: `shards` is [qs, ks, vs], or
     [qs, ks, vs, outs, lses, douts] for the backward, each a list of N arrays
-    (`reference.shard`; lse's (B, Hq, c)). Returns the per-device results,
-    (outs, lses) or (dqs, dks, dvs), each a tuple of N arrays, and the Trace.
-    Device j runs `ring.ring_forward` (or `ring_backward`) on its shards."""
-    n, pos = len(call.positions), call.positions                      # (N, c)
-    step, share = cores.for_devices(call.step, n, threads=threads, blas_threads=blas_threads)
-    loop = ring.ring_backward if call.backward else ring.ring_forward
+    (`reference.layouts.shard_at`; lse's (B, Hq, c)). Returns the per-device
+    results, (outs, lses) or (dqs, dks, dvs), each a tuple of N arrays, and the
+    Trace. Device j runs `schemes.forward` (or `backward`), the ring's
+    `ring.ring_forward` for the ring, on its shards."""
+    scheme, pos = call.scheme, call.positions                         # (N, c)
+    step, share = cores.for_devices(call.step, scheme.n, threads=threads, blas_threads=blas_threads)
+    passes = schemes.backward if call.backward else schemes.forward
 
     def device(j, comm):
-        return loop(*(s[j] for s in shards), pos[j], pos[j], comm, scale=call.scale, tile_size=call.tile_size,
-                    step=step, mask=call.mask)
+        comms = schemes.Comms(comm.group(scheme.ring_group(j)), comm.group(scheme.ulysses_group(j)))
+        group_pos = np.concatenate([pos[g] for g in scheme.ulysses_group(j)])   # this ring rank's tokens
+        return passes(*(s[j] for s in shards), group_pos, comms, scheme=scheme, scale=call.scale,
+                      tile_size=call.tile_size, step=step, mask=call.mask)
 
     with share.held():
-        *results, logs = zip(*run_devices(n, device, at_once=share.at_once))
+        *results, logs = zip(*run_devices(scheme.n, device, at_once=share.at_once))
     return tuple(results), Trace.from_logs(logs, threads=share.label)

@@ -299,7 +299,7 @@ def no_work(monkeypatch):
     import reference.virtual
     from gpu_impl import api
     monkeypatch.setattr(reference.virtual, "run_devices", _no_work)
-    monkeypatch.setattr(reference.virtual, "shard", _no_work)
+    monkeypatch.setattr(reference.virtual, "shard_at", _no_work)
     monkeypatch.setattr(api, "RingComm", type("NoRing", (), dict(on=staticmethod(_no_work))))
 
 

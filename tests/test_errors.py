@@ -33,7 +33,7 @@ def no_work(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("work started before the input was checked")
     monkeypatch.setattr(reference.virtual, "run_devices", started)
-    monkeypatch.setattr(reference.virtual, "shard", started)
+    monkeypatch.setattr(reference.virtual, "shard_at", started)
     monkeypatch.setattr(reference.dense, "_scores", started)
 
 

@@ -437,7 +437,7 @@ def test_bad_mask_options_are_refused_before_any_work(monkeypatch, options, erro
     def started(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
     monkeypatch.setattr(reference.virtual, "run_devices", started)
-    monkeypatch.setattr(reference.virtual, "shard", started)
+    monkeypatch.setattr(reference.virtual, "shard_at", started)
     q = k = v = np.ones((1, 8, 1, 2))
     with pytest.raises(error, match=match):
         ring_attention(q, k, v, n_devices=3, **options)

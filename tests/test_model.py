@@ -233,8 +233,8 @@ def test_the_virtual_ring_runs_on_the_shards_as_the_model_holds_them(monkeypatch
         raise AssertionError("the model's ring moved its tokens out of the layout's order")
 
     attn = VirtualRing(n, layout, tile_size=TILE)
-    monkeypatch.setattr(reference.virtual, "shard", refuse)
-    monkeypatch.setattr(reference.virtual, "unshard", refuse)
+    monkeypatch.setattr(reference.virtual, "shard_at", refuse)
+    monkeypatch.setattr(reference.virtual, "unshard_at", refuse)
     out, lse = attn.forward(q, k, v)
     grads = attn.backward(q, k, v, out, lse, dout)
     monkeypatch.undo()

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..layouts import LAYOUTS, positions, shard, unshard
+from ..layouts import LAYOUTS, positions, shard_at, unshard_at
+from ..schemes import Scheme
 from ..virtual import ring_attention, ring_attention_backward
 from .cases import ALL_DTYPES, FORWARD, MASKS, NAMES, PLAIN
 from .compare import BFLOAT16, attention_mismatch, used_fraction
@@ -247,14 +248,49 @@ class VirtualRingAdapter(Adapter):
     """`reference.ring_attention` (N virtual devices) as an adapter: the kit's example.
     It takes every mask: the shards are put back in natural order (padding
     dropped), and the results dealt out again (padding tokens' results zero);
-    its positions are the layout's (the default)."""
+    its positions are the layout's (the default), or the scheme's.
+
+    `scheme`, `ulysses_degree`: one of `reference.schemes.SCHEMES` (the ring by
+    default), as `ring_attention` takes them; Ulysses deals heads over its u
+    devices, so both head counts are drawn multiples of u, and USP runs on the
+    world sizes u divides."""
     name = "reference.ring_attention"
     masks = MASKS
+    scheme, ulysses_degree = "ring", None
+
+    def __init__(self, scheme="ring", ulysses_degree=None):
+        if scheme != "ring":
+            self.scheme, self.ulysses_degree = scheme, ulysses_degree
+            self.name += f"(scheme={scheme!r}" + (f", ulysses_degree={ulysses_degree})" if ulysses_degree else ")")
+        if scheme == "usp":
+            self.world_sizes = tuple(n for n in Adapter.world_sizes if n % ulysses_degree == 0)
+
+    def degree(self, n_devices):
+        """u on N devices: N for Ulysses, the given degree for USP, 1 otherwise."""
+        return n_devices if self.scheme == "ulysses" else self.ulysses_degree or 1
+
+    def head_multiple(self, n_devices):
+        return self.degree(n_devices)
+
+    def plan(self, case):
+        return Scheme(self.scheme, case.n_devices, self.degree(case.n_devices))
+
+    def positions(self, case):
+        return self.plan(case).positions(case.S, case.layout)
+
+    def supports(self, case):
+        u = self.degree(case.n_devices)
+        if case.n_devices % u or case.Hkv % u:
+            return f"scheme {self.scheme!r} with ulysses_degree {u} needs N and both head counts multiples of {u}"
+        return super().supports(case)
 
     def run(self, case, shards):
-        q, k, v, dout = (unshard(x, case.layout, seq_len=case.S) for x in (shards.q, shards.k, shards.v, shards.dout))
-        out, lse = ring_attention(q, k, v, **case.options())
-        grads = ring_attention_backward(q, k, v, out, lse, dout, **case.options())
+        pos = shards.positions
+        q, k, v, dout = (unshard_at(x, pos, case.S) for x in (shards.q, shards.k, shards.v, shards.dout))
+        options = dict(case.options(), scheme=self.scheme,
+                       ulysses_degree=None if self.scheme in ("ring", "all_gather") else self.degree(case.n_devices))
+        out, lse = ring_attention(q, k, v, **options)
+        grads = ring_attention_backward(q, k, v, out, lse, dout, **options)
         full = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
-        dealt = {name: shard(x, case.n_devices, case.layout, axis=2 if name == "lse" else 1) for name, x in full.items()}
+        dealt = {name: shard_at(x, pos, axis=2 if name == "lse" else 1) for name, x in full.items()}
         return [{name: x[r] for name, x in dealt.items()} for r in range(case.n_devices)]

@@ -1,0 +1,257 @@
+"""Three ways to spread attention over devices, and their composition: what moves, and when.
+
+The ring (paper, Algorithm 1; `reference.ring`) passes K, V blocks round a ring
+while each device computes, so a device holds two blocks at a time. Beside it:
+
+- **all-gather** of K, V (Llama 3's context parallelism): every block goes
+  round the ring first and is kept, then the device attends its queries to all
+  of them; the backward sums each block's dK, dV over the devices with a
+  reduce-scatter round the same ring. The same bytes as the ring, but a device
+  holds all N blocks and nothing overlaps the transfers.
+- **Ulysses** (DeepSpeed-Ulysses): an all-to-all trades the device's sequence
+  shard of every head for the whole sequence of H/u heads; attention runs on
+  the device alone; a second all-to-all trades back. Heads (and K/V heads)
+  must be divisible by u.
+- **USP** (Ulysses x ring): Ulysses inside groups of u consecutive ranks, and
+  the ring across the r = N / u groups, on the head shard each rank holds.
+  The ring dimension is where the causal imbalance lives, so the layout
+  (striped, zigzag) deals tokens over the r ring ranks, as
+  `reference.layouts.ulysses_positions` does: rank g holds piece g % u of ring
+  rank g // u's tokens.
+
+The per-device step and the ring loop are the ring's; these functions add the
+moves around them. A communication object per group: the ring group's three
+verbs (`start_shift`, `progress`, `finish_shift`), and the Ulysses group's one,
+``all_to_all(pieces) -> pieces`` (piece i to and from group rank i).
+
+    scheme = Scheme.checked("usp", ulysses_degree=2, n_devices=4, Hq=8, Hkv=4)
+    out, lse, log = forward(q, k, v, group_pos, comms, scheme=scheme, scale=..., tile_size=..., step=..., mask=...)
+
+Shapes: q (B, c, Hq, D), k, v (B, c, Hkv, D) this device's shard; after the
+all-to-all (B, u c, H / u, D); lse (B, Hq, c).
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .heads import kv_from_heads, q_from_heads, rows_from_heads
+from .layouts import array_module, positions, ulysses_positions
+from .ring import DKV, KV, as_dtype, new_kv_grads, own_block, ring_backward, ring_forward, turn
+from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward
+from .nonfinite import all_finite
+from .trace import RoundLog
+
+SCHEMES = ("ring", "all_gather", "ulysses", "usp")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A scheme on N devices with Ulysses degree u (1 for the ring and the
+    all-gather, N for Ulysses): r = N / u ring ranks of u devices each."""
+    name: str
+    n: int
+    u: int
+
+    @property
+    def r(self):
+        return self.n // self.u
+
+    @classmethod
+    def checked(cls, name, ulysses_degree=None, *, n_devices, Hq, Hkv):
+        """The Scheme, or a clear ValueError: an unknown name, u not dividing N,
+        heads (or K/V heads) not divisible by u, a degree the scheme does not take."""
+        if name not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {name!r}")
+        u = ulysses_degree
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, np.integer)) or u < 1):
+            raise ValueError(f"ulysses_degree must be a positive int or None, got {u!r}")
+        if name in ("ring", "all_gather"):
+            if u not in (None, 1):
+                raise ValueError(f"ulysses_degree={u} applies to scheme 'ulysses' or 'usp', not {name!r}")
+            u = 1
+        elif name == "ulysses":
+            if u not in (None, n_devices):
+                raise ValueError(f"scheme 'ulysses' spreads heads over all {n_devices} devices (ulysses_degree "
+                                 f"{n_devices}); for ulysses_degree={u} with a ring across groups, use scheme='usp'")
+            u = n_devices
+        elif u is None:
+            raise ValueError("scheme 'usp' needs ulysses_degree=u: Ulysses in groups of u devices, the ring "
+                             "across the N / u groups")
+        if n_devices % u:
+            raise ValueError(f"ulysses_degree ({u}) must divide the number of devices ({n_devices})")
+        if Hkv % u:
+            raise ValueError(f"scheme {name!r} deals heads over {u} devices: key/value heads ({Hkv}) and query "
+                             f"heads ({Hq}) must be multiples of ulysses_degree ({u})")
+        return cls(name, int(n_devices), int(u))
+
+    def positions(self, seq_len, layout):
+        """(N, c): the global positions each device holds (its query shard)."""
+        if self.u == 1:
+            return positions(seq_len, self.n, layout)
+        return ulysses_positions(seq_len, self.r, self.u, layout)
+
+    def ring_group(self, g):
+        """Device g's ring group: the ranks of its Ulysses rank, one per ring rank (its ring rank's order)."""
+        return tuple(g % self.u + i * self.u for i in range(self.r))
+
+    def ulysses_group(self, g):
+        """Device g's Ulysses group: u consecutive ranks."""
+        return tuple((g // self.u) * self.u + i for i in range(self.u))
+
+    def describe(self):
+        return dict(scheme=self.name, ulysses_degree=self.u)
+
+
+class Comms(NamedTuple):
+    """One device's communication objects: its ring group's and its Ulysses group's."""
+    ring: object
+    ulysses: object = None
+
+
+# -- the per-device passes ---------------------------------------------------------
+
+def forward(q, k, v, group_pos, comms, *, scheme, scale, tile_size, step, mask):
+    """This device's (out (B,c,Hq,D), lse (B,Hq,c), RoundLog) under `scheme`.
+    `group_pos`: the positions of the device's ring rank (its Ulysses group's
+    shards in group order; its own shard's with u = 1)."""
+    opts = dict(scale=scale, tile_size=tile_size, step=step, mask=mask)
+    if scheme.name == "all_gather":
+        return gather_forward(q, k, v, group_pos, comms.ring, **opts)
+    if scheme.u == 1:
+        return ring_forward(q, k, v, group_pos, group_pos, comms.ring, **opts)
+    (q, k, v), sent, received = to_heads(comms.ulysses, (q, k, v))
+    out, lse, log = ring_forward(q, k, v, group_pos, group_pos, comms.ring, **opts)
+    log.moved(0, sent=sent, received=received)
+    (out,), sent, received = to_tokens(comms.ulysses, (out,))
+    (lse,), sent_lse, received_lse = to_tokens(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
+    log.moved(len(log.bytes_sent) - 1, sent=sent + sent_lse, received=received + received_lse)
+    return out, lse, log
+
+
+def backward(q, k, v, out, lse, dout, group_pos, comms, *, scheme, scale, tile_size, step, mask):
+    """This device's (dq, dk, dv, RoundLog) under `scheme`; arguments as `forward`."""
+    opts = dict(scale=scale, tile_size=tile_size, step=step, mask=mask)
+    if scheme.name == "all_gather":
+        return gather_backward(q, k, v, out, lse, dout, group_pos, comms.ring, **opts)
+    if scheme.u == 1:
+        return ring_backward(q, k, v, out, lse, dout, group_pos, group_pos, comms.ring, **opts)
+    (q, k, v, out, dout), sent, received = to_heads(comms.ulysses, (q, k, v, out, dout))
+    (lse,), sent_lse, received_lse = to_heads(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
+    dq, dk, dv, log = ring_backward(q, k, v, out, lse, dout, group_pos, group_pos, comms.ring, **opts)
+    log.moved(0, sent=sent + sent_lse, received=received + received_lse)
+    (dq, dk, dv), sent, received = to_tokens(comms.ulysses, (dq, dk, dv))
+    log.moved(len(log.bytes_sent) - 1, sent=sent, received=received)
+    return dq, dk, dv, log
+
+
+# -- Ulysses: the all-to-all -------------------------------------------------------
+
+def to_heads(a2a, arrays, *, seq_axis=1, head_axis=2):
+    """Each array's sequence shard of every head -> the group's whole sequence
+    (its shards in group order) of this device's H / u heads. Returns (the
+    arrays, the pieces sent, the pieces received), pieces to and from other devices only."""
+    out, sent, received = [], [], []
+    for x in arrays:
+        pieces = np.array_split(np.arange(x.shape[head_axis]), a2a.size)
+        mine = [_take(x, head_axis, p) for p in pieces]                  # piece i: group rank i's heads
+        got = a2a.all_to_all(mine)
+        out.append(array_module(x).concatenate(got, axis=seq_axis))       # (B, u c, H / u, D)
+        sent += _others(mine, a2a.rank)
+        received += _others(got, a2a.rank)
+    return out, sent, received
+
+
+def to_tokens(a2a, arrays, *, seq_axis=1, head_axis=2):
+    """The inverse of `to_heads`: this device's heads of the group's sequence
+    -> its own sequence shard of every head."""
+    out, sent, received = [], [], []
+    for x in arrays:
+        pieces = np.array_split(np.arange(x.shape[seq_axis]), a2a.size)
+        mine = [_take(x, seq_axis, p) for p in pieces]                   # piece i: group rank i's tokens
+        got = a2a.all_to_all(mine)
+        out.append(array_module(x).concatenate(got, axis=head_axis))      # (B, c, H, D)
+        sent += _others(mine, a2a.rank)
+        received += _others(got, a2a.rank)
+    return out, sent, received
+
+
+def _take(x, axis, index):
+    cut = [slice(None)] * x.ndim
+    cut[axis] = slice(int(index[0]), int(index[-1]) + 1)
+    return array_module(x).ascontiguousarray(x[tuple(cut)])
+
+
+def _others(pieces, rank):
+    return [p for i, p in enumerate(pieces) if i != rank]
+
+
+# -- the all-gather ------------------------------------------------------------------
+
+def gather_blocks(block, comm, log):
+    """Every device's K, V block, gathered with N - 1 shifts round the ring and
+    kept (a shift's arrays are valid only until the second shift after it, so
+    each is copied): [block from device (j - t) mod N for t in 0..N-1]."""
+    blocks = [block]
+    for t in range(comm.size - 1):
+        handle = comm.start_shift(blocks[-1], KV)
+        with log.waiting(t):
+            arrived = KVBlock(*comm.finish_shift(handle))
+        blocks.append(KVBlock(*(array_module(a).array(a, copy=True) for a in arrived)))
+        log.moved(t, sent=blocks[-2], received=arrived)
+    return blocks
+
+
+def gather_forward(q, k, v, q_pos, comm, *, scale, tile_size, step, mask):
+    """The all-gather's forward on this device: (out, lse, RoundLog), round t
+    attending to the block of device (j - t) mod N, all gathered first."""
+    log = RoundLog(comm.size, step.label, clock=getattr(comm, "clock", None))
+    queries = Queries.prepare(q, k.shape[2], q_pos, scale)
+    blocks = gather_blocks(own_block(k, v, q_pos, comm.rank), comm, log)
+    acc = ForwardAcc.zeros(queries.q)
+    for t, block in enumerate(blocks):
+        with turn(comm), log.computing(t):
+            counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step), mask=mask,
+                                  tile_size=tile_size, progress=comm.progress)
+        log.record(t, counts, block, sent=(), held=blocks)
+    out, lse = finish_forward(acc)
+    log.close()
+    return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
+
+
+def gather_backward(q, k, v, out, lse, dout, q_pos, comm, *, scale, tile_size, step, mask):
+    """The all-gather's backward on this device: every block's dK, dV computed
+    here, then summed over the devices by a reduce-scatter round the ring
+    (N - 1 shifts: in shift t device j sends its running sum for the block of
+    device j - 1 - t and adds its own share to the sum arriving, so that after
+    the last shift it holds the whole sum for its own block). (dq, dk, dv, RoundLog)."""
+    n, xp = comm.size, array_module(q)
+    log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
+    queries = Queries.prepare(q, k.shape[2], q_pos, scale)
+    acc = queries.q.dtype
+    rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)
+    rows.finite = all_finite(xp, queries.q, rows.do, rows.delta)
+    dq = xp.zeros_like(queries.q)
+    blocks = gather_blocks(own_block(k, v, q_pos, comm.rank), comm, log)
+    shares = []                                                   # (dK, dV) of each gathered block
+    for t, block in enumerate(blocks):
+        grads = Grads(dq, *new_kv_grads(block, acc))
+        with turn(comm), log.computing(t):
+            counts = step.backward(grads, queries, rows, as_dtype(block, acc, step), mask=mask,
+                                   tile_size=tile_size, progress=comm.progress)
+        log.record(t, counts, block, sent=(), held=blocks)
+        shares.append((grads.dk, grads.dv))
+    total = shares[1 % n]                                         # the sum for device j - 1's block
+    for t in range(n - 1):
+        handle = comm.start_shift(total, DKV)
+        with log.waiting(t):
+            arrived = comm.finish_shift(handle)
+        log.moved(t, sent=total, received=arrived)
+        mine = shares[(t + 2) % n]                                # device j - 2 - t's block, or at last j's own
+        total = (arrived[0] + mine[0], arrived[1] + mine[1])      # new arrays: the ones sent stay untouched
+    dk, dv = total
+    dq *= acc.type(scale)
+    log.close()
+    return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(k.dtype, copy=False),
+            kv_from_heads(dv).astype(v.dtype, copy=False), log)

@@ -1,0 +1,160 @@
+"""The four schemes on virtual devices (`reference.schemes`): the ring, the
+all-gather, Ulysses and USP, each pointed at by the kit as a user would point
+it at anyone's ring, against the float64 oracle on every layout, mask, dtype
+and GQA shape it draws; the kit catching a planted Ulysses bug (heads dealt in
+the wrong order after the all-to-all) and a planted USP bug (ring groups and
+Ulysses groups swapped) with the smallest case; and bad input refused before
+any work. MPI ranks run the same schemes in tests/test_mpi_schemes.py.
+
+    .venv/bin/python -m pytest tests/test_schemes.py -q
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference.virtual
+from reference import ring_attention, ring_attention_backward, schemes
+from reference.testing import VirtualRingAdapter, check_ring_attention
+from reference.testing.cases import MASKS, cases
+from reference.testing.check import check_adapter, make_plan
+
+ADAPTERS = [VirtualRingAdapter(), VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"),
+            VirtualRingAdapter("usp", ulysses_degree=2)]
+
+
+def drawn(adapter):
+    return cases(devices=adapter.world_sizes, masks=MASKS, head_multiple=adapter.head_multiple,
+                 keep=lambda case: not adapter.supports(case))
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.scheme)
+def test_each_scheme_agrees_with_the_oracle(adapter):
+    @settings(max_examples=40, deadline=None)
+    @given(case=drawn(adapter))
+    def agrees(case):
+        check_ring_attention(adapter, case)
+    agrees()
+
+
+def test_ulysses_spreads_whole_heads_and_usp_deals_the_ring_tokens():
+    """Positions: Ulysses holds contiguous tokens whatever the layout (its
+    ring has one rank); USP u=2 on 4 devices stripes over its two ring ranks."""
+    ulysses, usp = schemes.Scheme("ulysses", 4, 4), schemes.Scheme("usp", 4, 2)
+    assert ulysses.positions(8, "striped").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert usp.positions(8, "striped").tolist() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert usp.ring_group(1) == (1, 3) and usp.ulysses_group(3) == (2, 3)
+
+
+class HeadsReversed(VirtualRingAdapter):
+    """Ulysses whose all-to-all deals group rank i the heads of piece u-1-i."""
+
+    def __init__(self):
+        super().__init__("ulysses")
+        self.name = "planted: Ulysses heads in the wrong order"
+
+    def run(self, case, shards):
+        real = schemes.to_heads
+
+        def to_heads(a2a, arrays, **axes):
+            return real(Reversed(a2a), arrays, **axes)
+        schemes.to_heads = to_heads
+        try:
+            return super().run(case, shards)
+        finally:
+            schemes.to_heads = real
+
+
+class Reversed:
+    """A Ulysses group whose all-to-all sends piece u-1-i to group rank i."""
+
+    def __init__(self, a2a):
+        self.a2a, self.rank, self.size = a2a, a2a.rank, a2a.size
+
+    def all_to_all(self, pieces):
+        return self.a2a.all_to_all(pieces[::-1])
+
+
+class GroupsSwapped(VirtualRingAdapter):
+    """USP whose devices talk over their Ulysses group as the ring and over the
+    ring group as the Ulysses group, while the tokens are dealt as for the right
+    groups (a communicator split the wrong way round)."""
+
+    def __init__(self):
+        super().__init__("usp", ulysses_degree=2)
+        self.name = "planted: USP groups swapped"
+
+    def run(self, case, shards):
+        real = schemes.Comms
+        schemes.Comms = lambda ring, ulysses: real(ulysses, ring)
+        try:
+            return super().run(case, shards)
+        finally:
+            schemes.Comms = real
+
+
+def test_the_kit_catches_a_ulysses_that_deals_heads_in_the_wrong_order():
+    planted = HeadsReversed()
+    verdict = check_adapter(planted, make_plan(planted, world_sizes=(1, 2, 3), examples=40, shrink_seconds=60))
+    assert not verdict.agrees, "the planted Ulysses bug went unseen"
+    case = verdict.case
+    # the smallest case: two devices (one cannot misdeal), two heads, the default shape otherwise
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 2, 2, 1, 2), case
+    assert "differs from the float64 oracle" in verdict.message
+
+
+def test_the_kit_catches_a_usp_with_its_groups_swapped():
+    planted = GroupsSwapped()
+    verdict = check_adapter(planted, make_plan(planted, world_sizes=(2, 4), examples=40, shrink_seconds=60))
+    assert not verdict.agrees, "the planted USP bug went unseen"
+    case = verdict.case
+    # the smallest case: N = 2 (one ring rank of a Ulysses pair, talked to as a ring of two), one token each
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 2, 2, 1, 2), case
+
+
+# -- bad input, before any work ----------------------------------------------------------
+
+@pytest.fixture
+def no_work(monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("work started before the input was checked")
+    monkeypatch.setattr(reference.virtual, "run_devices", started)
+    monkeypatch.setattr(reference.virtual, "shard_at", started)
+
+
+def arrays(Hq=4, Hkv=2, S=8):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((1, S, Hq, 4)), *rng.standard_normal((2, 1, S, Hkv, 4))
+
+
+@pytest.mark.parametrize("options, Hq, Hkv, message", [
+    (dict(scheme="tree"), 4, 2, "scheme must be one of"),
+    (dict(scheme="ring", ulysses_degree=2), 4, 2, "applies to scheme 'ulysses' or 'usp'"),
+    (dict(scheme="all_gather", ulysses_degree=2), 4, 2, "applies to scheme 'ulysses' or 'usp'"),
+    (dict(scheme="usp"), 4, 2, "needs ulysses_degree"),
+    (dict(scheme="usp", ulysses_degree=3), 6, 3, r"ulysses_degree \(3\) must divide the number of devices \(4\)"),
+    (dict(scheme="usp", ulysses_degree=0), 4, 2, "positive int"),
+    (dict(scheme="usp", ulysses_degree=2.0), 4, 2, "positive int"),
+    (dict(scheme="ulysses"), 4, 2, r"key/value heads \(2\) .* multiples of ulysses_degree \(4\)"),
+    (dict(scheme="ulysses", ulysses_degree=2), 4, 4, "use scheme='usp'"),
+    (dict(scheme="usp", ulysses_degree=4), 8, 2, r"key/value heads \(2\)"),
+])
+def test_bad_schemes_are_refused_before_any_work(no_work, options, Hq, Hkv, message):
+    q, k, v = arrays(Hq, Hkv)
+    with pytest.raises(ValueError, match=message):
+        ring_attention(q, k, v, n_devices=4, **options)
+    with pytest.raises(ValueError, match=message):
+        ring_attention_backward(q, k, v, q, np.zeros((1, Hq, 8)), q, n_devices=4, **options)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from(["ring", "all_gather", "ulysses", "usp"]), st.sampled_from(["striped", "zigzag", "contiguous"]))
+def test_every_scheme_gives_the_same_answer_as_the_ring(scheme, layout):
+    """Bit-level agreement is not promised (sums in other orders), the dense line is."""
+    q, k, v = arrays(Hq=4, Hkv=4, S=16)
+    u = 2 if scheme == "usp" else None
+    out, lse = ring_attention(q, k, v, n_devices=4, layout=layout, scheme=scheme, ulysses_degree=u)
+    ring_out, ring_lse = ring_attention(q, k, v, n_devices=4, layout=layout)
+    np.testing.assert_allclose(out, ring_out, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse, ring_lse, rtol=0, atol=1e-13)
