@@ -27,34 +27,15 @@ is in `reference.tms` and re-exported here.
 """
 
 import argparse
-from dataclasses import dataclass
-
 import numpy as np
 
 from .layouts import LAYOUTS, positions
-from .masks import as_mask, count_visible_pairs, layout_mask
-from .tiles import SKIP, classify, tile_edges, tile_shape
-from .trace import Work
+from .masks import layout_mask
+from .predict import MODES, Prediction, predict_positions  # noqa: F401 (re-exported)
+from .scheme_cost import SchemeCost, candidates, choose, predict_scheme  # noqa: F401 (re-exported)
+from .schemes import SCHEMES
+from .tiles import tile_shape
 from .tms import HARDWARE, MODELS, paper_rows, theoretical_max_speedup  # noqa: F401 (re-exported)
-
-MODES = ("tiles", "pairs")
-
-
-@dataclass
-class Prediction(Work):
-    """Predicted per-round, per-device work (`reference.trace.Work`: the
-    fields a run's trace records), arrays (N rounds, N devices), with the area
-    of the tiles computed."""
-    tile_area: np.ndarray     # (query, key) entries in the computed tiles, masked ones included
-
-    def work(self, mode="tiles"):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        return self.tile_area if mode == "tiles" else self.pairs
-
-    def critical_path(self, mode="tiles"):
-        """Sum over rounds of the busiest device's work, counted as `mode`."""
-        return int(self.work(mode).max(axis=1).sum())
 
 
 def predict(seq_len, n_devices, layout="striped", tile_size=None, causal=True, **mask_options):
@@ -63,29 +44,6 @@ def predict(seq_len, n_devices, layout="striped", tile_size=None, causal=True, *
     (window, cu_seqlens, segment_ids; dropout and seed are accepted and change nothing)."""
     mask = layout_mask(seq_len, n_devices, layout, causal=causal, **mask_options)
     return predict_positions(positions(seq_len, n_devices, layout), tile_size, mask)
-
-
-def predict_positions(pos, tile_size=None, mask=True):
-    """`predict` for any dealing of positions: `pos` (N, c), device j holding
-    positions pos[j]; `mask` a `reference.masks.Mask` or a bool (causal)."""
-    mask = as_mask(mask)
-    n_devices, c = pos.shape
-    tq, tk = tile_shape(tile_size)
-    sizes_q = np.diff(np.append(tile_edges(c, tq), c))         # (Tq,) rows of each tile
-    sizes_k = np.diff(np.append(tile_edges(c, tk), c))         # (Tk,)
-    area = sizes_q[:, None] * sizes_k[None, :]                 # (Tq, Tk)
-    shape = (n_devices, n_devices)
-    p = Prediction(*(np.zeros(shape, dtype=np.int64) for _ in range(5)))
-    for t in range(n_devices):
-        for j in range(n_devices):
-            k = (j - t) % n_devices
-            kinds = classify(pos[j], pos[k], (tq, tk), mask)
-            p.source[t, j] = k
-            p.tiles_skipped[t, j] = (kinds == SKIP).sum()
-            p.tiles_computed[t, j] = kinds.size - p.tiles_skipped[t, j]
-            p.tile_area[t, j] = area[kinds != SKIP].sum()
-            p.pairs[t, j] = count_visible_pairs(pos[j], pos[k], mask)
-    return p
 
 
 def speedup(seq_len, n_devices, layout="striped", tile_size=None, mode="tiles", causal=True, **mask_options):
@@ -112,10 +70,33 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=None, help="sliding window W (default: none)")
     ap.add_argument("--doc-lengths", type=lambda t: [int(x) for x in t.split(",")], default=None,
                     metavar="L0,L1,...", help="packed documents, adding up to --seq-len")
+    schemes = ap.add_argument_group("schemes (reference.scheme_cost): with --scheme, their table and the choice")
+    schemes.add_argument("--scheme", default=None, metavar="NAME[,NAME...]|all",
+                         help="tabulate these schemes (ring, all_gather, ulysses, usp: every degree the heads "
+                              "allow) instead of the layouts; 'all' for every one")
+    schemes.add_argument("--layout", default="striped", choices=LAYOUTS, help="layout of the ring (default striped)")
+    schemes.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
+    schemes.add_argument("--heads", type=int, default=32, help="query heads Hq (default 32)")
+    schemes.add_argument("--kv-heads", type=int, default=8, help="key/value heads Hkv (default 8)")
+    schemes.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")
+    schemes.add_argument("--dtype", default="float16", choices=("float16", "float32", "float64"),
+                         help="input dtype (default float16; bfloat16 moves the same bytes)")
+    schemes.add_argument("--link-gbs", type=float, default=25.0,
+                         help="link bandwidth per device, GB/s each way (default 25: 200 Gb/s)")
+    schemes.add_argument("--tflops", type=float, default=400.0,
+                         help="attention compute rate per device, TFLOP/s (default 400)")
+    schemes.add_argument("--memory-gib", type=float, default=None,
+                         help="K/V memory a device may hold, GiB (default: no limit)")
     args = ap.parse_args(argv)
     mask = dict(window=args.window)
     if args.doc_lengths:
         mask["cu_seqlens"] = np.concatenate([[0], np.cumsum(args.doc_lengths)])
+    try:
+        if args.scheme is not None:
+            print(scheme_table(args, mask))
+            return
+    except ValueError as e:
+        ap.error(str(e))
     print(f"S={args.seq_len} N={args.n_devices} tile={tile_shape(args.tile_size)}"
           + "".join(f" {k}={v}" for k, v in (("window", args.window), ("documents", args.doc_lengths)) if v))
     print(f"{'layout':<11} {'crit. tiles':>12} {'crit. pairs':>12} {'speedup tiles':>14} {'speedup pairs':>14}")
@@ -125,6 +106,47 @@ def main(argv=None):
         print(f"{layout:<11} {p.critical_path('tiles'):>12} {p.critical_path('pairs'):>12} "
               f"{s[0]:>14.3f} {s[1]:>14.3f}")
     print(f"(2N-1)/N limit: {striped_limit(args.n_devices):.3f}")
+
+
+def scheme_table(args, mask):
+    """The --scheme table: per scheme, forward and backward, the busiest
+    device's critical-path flops (forward), bytes sent, peak K/V bytes and predicted
+    time; and the scheme the link and compute rates pick."""
+    n, Hq, Hkv = args.n_devices, args.heads, args.kv_heads
+    names = SCHEMES if args.scheme == "all" else tuple(x.strip() for x in args.scheme.split(","))
+    unknown = [x for x in names if x not in SCHEMES]
+    if unknown:
+        raise ValueError(f"--scheme: {', '.join(unknown)} is not one of {', '.join(SCHEMES)} or all")
+    plans = [s for s in candidates(n, Hq, Hkv) if s.name in names]
+    if not plans:
+        raise ValueError(f"none of {', '.join(names)} runs on {n} devices with {Hkv} key/value heads "
+                         f"(Ulysses degrees must divide both)")
+    shape = dict(B=args.batch, Hq=Hq, Hkv=Hkv, D=args.head_dim, dtype=args.dtype, tile_size=args.tile_size, **mask)
+    costs = {s: tuple(predict_scheme(s, args.seq_len, args.layout, backward=b, **shape) for b in (False, True))
+             for s in plans}
+    link, rate = args.link_gbs * 1e9, args.tflops * 1e12
+    lines = [f"S={args.seq_len} N={n} B={args.batch} Hq={Hq} Hkv={Hkv} D={args.head_dim} {args.dtype} "
+             f"{args.layout}, link {args.link_gbs:g} GB/s, {args.tflops:g} TFLOP/s per device",
+             f"{'scheme':<12}{'u':>3}{'rounds':>7}{'crit. GFLOP':>12}{'sent fwd':>11}{'sent bwd':>11}"
+             f"{'peak K/V':>11}{'fwd ms':>11}{'bwd ms':>11}", "-" * 89]
+    for s, (fwd, bwd) in costs.items():
+        f, b = fwd.totals(), bwd.totals()
+        lines.append(f"{s.name:<12}{s.u:>3}{s.r:>7}{f['critical_flops'] / 1e9:>12.1f}{_size(f['bytes_sent']):>11}"
+                     f"{_size(b['bytes_sent']):>11}{_size(max(f['peak_kv'], b['peak_kv'])):>11}"
+                     f" {fwd.seconds(link, rate) * 1e3:>10.3f} {bwd.seconds(link, rate) * 1e3:>10.3f}")
+    memory = None if args.memory_gib is None else args.memory_gib * 2 ** 30
+    best = choose(costs, link, rate, memory)
+    lines.append(f"choice: {best.name}" + (f" (ulysses_degree={best.u})" if best.u > 1 else "")
+                 + " - the least predicted forward + backward time"
+                 + ("" if memory is None else f" among those whose K/V fit in {args.memory_gib:g} GiB"))
+    return "\n".join(lines)
+
+
+def _size(nbytes):
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 if __name__ == "__main__":

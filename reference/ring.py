@@ -98,10 +98,10 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         with turn(comm), log.computing(t):
             counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
                                    mask=mask, tile_size=tile_size, progress=comm.progress)
-        more = in_flight is not None
+        more, dkv = in_flight is not None, (grads.dk, grads.dv) if n > 1 else ()   # (a ring of one keeps them)
         # received: the next K, V, the dK, dV of the round before (and, in the last round, those going home)
-        log.record(t, counts, block, sent=(block if more else (), grads.dk, grads.dv),
-                   received=(block if more else (), (grads.dk, grads.dv) * ((t > 0) + (t == n - 1))),
+        log.record(t, counts, block, sent=(block if more else (), dkv),
+                   received=(block if more else (), dkv * ((t > 0) + (t == n - 1))),
                    held=(block, block) if more else block)
         # receive the next K, V first, while the step's kernels run: sending dK, dV
         # below waits for them (they write dK, dV), and K, V would wait behind it

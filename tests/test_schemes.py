@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import reference.virtual
 from reference import ring_attention, ring_attention_backward, schemes
+from reference.cost import candidates, choose, predict_scheme
 from reference.testing import VirtualRingAdapter, check_ring_attention
 from reference.testing.cases import MASKS, cases
 from reference.testing.check import check_adapter, make_plan
@@ -158,3 +159,62 @@ def test_every_scheme_gives_the_same_answer_as_the_ring(scheme, layout):
     ring_out, ring_lse = ring_attention(q, k, v, n_devices=4, layout=layout)
     np.testing.assert_allclose(out, ring_out, rtol=0, atol=1e-13)
     np.testing.assert_allclose(lse, ring_lse, rtol=0, atol=1e-13)
+
+
+# -- the cost model holds the trace ------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(scheme=st.sampled_from(["ring", "all_gather", "ulysses", "usp"]), n=st.integers(1, 4),
+       layout=st.sampled_from(["striped", "zigzag", "contiguous"]), S=st.integers(1, 24),
+       group=st.sampled_from([1, 2]), dtype=st.sampled_from([np.float64, np.float32, np.float16]),
+       backward=st.booleans(), window=st.sampled_from([None, 3]), tile=st.sampled_from([None, 2, 3]))
+def test_the_trace_moves_holds_and_computes_what_the_cost_model_predicts(scheme, n, layout, S, group, dtype,
+                                                                         backward, window, tile):
+    u = {"ring": 1, "all_gather": 1, "ulysses": n, "usp": 2 if n % 2 == 0 else 1}[scheme]
+    if scheme == "usp" and u == 1:
+        scheme = "ring"
+    Hkv = 2 * u
+    rng = np.random.default_rng(S)
+    q = rng.standard_normal((1, S, Hkv * group, 3)).astype(dtype)
+    k, v = rng.standard_normal((2, 1, S, Hkv, 3)).astype(dtype)
+    options = dict(n_devices=n, layout=layout, scheme=scheme, window=window, tile_size=tile,
+                   ulysses_degree=u if scheme in ("ulysses", "usp") else None)
+    out, lse, trace = ring_attention(q, k, v, trace=True, **options)
+    if backward:
+        *_, trace = ring_attention_backward(q, k, v, out, lse, q, trace=True, **options)
+    plan = schemes.Scheme(scheme, n, u)
+    predicted = predict_scheme(plan, S, layout, B=1, Hq=Hkv * group, Hkv=Hkv, D=3, dtype=dtype, tile_size=tile,
+                               window=window, backward=backward)
+    for name in ("bytes_sent", "bytes_received", "kv_bytes"):
+        np.testing.assert_array_equal(getattr(trace, name), getattr(predicted, name), err_msg=name)
+    for name in ("source", "tiles_computed", "tiles_skipped", "pairs"):
+        np.testing.assert_array_equal(getattr(trace, name), getattr(predicted.work, name), err_msg=name)
+
+
+def test_the_command_tabulates_every_scheme_and_names_its_choice(capsys):
+    from reference.cost import main
+    main(["--scheme", "all", "--n-devices", "4", "--seq-len", "4096", "--kv-heads", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[3:-1]] == ["ring", "all_gather", "usp", "ulysses"]
+    assert all(len(line.split()) == 12 for line in lines[3:-1]), lines      # no column runs into the next
+    assert lines[-1].split()[1] in ("ring", "all_gather", "usp", "ulysses")
+
+
+def total(pair, what):
+    return sum(what(c) for c in pair)
+
+
+def test_the_choice_follows_the_link_the_compute_and_the_memory():
+    costs = {s: tuple(predict_scheme(s, 4096, "striped", B=1, Hq=8, Hkv=8, D=64, backward=b) for b in (False, True))
+             for s in candidates(4, 8, 8)}
+    assert [(s.name, s.u) for s in costs] == [("ring", 1), ("all_gather", 1), ("usp", 2), ("ulysses", 4)]
+    moved = {s: total(pair, lambda c: np.maximum(c.bytes_sent, c.bytes_received).max(axis=1).sum())
+             for s, pair in costs.items()}
+    flops = {s: total(pair, lambda c: (c.work.tile_area * c.flops_per_entry).max(axis=1).sum())
+             for s, pair in costs.items()}
+    assert choose(costs, 1.0, 1e30) == min(moved, key=moved.get)           # a slow link: the fewest bytes
+    assert choose(costs, 1e30, 1.0) == min(flops, key=flops.get)           # slow compute: the shortest path
+    peak = {s: max(c.kv_bytes.max() for c in pair) for s, pair in costs.items()}
+    assert choose(costs, 1e30, 1.0, min(peak.values())) == min(peak, key=peak.get)
+    with pytest.raises(ValueError, match="fit"):
+        choose(costs, 1e12, 1e9, min(peak.values()) - 1)

@@ -1,0 +1,133 @@
+"""The cost of each scheme (`reference.schemes`), per device and round, predicted without attention.
+
+A run of a scheme on N devices has r = N / u rounds (u = 1 for the ring and the
+all-gather, u = N for Ulysses), and its trace records, per round t and device
+g: the tiles computed and skipped, the visible pairs, the bytes sent and
+received, and the bytes of K/V blocks held. `predict_scheme` counts the same
+[t, g] arrays from the shapes alone, byte for byte:
+
+- a K/V block is K and V (B, Hkv / u, u c, D) in the input dtype, its
+  positions (u c int64) and its owner (2 int32): 2 B Hkv c D e + 8 u c + 8 bytes;
+  dK, dV travel in the accumulation dtype (float32, float64 for float64);
+- the ring sends and receives one block in every round but the last, and
+  holds two then (the one attended to and the one arriving), one in the last;
+  the backward adds dK, dV in every round, and the hop home in the last;
+- the all-gather moves one block in each of its first N - 1 rounds, before any
+  compute, and holds all N in every round; its backward reduce-scatters dK, dV
+  in the same rounds, after all compute;
+- Ulysses and USP trade (u - 1) / u of q, k, v (and out, dout, lse in the
+  backward) in an all-to-all before the ring's first round, and of out, lse
+  (dq, dk, dv) after its last; the ring runs on u c tokens of H / u heads.
+
+Time: a round takes its busiest device's compute (4 D flops per (query, key)
+entry of the computed tiles forward, 10 D backward, where the step recomputes
+the scores), or its ring transfer if longer (they overlap), plus its transfers
+that do not overlap (the all-to-all, the all-gather, the reduce-scatter), at
+the given link bandwidth and compute rate. `choose` picks the fastest.
+
+    python -m reference.cost --scheme all --n-devices 8 --seq-len 131072 --heads 32 --kv-heads 8
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .heads import accumulate_dtype
+from .masks import layout_mask
+from .predict import predict_positions
+from .schemes import Scheme
+
+FLOPS_PER_ENTRY = dict(forward=4, backward=10)      # x D, per (query, key) entry of a computed tile
+
+
+@dataclass
+class SchemeCost:
+    """A scheme's predicted work and traffic: arrays (r rounds, N devices), as a trace records them."""
+    scheme: Scheme
+    work: object                # `reference.cost.Prediction` (r, N): tiles, pairs, tile area, source
+    bytes_sent: np.ndarray
+    bytes_received: np.ndarray
+    kv_bytes: np.ndarray
+    exposed: np.ndarray         # of bytes_sent and received (the larger), those no compute overlaps
+    flops_per_entry: int        # x B x heads per device: the flops of one tile entry on a device
+
+    def seconds(self, link_bytes_per_s, flops_per_s):
+        """Predicted wall seconds: per round the busiest device's compute or
+        overlapped transfer, whichever is longer, plus its exposed transfer."""
+        moved = np.maximum(self.bytes_sent, self.bytes_received)
+        compute = self.work.tile_area * self.flops_per_entry / flops_per_s
+        overlapped = (moved - self.exposed) / link_bytes_per_s
+        return float((np.maximum(compute, overlapped) + self.exposed / link_bytes_per_s).max(axis=1).sum())
+
+    def totals(self):
+        """Per device over the run, the busiest: the flops of the critical path
+        (the busiest device's each round), bytes sent, peak K/V bytes."""
+        return dict(critical_flops=int((self.work.tile_area * self.flops_per_entry).max(axis=1).sum()),
+                    bytes_sent=int(self.bytes_sent.sum(axis=0).max()), peak_kv=int(self.kv_bytes.max()))
+
+
+def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, tile_size=None, causal=True,
+                   backward=False, **mask_options):
+    """The SchemeCost of one pass (forward, or `backward`) of `scheme` (a
+    `reference.schemes.Scheme`) on `seq_len` tokens in `layout`, for q
+    (B, S, Hq, D) and k, v (B, S, Hkv, D) of `dtype`; mask options as
+    `reference.ring_attention` takes them."""
+    n, u, r = scheme.n, scheme.u, scheme.r
+    mask = layout_mask(seq_len, n, layout, causal=causal, **mask_options)
+    pos = scheme.positions(seq_len, layout)                            # (N, c)
+    c = pos.shape[1]
+    ring_pos = pos.reshape(r, u * c)                                   # ring rank i: its Ulysses group's tokens
+    ring = predict_positions(ring_pos, tile_size, mask)                # (r, r)
+    home = np.arange(n) // u                                           # device g is ring rank g // u
+    work = type(ring)(*(getattr(ring, f)[:, home] for f in ("source", "tiles_computed", "tiles_skipped",
+                                                            "pairs", "tile_area")))
+    e, acc = np.dtype(dtype).itemsize, np.dtype(accumulate_dtype(dtype)).itemsize
+    block = 2 * B * Hkv * c * D * e + 8 * u * c + 8
+    dkv = 2 * B * Hkv * c * D * acc
+    sent, received, held, exposed = (np.zeros((r, n), dtype=np.int64) for _ in range(4))
+    last = np.arange(r) == r - 1
+    if scheme.name == "all_gather":
+        sent[:-1] = received[:-1] = exposed[:-1] = block + (dkv if backward else 0)
+        held[:] = n * block
+    else:
+        sent[:-1] = received[:-1] = block
+        held[:] = np.where(last, block, 2 * block)[:, None]
+        if backward and r > 1:
+            sent += dkv
+            received += dkv * ((np.arange(r) > 0).astype(int) + last)[:, None]
+    if u > 1:
+        share = (u - 1) / u                                            # of each array, to the group's others
+        lse = B * Hq * c * acc                                         # lse travels in the accumulation dtype
+        if backward:
+            before = (3 * B * c * Hq * D + 2 * B * c * Hkv * D) * e + lse
+            after = (B * c * Hq * D + 2 * B * c * Hkv * D) * e
+        else:
+            before = (B * c * Hq * D + 2 * B * c * Hkv * D) * e
+            after = B * c * Hq * D * e + lse
+        for t, moved in ((0, before), (r - 1, after)):
+            sent[t] += round(share * moved)
+            received[t] += round(share * moved)
+            exposed[t] += round(share * moved)
+    flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
+    return SchemeCost(scheme, work, sent, received, held, exposed, flops)
+
+
+def candidates(n_devices, Hq, Hkv):
+    """Every scheme the shapes allow on N devices: the ring, the all-gather,
+    Ulysses (where u = N divides the heads) and USP for each u strictly between."""
+    found = [Scheme("ring", n_devices, 1), Scheme("all_gather", n_devices, 1)]
+    for u in range(2, n_devices + 1):
+        if n_devices % u == 0 and Hkv % u == 0:
+            found.append(Scheme("ulysses" if u == n_devices else "usp", n_devices, u))
+    return found
+
+
+def choose(costs, link_bytes_per_s, flops_per_s, memory_bytes=None):
+    """The SchemeCost predicted fastest (forward plus backward: `costs` maps a
+    Scheme to its (forward, backward) pair), among those whose peak K/V bytes
+    fit in `memory_bytes` (None: all)."""
+    fits = {s: pair for s, pair in costs.items()
+            if memory_bytes is None or max(c.kv_bytes.max() for c in pair) <= memory_bytes}
+    if not fits:
+        raise ValueError(f"no scheme's K/V blocks fit in {memory_bytes} bytes per device")
+    return min(fits, key=lambda s: sum(c.seconds(link_bytes_per_s, flops_per_s) for c in fits[s]))
