@@ -28,19 +28,23 @@ Mask options (`reference.masks`, the same on every rank): ``window``,
 (``shard`` pads to N c tokens; None: S = N c, no padding).
 """
 
-from reference import ring
+import numpy as np
+
+from reference import ring, schemes
 from reference.call import check_call
 from reference.trace import Trace
 
 from .comm import RingComm
 from .cores import wait_quietly
+from .groups import scheme_comms
 from .ranks import communicator_name, named_rank
 
 TRACE_CHOICES = (False, True, "rank")
 
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
-                   step="auto", trace=False, make_ring=RingComm.on, seq_len=None, **mask_options):
+                   step="auto", trace=False, make_ring=RingComm.on, seq_len=None, scheme="ring",
+                   ulysses_degree=None, **mask_options):
     """Exact attention of this rank's queries over every rank's keys.
 
     Returns (out, lse); with ``trace=True`` also the Trace of every rank
@@ -51,36 +55,47 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     its own), a context manager whose exit ends the ring's transfers and frees
     what it holds however the ring ended, with a list of `transfers` (their
     times, for the trace). `seq_len` and
-    `mask_options`: see the module docstring.
+    `mask_options`: see the module docstring. `scheme` and `ulysses_degree`:
+    "ring" (the default), "all_gather", "ulysses" or "usp" with u, as
+    `reference.ring_attention` takes them; this rank's shard holds the tokens
+    `reference.schemes.Scheme.positions` gives it (for u > 1:
+    `reference.layouts.ulysses_positions`), and the communicator is split once
+    per call (`mpi_impl.groups`).
     Collective: every rank of `comm` must call it."""
     call = agree(comm, lambda: _check(q, k, v, comm, trace, layout=layout, causal=causal, scale=scale,
-                                      tile_size=tile_size, step=step, seq_len=seq_len, **mask_options),
+                                      tile_size=tile_size, step=step, seq_len=seq_len, scheme=scheme,
+                                      ulysses_degree=ulysses_degree, **mask_options),
                  trace=trace)
-    q_pos = call.positions[comm.Get_rank()]
-    with make_ring(comm) as ring_comm, named_rank(comm):     # freed however the ring ends
-        out, lse, log = ring.ring_forward(q, k, v, q_pos, q_pos, ring_comm, scale=call.scale,
-                                          tile_size=tile_size, step=call.step, mask=call.mask)
-    log.add_transfers(ring_comm.transfers, ring.KV)         # when each block arrived, for the trace
+    with scheme_comms(comm, call.scheme, make_ring) as comms, named_rank(comm):    # freed however it ends
+        out, lse, log = schemes.forward(q, k, v, _group_positions(call, comm), comms, scheme=call.scheme,
+                                        scale=call.scale, tile_size=tile_size, step=call.step, mask=call.mask)
+    log.add_transfers(comms.ring.transfers, ring.KV)        # when each block arrived, for the trace
     return (out, lse) + _trace_result(log, comm, trace)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
                             scale=None, tile_size=None, step="auto", trace=False, make_ring=RingComm.on,
-                            seq_len=None, **mask_options):
+                            seq_len=None, scheme="ring", ulysses_degree=None, **mask_options):
     """Gradients (dq, dk, dv) of this rank's shard, from the forward's out and lse.
 
     K, V, dK, dV travel the ring; dQ stays home; dK, dV end on the rank that
-    owns those keys. ``step``, ``trace`` and ``make_ring`` as in `ring_attention`. Collective."""
+    owns those keys. ``step``, ``trace``, ``make_ring`` and the scheme as in
+    `ring_attention`. Collective."""
     call = agree(comm, lambda: _check(q, k, v, comm, trace, layout=layout, causal=causal, scale=scale,
                                       tile_size=tile_size, step=step, grads=(out, lse, dout), seq_len=seq_len,
-                                      **mask_options),
+                                      scheme=scheme, ulysses_degree=ulysses_degree, **mask_options),
                  trace=trace)
-    q_pos = call.positions[comm.Get_rank()]
-    with make_ring(comm) as ring_comm, named_rank(comm):
-        dq, dk, dv, log = ring.ring_backward(q, k, v, out, lse, dout, q_pos, q_pos, ring_comm, scale=call.scale,
-                                             tile_size=tile_size, step=call.step, mask=call.mask)
-    log.add_transfers(ring_comm.transfers, ring.KV)
+    with scheme_comms(comm, call.scheme, make_ring) as comms, named_rank(comm):
+        dq, dk, dv, log = schemes.backward(q, k, v, out, lse, dout, _group_positions(call, comm), comms,
+                                           scheme=call.scheme, scale=call.scale, tile_size=tile_size,
+                                           step=call.step, mask=call.mask)
+    log.add_transfers(comms.ring.transfers, ring.KV)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
+
+
+def _group_positions(call, comm):
+    """The positions of this rank's ring rank: its Ulysses group's shards in group order."""
+    return np.concatenate([call.positions[g] for g in call.scheme.ulysses_group(comm.Get_rank())])
 
 
 def _check(q, k, v, comm, trace, **options):

@@ -64,8 +64,8 @@ class Groups:
     def __init__(self):
         self.groups, self.last = {}, (None, None)
 
-    def replies(self, case, shards):
-        if self.last[0] != case:
+    def replies(self, case, shards, like):
+        if self.last[0] != (case, like.name):
             group = self.groups.get(case.n_devices)
             if group is None:
                 env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1",
@@ -75,10 +75,11 @@ class Groups:
                      "--device", GPU if GPU == "cupy" else "mpi", "--mpi-step", "v1"],
                     timeout=REQUEST_TIMEOUT_S, env=env, cwd=ROOT)
             case_spec = dict(layout=case.layout, causal=case.causal, scale=case.scale,
-                             tile_size=list(case.tile_size) if isinstance(case.tile_size, tuple) else case.tile_size)
+                             tile_size=list(case.tile_size) if isinstance(case.tile_size, tuple) else case.tile_size,
+                             scheme=like.scheme, ulysses_degree=like.plan(case).u if like.plan(case).u > 1 else None)
             request = dict(case=case_spec, backends=["mpi", GPU],
                            shards=dict(q=shards.q, k=shards.k, v=shards.v, dout=shards.dout))
-            self.last = (case, group.request(request))
+            self.last = ((case, like.name), group.request(request))
         return self.last[1]
 
     def close(self):
@@ -87,21 +88,38 @@ class Groups:
 
 
 class Served(Adapter):
-    """A backend of the served MPI group as a kit adapter."""
+    """A backend of the served MPI group as a kit adapter, running the scheme of
+    `like` (a `VirtualRingAdapter`: its positions, heads and world sizes)."""
 
-    def __init__(self, groups, backend, name):
-        self.groups, self.backend, self.name = groups, backend, name
+    def __init__(self, groups, backend, name, like):
+        self.groups, self.backend, self.like = groups, backend, like
+        self.name = name + ("" if like.scheme == "ring" else like.name[len("reference.ring_attention"):])
+        self.world_sizes, self.positions, self.head_multiple = like.world_sizes, like.positions, like.head_multiple
+
+    def supports(self, case):
+        return self.like.supports(case) or super().supports(case)
 
     def run(self, case, shards):
-        return [reply[self.backend] for reply in self.groups.replies(case, shards)]
+        return [reply[self.backend] for reply in self.groups.replies(case, shards, self.like)]
 
 
 @pytest.fixture(scope="module")
-def backends():
-    groups = Groups()
-    yield {"virtual": VirtualRingAdapter(), "mpi": Served(groups, "mpi", "mpi_impl"),
-           "gpu": Served(groups, GPU, f"gpu_impl ({'GPU' if GPU == 'cupy' else 'NumPy standing in for CuPy'})")}
-    groups.close()
+def groups():
+    served = Groups()
+    yield served
+    served.close()
+
+
+def on_every_backend(groups, like):
+    """The scheme of `like` on the three backends, as kit adapters."""
+    return {"virtual": like, "mpi": Served(groups, "mpi", "mpi_impl", like),
+            "gpu": Served(groups, GPU, f"gpu_impl ({'GPU' if GPU == 'cupy' else 'NumPy standing in for CuPy'})",
+                          like)}
+
+
+@pytest.fixture(scope="module")
+def backends(groups):
+    return on_every_backend(groups, VirtualRingAdapter())
 
 
 # the drawn problems: every layout, N = 1..4, dtypes, GQA/MQA, tiles, hard inputs; some with a NaN injected
@@ -111,6 +129,27 @@ CASES = st.one_of(cases(max_devices=MAX_DEVICES), cases(max_devices=MAX_DEVICES,
 @settings(deadline=None)
 @given(case=CASES)
 def test_three_backends_agree_with_the_oracle_and_each_other(backends, case):
+    agree_with_the_oracle_and_each_other(backends, case)
+
+
+SCHEMES = [VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"), VirtualRingAdapter("usp", ulysses_degree=2)]
+
+
+@pytest.mark.parametrize("like", SCHEMES, ids=lambda a: a.scheme)
+def test_every_scheme_on_three_backends_agrees_with_the_oracle_and_each_other(groups, like):
+    backends = on_every_backend(groups, like)
+
+    @settings(deadline=None, max_examples=15)
+    @given(case=cases(devices=like.world_sizes, head_multiple=like.head_multiple,
+                      keep=lambda case: not like.supports(case)))
+    def body(case):
+        agree_with_the_oracle_and_each_other(backends, case)
+    body()
+
+
+def agree_with_the_oracle_and_each_other(backends, case):
+    """The one test body: each backend against the oracle, then mpi and gpu
+    against the virtual ring, and the GPU stand-in bit for bit against mpi_impl."""
     results = {name: check_ring_attention(adapter, case) for name, adapter in backends.items()}
     tol = tolerances(case)
     pos = backends["virtual"].positions(case)

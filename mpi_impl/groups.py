@@ -1,0 +1,66 @@
+"""A scheme's communicators on MPI ranks (`reference.schemes`): split once per call.
+
+The ring and the all-gather run on the caller's communicator (a `RingComm` on
+its duplicate). Ulysses and USP split it in two, once per call, both splits
+collective over every rank of it:
+
+    ring group    ranks g with the same g % u, ordered by g // u  (r = N / u of them)
+    Ulysses group ranks g with the same g // u, ordered by g % u  (u consecutive ranks)
+
+so that rank g is piece g % u of ring rank g // u, as
+`reference.layouts.ulysses_positions` deals the tokens. The ring group gets
+the caller's ring factory (`make_ring`: mpi_impl's `RingComm`, or gpu_impl's
+with its memory object); the Ulysses group an `AllToAll`.
+"""
+
+from contextlib import contextmanager
+
+import numpy as np
+
+from reference.layouts import array_module
+from reference.schemes import Comms
+
+from .memory import byte_view
+from .ranks import rank_name
+
+
+class AllToAll:
+    """A Ulysses group's one verb: ``all_to_all(pieces)`` sends piece i to
+    group rank i and returns the piece each group rank sent here, in rank
+    order. The pieces are of one shape and dtype (a scheme cuts an array into
+    u equal parts); device arrays (CuPy) go through host memory."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+
+    def all_to_all(self, pieces):
+        if len(pieces) != self.size:
+            raise ValueError(f"{rank_name(self.comm)}: all_to_all takes one piece per group rank "
+                             f"({self.size}), got {len(pieces)}")
+        xp = array_module(pieces[0])
+        send = np.stack([_to_host(p) for p in pieces])                 # (u, piece...): contiguous
+        received = np.empty_like(send)
+        self.comm.Alltoall(byte_view(send), byte_view(received))       # equal byte counts per rank
+        return [xp.asarray(piece) for piece in received]
+
+
+def _to_host(x):
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
+
+
+@contextmanager
+def scheme_comms(comm, scheme, make_ring):
+    """This rank's `reference.schemes.Comms` for `scheme` on the mpi4py
+    communicator `comm`, freed on exit however the call ended."""
+    if scheme.u == 1:
+        with make_ring(comm) as ring:
+            yield Comms(ring)
+        return
+    g, u = comm.Get_rank(), scheme.u
+    ring_comm, ulysses_comm = comm.Split(g % u, g // u), comm.Split(g // u, g % u)
+    try:
+        with make_ring(ring_comm) as ring:
+            yield Comms(ring, AllToAll(ulysses_comm))
+    finally:
+        ring_comm.Free()
+        ulysses_comm.Free()
