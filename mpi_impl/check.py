@@ -19,9 +19,10 @@ from functools import partial
 
 import numpy as np
 
-from reference import attention, attention_backward, cores, unshard
+from reference import attention, attention_backward, cores
 from reference import ring_attention as reference_ring
 from reference import ring_attention_backward as reference_ring_backward
+from reference.layouts import unshard_at
 from reference.testing.compare import TOL
 
 DENSE_MAX_SEQ = 2048     # --check uses the dense S x S formula up to here
@@ -65,13 +66,14 @@ class Checker:
     def describe(self):
         return "dense formula" if self.args.seq_len <= DENSE_MAX_SEQ else "NumPy ring on one virtual device"
 
-    def errors(self, layout, comm, backend, out, lse, grads):
-        """{"out", "lse" (and "dq", "dk", "dv"): scaled error} on rank 0, {} elsewhere. Collective."""
+    def errors(self, pos, comm, backend, out, lse, grads):
+        """{"out", "lse" (and "dq", "dk", "dv"): scaled error} on rank 0, {} elsewhere,
+        `pos` (N, c) the positions of every rank's tokens. Collective."""
         mine = [backend.to_host(x) for x in (out, lse, *(grads or ()))]
         gathered = comm.gather(mine)
         if comm.Get_rank() != 0:
             return {}
-        got = [unshard([g[i] for g in gathered], layout, axis=AXES[i], seq_len=self.args.seq_len)
+        got = [unshard_at([g[i] for g in gathered], pos, self.args.seq_len, axis=AXES[i])
                for i in range(len(mine))]
         want = self.reference(backward=grads is not None)[:2 if grads is None else 5]
         # a result the backend did not return counts as wrong, never as checked

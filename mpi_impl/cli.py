@@ -45,7 +45,7 @@ from typing import Callable
 
 import numpy as np
 
-from reference import LAYOUTS, cost, positions, steps
+from reference import LAYOUTS, steps
 from reference.inputs import make_shard
 from reference.masks import cu_seqlens_from_lengths, layout_mask, make_mask
 
@@ -53,6 +53,7 @@ from .attention import gather_trace, ring_attention, ring_attention_backward
 from .check import Checker
 from .cores import rank_share, wait_quietly
 from .ranks import rank_name
+from .scheme_args import add_scheme_options, choice, predicted_speedup, rank_positions, scheme_problem
 from .table import Row, largest, report, wait_fraction
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -129,6 +130,7 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--trace-out", metavar="FILE.json", help="write every rank's per-round trace")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the per-rank, per-round timeline")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random q, k, v (and of dropout)")
+    add_scheme_options(ap)
     return ap
 
 
@@ -180,7 +182,7 @@ def main(argv=None, backend=NUMPY, parser=None):
     try:
         with hold_share(args, backend, comm):
             rows, checker = run(args, backend, comm)
-        status = report(rows, args, comm, backend, checker) if comm.Get_rank() == 0 else 0
+        status = report(rows, args, comm, backend, checker, choice(rows, args, comm, mask_options(args))) if comm.Get_rank() == 0 else 0
     except Exception:           # noqa: BLE001 - printed with this rank's name, then the job ends
         abort_job(comm)
         raise                   # where Abort returns (a stand-in communicator)
@@ -216,6 +218,8 @@ def check_args(args, n_ranks, backend=NUMPY):
     for name in ("seq_len", "batch", "heads", "head_dim", "repeat", "threads", "blas_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if scheme_problem(args, n_ranks):
+        return scheme_problem(args, n_ranks)
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         return f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
     if args.doc_lengths is not None and sum(args.doc_lengths) != args.seq_len:
@@ -329,10 +333,10 @@ class Timed:
 def time_passes(args, layout, backend, comm):
     """One timed run of the forward (and backward) pass of `layout`."""
     n, rank = comm.Get_size(), comm.Get_rank()
-    pos = positions(args.seq_len, n, layout)[rank]
+    pos = rank_positions(args, n, layout)[rank]
     q, k, v, dout = (backend.to_device(x) for x in inputs(args, pos))
     opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size, seq_len=args.seq_len,
-                **mask_options(args))
+                scheme=args.scheme, ulysses_degree=args.ulysses_degree, **mask_options(args))
     fwd_step, bwd_step = make_steps(args, backend, n)
     wait_quietly(comm)          # ranks still busy (rank 0's check) are waited for asleep,
     comm.Barrier()              # then every rank starts the clock together
@@ -362,7 +366,8 @@ def run_layout(args, layout, backend, comm, checker):
     # are all near it: each (round, rank) keeps its least CPU time over the repeats.
     traces = {kind: _least_times(gather_trace(log, comm), least[kind], backend.busy, comm)
               for kind, log in best.logs.items()}
-    errors = checker.errors(layout, comm, backend, best.out, best.lse, best.grads) if args.check else {}
+    pos = rank_positions(args, n, layout)
+    errors = checker.errors(pos, comm, backend, best.out, best.lse, best.grads) if args.check else {}
     wait_quietly(comm)          # the others sleep while rank 0 computes the reference
     rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     if rank != 0:
@@ -370,8 +375,7 @@ def run_layout(args, layout, backend, comm, checker):
     return Row(layout=layout, wall_s=best.wall_s, error=largest(errors.values()), errors=errors, traces=traces,
                peak_rss_kb=rss, critical_cpu_s=sum(t.critical_path(backend.busy) for t in traces.values()),
                wait_fraction=wait_fraction(traces.values()),
-               predicted=cost.speedup(args.seq_len, n, layout, args.tile_size, "tiles", args.causal,
-                                      **mask_options(args)))
+               predicted=predicted_speedup(args, n, layout, mask_options(args)))
 
 
 def _least_times(trace, least, busy, comm):

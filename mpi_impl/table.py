@@ -37,7 +37,8 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
     base = next((r for r in rows if r.layout == "contiguous"), None)
     passes = "forward+backward" if args.backward else "forward"
     ran = steps_ran(rows)
-    lines = [f"{backend_name}: N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, Hq={args.heads}, "
+    lines = [f"{backend_name}: {_scheme_label(args, n_ranks)}N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, "
+             f"Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
              f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}, "
              f"{args.blas_threads} BLAS thread{'s' if args.blas_threads != 1 else ''} per product",
@@ -56,6 +57,15 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
     if check:
         lines.append(f"check: {check}")
     return "\n".join(lines)
+
+
+def _scheme_label(args, n_ranks):
+    """'' for the ring; else the scheme and its Ulysses degree, then a comma."""
+    scheme = getattr(args, "scheme", "ring")
+    if scheme == "ring":
+        return ""
+    u = getattr(args, "ulysses_degree", None) or (n_ranks if scheme == "ulysses" else 1)
+    return f"{scheme}" + (f" (u={u})" if u > 1 else "") + ", "
 
 
 def mask_label(args):
@@ -105,12 +115,14 @@ def largest(errors):
     return float(np.max(errors)) if errors else float("nan")
 
 
-def report(rows, args, comm, backend, checker):
+def report(rows, args, comm, backend, checker, choice=""):
     """Rank 0: print the table, write the trace and the plot; the exit status
     (1 if --check found an error above the tolerance, or NaN)."""
     check = (f"float64 reference ({checker.describe()}) once for every layout, {checker.threads}, "
              f"{checker.seconds:.1f} s on rank 0 while the others slept") if args.check else ""
     print(format_table(rows, args, comm.Get_size(), backend.name, busy=backend.busy, check=check))
+    if choice:
+        print(choice)
     if args.trace_out:
         write_trace(args.trace_out, run_document(rows, args, comm.Get_size()))
     if args.plot:

@@ -15,6 +15,7 @@ deadline. Skipped, not failed, where mpi4py or mpiexec is missing.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from conftest import Case, assert_close, cases
 from mpi_impl.launch import find_mpiexec
 from reference import attention, attention_backward, cost, positions
+from reference.scheme_cost import predict_scheme
+from reference.schemes import Scheme
 
 pytest.importorskip("mpi4py")
 
@@ -158,6 +161,8 @@ def test_odd_cases_on_three_ranks(tmp_path):
     ("shapes", 3, "ranks disagree on q: rank 0 (1, 4, 2, 4), rank 1 (1, 5, 2, 4)", False),
     ("bad-input", 3, "query heads (3) must be a multiple of key/value heads (2)", False),
     ("raise", 3, "injected failure on rank 1 in round 0", True),
+    ("raise-all-to-all", 2, "injected failure on rank 1 in the all-to-all", True),
+    ("raise-all-gather", 3, "injected failure on rank 1 in the all-gather", True),
 ])
 def test_fault_ends_job(mode, n, message, mpi4py_run):
     """A fault ends the job within the deadline, non-zero, with the message."""
@@ -250,3 +255,38 @@ def brute_force_critical_path(S, n, layout, tile):
     pos = positions(S, n, layout)
     return sum(max(brute_force_counts(pos[j], pos[(j - t) % n], tile, True)[2] for j in range(n))
                for t in range(n))
+
+
+def test_cli_runs_a_scheme():
+    """--scheme usp --ulysses-degree 2 --check --backward on 4 ranks: each
+    layout right in float64, the table names the scheme, its predicted column
+    is the scheme cost model's, and the cost model's choice is printed."""
+    S, n, tile = 32, 4, 4
+    proc, _ = mpirun(n, "-m", "mpi_impl", "--seq-len", str(S), "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                     "--dtype", "float64", "--tile-size", str(tile), "--check", "--backward", "--no-warmup",
+                     "--scheme", "usp", "--ulysses-degree", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "numpy: usp (u=2), N=4 ranks" in proc.stdout, proc.stdout
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0] in ("contiguous", "striped", "zigzag")}
+    assert list(rows) == ["contiguous", "striped", "zigzag"], proc.stdout
+    scheme = Scheme.checked("usp", 2, n_devices=n, Hq=4, Hkv=2)
+    for layout, cells in rows.items():
+        assert float(cells[1]) <= 1e-10, f"{layout}: max error {cells[1]}"
+        flops = [predict_scheme(scheme, S, lay, B=1, Hq=4, Hkv=2, D=8, tile_size=tile).totals()["critical_flops"]
+                 for lay in ("contiguous", layout)]
+        assert float(cells[6]) == pytest.approx(flops[0] / flops[1], abs=0.005), f"{layout}: predicted {cells[6]}"
+    assert re.search(r"cost model's choice \(striped, link 10 GB/s, .* GFLOP/s measured\): \w+", proc.stdout)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--scheme", "usp"], "scheme 'usp' needs --ulysses-degree=u"),
+    (["--scheme", "usp", "--ulysses-degree", "3"], "--ulysses-degree (3) must divide the number of devices (4)"),
+    (["--scheme", "ulysses", "--kv-heads", "2"], "key/value heads (2) and query heads (4) must be multiples"),
+    (["--scheme", "ring", "--ulysses-degree", "2"], "--ulysses-degree=2 applies to --scheme 'ulysses' or 'usp'"),
+])
+def test_cli_refuses_a_scheme_that_cannot_run(options, message):
+    """Checked before any work, in the scheme's words with the options' names (no launch)."""
+    from mpi_impl import cli
+    args = cli.build_parser().parse_args(["--heads", "4"] + options)
+    assert message in (cli.check_args(args, 4) or ""), cli.check_args(args, 4)

@@ -25,6 +25,10 @@ Modes run with ``-m mpi4py`` (an exception on one rank aborts the job):
                    round 2 (RingComm directly): a real MPI error on a transfer
   subcomm          on 4 ranks, the ring on world ranks 1..3: a disagreement, then
                    sub-communicator rank 1 raises in round 0
+  raise-all-to-all scheme "ulysses": rank 1 raises in its first all-to-all (the
+                   others wait in theirs)
+  raise-all-gather scheme "all_gather": rank 1 raises in its second shift of the
+                   gather (the others wait for its block)
   slow             rank 1 sleeps 0.5 s in round 0 of the forward and the backward:
                    the job must finish with the right answer ("rank 0: correct")
 
@@ -119,6 +123,26 @@ def in_ring_fault(mode, comm):
         comm.Barrier()          # every rank has said so before rank 1 ends the job
         if rank == FAILING_RANK:
             raise RuntimeError(f"injected failure on rank {FAILING_RANK} after the ring")
+
+
+def in_collective_fault(mode, comm):
+    """Rank 1 fails inside a scheme's collective: the all-to-all or the all-gather's shifts."""
+    from mpi_impl import groups
+    rank, calls = comm.Get_rank(), []
+    where, name = (groups.AllToAll, "all_to_all") if mode == "raise-all-to-all" else (RingComm, "start_shift")
+    real = getattr(where, name)
+
+    def faulty(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2 - (mode == "raise-all-to-all"):
+            raise RuntimeError(f"injected failure on rank {FAILING_RANK} in the {mode[6:]}")
+        return real(self, *args, **kwargs)
+    if rank == FAILING_RANK:
+        setattr(where, name, faulty)
+    q, k, v = inputs(4)
+    ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2, scheme=mode[6:].replace("-", "_").replace(
+        "all_to_all", "ulysses"))
+    print(f"rank {rank}: ring done", flush=True)
 
 
 def again(comm):
@@ -247,6 +271,8 @@ def main(mode):
         subcomm(comm)
     elif mode == "slow":
         slow(comm)
+    elif mode in ("raise-all-to-all", "raise-all-gather"):
+        in_collective_fault(mode, comm)
     else:
         in_ring_fault(mode, comm)
     print(f"rank {rank}: finished without error", flush=True)

@@ -1,0 +1,99 @@
+"""The command line's --scheme and --ulysses-degree: which scheme runs, where
+each rank's tokens are, the predicted speedup of each layout, and the scheme the
+cost model (`reference.scheme_cost`) would pick for the run's shapes.
+
+    python -m mpi_impl ... --scheme usp --ulysses-degree 2
+"""
+
+import numpy as np
+
+from reference import cost
+from reference.schemes import SCHEMES, Scheme
+from reference.scheme_cost import candidates, choose, predict_scheme
+
+
+def add_scheme_options(ap):
+    group = ap.add_argument_group("schemes (reference.schemes)")
+    group.add_argument("--scheme", choices=SCHEMES, default="ring",
+                       help="ring (the default), all_gather (K, V gathered once), ulysses (heads dealt over all "
+                            "ranks by an all-to-all), usp (Ulysses in groups of --ulysses-degree, the ring across)")
+    group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
+                       help="ranks per Ulysses group (usp: required; ulysses: all ranks)")
+    group.add_argument("--link-gbs", type=float, default=10.0,
+                       help="link bandwidth per rank, GB/s each way, for the cost model's choice printed under "
+                            "the table (default 10: memory copies between processes of one machine)")
+
+
+def scheme_of(args, n_ranks):
+    """The checked Scheme of these options, or ValueError with the option's words."""
+    try:
+        return Scheme.checked(args.scheme, args.ulysses_degree, n_devices=n_ranks, Hq=args.heads,
+                              Hkv=args.kv_heads or args.heads)
+    except ValueError as e:
+        raise ValueError(str(e).replace("ulysses_degree", "--ulysses-degree").replace("scheme ", "--scheme ")) from None
+
+
+def scheme_problem(args, n_ranks):
+    """A message for scheme options that cannot run on n_ranks, or None."""
+    try:
+        scheme_of(args, n_ranks)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def rank_positions(args, n_ranks, layout):
+    """(N, c): the global positions of each rank's tokens."""
+    return scheme_of(args, n_ranks).positions(args.seq_len, layout)
+
+
+def _shape(args, mask):
+    return dict(B=args.batch, Hq=args.heads, Hkv=args.kv_heads or args.heads, D=args.head_dim, dtype=args.dtype,
+                tile_size=args.tile_size, causal=args.causal, **mask)
+
+
+def predicted_speedup(args, n_ranks, layout, mask):
+    """Predicted critical-path speedup of `layout` over contiguous, in tiles' work."""
+    scheme = scheme_of(args, n_ranks)
+    if scheme.name == "ring":
+        return cost.speedup(args.seq_len, n_ranks, layout, args.tile_size, "tiles", args.causal, **mask)
+    flops = [predict_scheme(scheme, args.seq_len, lay, **_shape(args, mask)).totals()["critical_flops"]
+             for lay in ("contiguous", layout)]
+    return flops[0] / flops[1]
+
+
+def choice_line(args, n_ranks, layout, mask, flops_per_s):
+    """The scheme the cost model picks for this run's shapes, at --link-gbs and
+    `flops_per_s` (the rate this run's critical path measured), with each candidate's prediction."""
+    link = args.link_gbs * 1e9
+    dropout = mask.get("dropout", 0.0)
+    mask = {k: v for k, v in mask.items() if k not in ("dropout", "seed")}
+    costs = {s: tuple(predict_scheme(s, args.seq_len, layout, backward=b, **_shape(args, mask))
+                      for b in (False, True)[:1 + bool(args.backward)])
+             for s in candidates(n_ranks, args.heads, args.kv_heads or args.heads)}
+    best = choose(costs, link, flops_per_s)
+    named = ", ".join(f"{_name(s)} {sum(c.seconds(link, flops_per_s) for c in pair) * 1e3:.0f} ms"
+                      for s, pair in costs.items())
+    extra = "; dropout not modelled" if dropout else ""
+    return (f"cost model's choice ({layout}, link {args.link_gbs:g} GB/s, {flops_per_s / 1e9:.1f} GFLOP/s "
+            f"measured): {_name(best)} [{named}]{extra}")
+
+
+def _name(scheme):
+    return scheme.name + (f"(u={scheme.u})" if scheme.name == "usp" else "")
+
+
+def measured_rate(args, n_ranks, layout, mask, critical_cpu_s):
+    """FLOP/s of this run's critical path: the cost model's flops over the measured CPU seconds."""
+    scheme = scheme_of(args, n_ranks)
+    passes = (False, True)[:1 + bool(args.backward)]
+    flops = sum(predict_scheme(scheme, args.seq_len, layout, backward=b, **_shape(args, mask)).totals()["critical_flops"]
+                for b in passes)
+    return flops / max(critical_cpu_s, np.finfo(float).tiny)
+
+
+def choice(rows, args, comm, mask):
+    """choice_line for the striped row (or the first), at the rate it measured."""
+    row = next((r for r in rows if r.layout == "striped"), rows[0])
+    n = comm.Get_size()
+    return choice_line(args, n, row.layout, mask, measured_rate(args, n, row.layout, mask, row.critical_cpu_s))
