@@ -37,6 +37,7 @@ SECTIONS = {
     "predicted": ("bench.predicted", "Predicted speed-up (cost model)"),
     "kernel": ("bench.kernel", "Kernel efficiency and memory of one device"),
     "mpi": ("bench.mpi_scaling", "Measured speed-up with MPI processes"),
+    "schemes": ("bench.schemes", "The four schemes on MPI ranks against their cost model"),
     "overlap": ("bench.overlap", "Transfers hidden behind compute on MPI ranks"),
     "soak": ("bench.soak", "A soak: thousands of ring calls, memory and communicators flat"),
     "virtual": ("bench.virtual_ring", "Virtual devices: wall time against the total tile count"),
