@@ -41,17 +41,18 @@ LINK = 10e9
 SHOWN = ("contiguous", "striped")
 
 
-def measure(seq_len, progress=None):
+def measure(seq_len, progress=None, repeat=2, warmup=True):
     """{(scheme name, u): trace document} of one launch each."""
     docs = {}
     for name, u in PLANS:
-        extra = ["--scheme", name] + (["--ulysses-degree", str(u)] if u else [])
-        docs[(name, u)] = launch(command(N, seq_len, TILE, backward=True, repeat=2, extra=extra), progress)
+        extra = ["--scheme", name] + (["--ulysses-degree", str(u)] if u else []) + ([] if warmup else ["--no-warmup"])
+        docs[(name, u)] = launch(command(N, seq_len, TILE, backward=True, repeat=repeat, extra=extra), progress)
     return docs
 
 
 def rows_of(docs, seq_len):
-    """Table rows: measured against predicted, per scheme, layout and pass."""
+    """Table rows: measured against predicted, per scheme, layout and pass
+    (bytes as integers, formatted by `run`); and the compute rate used."""
     def predicted(scheme, layout, backward):
         return predict_scheme(scheme, seq_len, layout, tile_size=TILE, backward=backward, **SHAPE)
 
@@ -73,8 +74,8 @@ def rows_of(docs, seq_len):
                 rows.append([_label(scheme), layout, kind,
                              f"{trace.critical_path('compute_cpu_s') / base_cpu:.2f}",
                              f"{totals['critical_flops'] / base_flops:.2f}",
-                             _kib(trace.bytes_sent.sum(axis=0).max()), _kib(totals["bytes_sent"]),
-                             _kib(trace.kv_bytes.max()), _kib(totals["peak_kv"]),
+                             int(trace.bytes_sent.sum(axis=0).max()), totals["bytes_sent"],
+                             int(trace.kv_bytes.max()), totals["peak_kv"],
                              f"{entry['wall_s'] * 1e3:.0f}" if backward else "",
                              f"{seconds * 1e3:.0f}" if backward else ""])
     return rows, rate
@@ -101,7 +102,7 @@ def run(quick=True, progress=None, **_):
         "rank's tile flops per round, over the same. Sent and peak K/V: the busiest rank's, from the trace. "
         f"Predicted wall: the cost model at {rate / 1e9:.1f} GFLOP/s (the ring's contiguous forward, measured) "
         f"and a {LINK / 1e9:g} GB/s link.",
-        markdown_table(headers, rows, "lll" + "r" * 8),
+        markdown_table(headers, [r[:5] + [_kib(b) for b in r[5:9]] + r[9:] for r in rows], "lll" + "r" * 8),
         "Commands: " + "; ".join(f"`{d['command']}`" for d in docs.values())])
     return text, []
 

@@ -401,3 +401,20 @@ def test_join_full_joins_only_full_neighbouring_key_tiles():
     assert units.UNIT_ROWS == v5.UNIT_ROWS == 512 and v5.join_width is join_width
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_schemes_section_measures_what_the_model_predicts():
+    """bench.schemes at S = 64 (four launches on 4 ranks): every scheme's row
+    for each layout and pass, and the bytes each rank sent and the K/V it held,
+    read from the MPI trace, equal the cost model's to the byte."""
+    pytest.importorskip("mpi4py")
+    from bench import schemes
+    from mpi_impl.launch import find_mpiexec
+    if find_mpiexec() is None:
+        pytest.skip("mpiexec not found")
+    rows, rate = schemes.rows_of(schemes.measure(64, repeat=1, warmup=False), 64)
+    assert len(rows) == len(schemes.PLANS) * len(schemes.SHOWN) * 2 and rate > 0
+    assert {r[0] for r in rows} == {"ring", "all_gather", "ulysses u=4", "usp u=2"}
+    for row in rows:
+        assert row[5] == row[6] and row[7] == row[8], row
+    assert {r[5] for r in rows if r[0] == "all_gather"} != {r[5] for r in rows if r[0] == "ring"}
