@@ -212,7 +212,7 @@ def environment(ctx):
                                     "or carry the mpich wheel: --wheels DIR).")
     if rc != 0:
         return Result(False, text + "\n\nmpi4py cannot load an MPI library: carry the mpich wheel "
-                                    "(make gpu-wheels, then --wheels DIR, which sets LD_LIBRARY_PATH).")
+                                    "(make gpu-wheels, then --wheels DIR, which installs it in the check's venv).")
     if missing:
         return Result(False, text + f"\n\n{', '.join(missing)} missing: carry their wheels (--wheels DIR).")
     return Result(True, text)

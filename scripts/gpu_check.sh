@@ -13,8 +13,9 @@
 # be beside it or on PATH.
 #
 # --wheels DIR makes a fresh venv (--venv) that sees every package the interpreter sees (its
-# CuPy, torch, NumPy: their folders are listed in a .pth file, so this works from a system
-# Python, a venv or conda alike), installs into it with the pip carried in DIR: mpich and
+# CuPy, torch, NumPy, and the CUDA libraries CuPy looks for in site.getsitepackages():
+# scripts/machine_pth.py writes the .pth, so this works from a system Python, a venv or conda
+# alike), installs into it with the pip carried in DIR: mpich and
 # mpi4py always, the rest of DIR/requirements.txt only where missing; and runs the check with
 # that venv's Python. So mpiexec lies beside that Python, and mpi4py finds the mpich wheel's
 # libmpi.so.12 in the venv's lib/ (where `pip install --target` would drop it). The 9
@@ -57,8 +58,7 @@ if [[ -n "$wheels" ]]; then
     rm -rf "$venv"
     "$PY" -m venv --without-pip "$venv"
     site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
-    "$PY" -c "import os, sys; print('\n'.join(p for p in sys.path if os.path.isdir(p) and p.endswith(('site-packages', 'dist-packages'))))" \
-        > "$site/machine-packages.pth"          # the interpreter's own packages, after the venv's
+    "$PY" scripts/machine_pth.py "$site"        # the interpreter's own packages, after the venv's
     pip=("$venv/bin/python" "$pip_wheel/pip" install -q --disable-pip-version-check --no-index --find-links "$wheels")
     "${pip[@]}" --ignore-installed --no-deps -r "$wheels/forced.txt"     # the machine's mpi4py has no MPI library
     "${pip[@]}" -r "$wheels/requirements.txt"

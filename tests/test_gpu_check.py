@@ -251,3 +251,32 @@ def test_checked_runs_reference_is_the_dense_reference():
                                                     (x[0] for x in attention_backward(q, k, v, out, lse, dout)))))
     for name, w in want.items():
         np.testing.assert_allclose(got[name], w, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_the_check_venv_finds_the_machine_packages_as_cupy_looks_for_them(tmp_path):
+    """A machine venv (holding a package, and a .pth pointing at another folder)
+    and the check's venv made from it as scripts/gpu_check.sh makes it: in the
+    check's venv, site.getsitepackages() lists the machine's site-packages (where
+    CuPy's cuda-pathfinder looks for NVRTC and cuBLAS), and the machine's .pth
+    files are read. With the .pth of plain paths it wrote before, neither held."""
+    def venv(path):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+        python = path / "bin" / "python"
+        site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+        return python, Path(site_dir)
+    machine, machine_site = venv(tmp_path / "machine")
+    (machine_site / "machine_lib.py").write_text("X = 1\n")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "pth_lib.py").write_text("Y = 2\n")
+    (machine_site / "extra.pth").write_text(f"{extra}\n")
+    check, check_site = venv(tmp_path / "check")
+    subprocess.run([str(machine), str(ROOT / "scripts" / "machine_pth.py"), str(check_site)], check=True, timeout=60)
+    probe = ("import site, machine_lib, pth_lib; "
+             f"print({str(machine_site)!r} in site.getsitepackages(), site.getsitepackages()[0])")
+    out = subprocess.run([str(check), "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    found, first = out.stdout.split()
+    assert found == "True", out.stdout
+    assert Path(first) == check_site, "the check venv's own packages must come first"
