@@ -10,6 +10,7 @@ searches there, not `sys.path`), and adds each of its package folders with
 `site.addsitedir`, after the venv's, so that the .pth files in them are read too.
 """
 
+import argparse
 import os
 import site
 import sys
@@ -29,4 +30,6 @@ def main(target):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    ap = argparse.ArgumentParser(prog="python scripts/machine_pth.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("target", metavar="VENV_SITE_PACKAGES", help="the venv's site-packages folder, to write the .pth into")
+    main(ap.parse_args().target)
