@@ -23,10 +23,18 @@ from .ring import as_dtype, new_kv_grads, own_block
 from .step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
 
 
+def ring_only(options):
+    """The lockstep ring is the ring alone: any other scheme is refused, not run as the ring."""
+    if options.get("scheme", "ring") != "ring" or options.get("ulysses_degree") not in (None, 1):
+        raise ValueError(f"reference.lockstep runs the ring only, not scheme={options.get('scheme')!r} "
+                         f"(ulysses_degree={options.get('ulysses_degree')}): use reference.ring_attention")
+
+
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
                    tile_size=None, step=steps.DEFAULT, **mask_options):
     """Exact attention over N devices in lockstep. Returns (out, lse).
     `mask_options`: those of `reference.ring_attention` (window, documents, dropout)."""
+    ring_only(mask_options)
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, **mask_options)
     n, Hkv, pos, scale, step, mask = n_devices, k.shape[2], call.positions, call.scale, call.step, call.mask
@@ -51,6 +59,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
     """Gradients (dq, dk, dv) over N devices in lockstep: dQ_j stays with
     device j; block src's dK, dV collect every device's share as the block
     passes, and are home after the last round."""
+    ring_only(mask_options)
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, grads=(out, lse, dout), **mask_options)
     n, Hkv, pos, scale, step, mask = n_devices, k.shape[2], call.positions, call.scale, call.step, call.mask

@@ -149,6 +149,18 @@ def test_bad_schemes_are_refused_before_any_work(no_work, options, Hq, Hkv, mess
         ring_attention_backward(q, k, v, q, np.zeros((1, Hq, 8)), q, n_devices=4, **options)
 
 
+@pytest.mark.parametrize("options", [dict(scheme="ulysses"), dict(scheme="usp", ulysses_degree=2),
+                                     dict(scheme="all_gather"), dict(ulysses_degree=2)])
+def test_the_lockstep_ring_refuses_another_scheme(options):
+    """reference.lockstep is the ring alone: another scheme is an error, never the ring run in its place."""
+    from reference import lockstep
+    q, k, v = arrays(4, 4)
+    with pytest.raises(ValueError, match="runs the ring only"):
+        lockstep.ring_attention(q, k, v, n_devices=4, **options)
+    with pytest.raises(ValueError, match="runs the ring only"):
+        lockstep.ring_attention_backward(q, k, v, q, np.zeros((1, 4, 8)), q, n_devices=4, **options)
+
+
 @settings(max_examples=10, deadline=None)
 @given(st.sampled_from(["ring", "all_gather", "ulysses", "usp"]), st.sampled_from(["striped", "zigzag", "contiguous"]))
 def test_every_scheme_gives_the_same_answer_as_the_ring(scheme, layout):
