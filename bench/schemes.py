@@ -71,7 +71,7 @@ def rows_of(docs, seq_len):
                 trace, cost = entry[kind], predicted(scheme, layout, backward)
                 seconds += cost.seconds(LINK, rate)
                 totals = cost.totals()
-                rows.append([_label(scheme), layout, kind,
+                rows.append([scheme.label, layout, kind,
                              f"{trace.critical_path('compute_cpu_s') / base_cpu:.2f}",
                              f"{totals['critical_flops'] / base_flops:.2f}",
                              int(trace.bytes_sent.sum(axis=0).max()), totals["bytes_sent"],
@@ -79,10 +79,6 @@ def rows_of(docs, seq_len):
                              f"{entry['wall_s'] * 1e3:.0f}" if backward else "",
                              f"{seconds * 1e3:.0f}" if backward else ""])
     return rows, rate
-
-
-def _label(scheme):
-    return scheme.name + (f" u={scheme.u}" if scheme.u > 1 else "")
 
 
 def _kib(n):

@@ -218,8 +218,9 @@ def check_args(args, n_ranks, backend=NUMPY):
     for name in ("seq_len", "batch", "heads", "head_dim", "repeat", "threads", "blas_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
-    if scheme_problem(args, n_ranks):
-        return scheme_problem(args, n_ranks)
+    problem = scheme_problem(args, n_ranks)
+    if problem:
+        return problem
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
         return f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})"
     if args.doc_lengths is not None and sum(args.doc_lengths) != args.seq_len:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from reference.layouts import array_module
+from reference.layouts import array_module, to_host
 from reference.schemes import Comms
 
 from .memory import byte_view
@@ -38,14 +38,10 @@ class AllToAll:
             raise ValueError(f"{rank_name(self.comm)}: all_to_all takes one piece per group rank "
                              f"({self.size}), got {len(pieces)}")
         xp = array_module(pieces[0])
-        send = np.stack([_to_host(p) for p in pieces])                 # (u, piece...): contiguous
+        send = np.stack([to_host(p) for p in pieces])                 # (u, piece...): contiguous
         received = np.empty_like(send)
         self.comm.Alltoall(byte_view(send), byte_view(received))       # equal byte counts per rank
         return [xp.asarray(piece) for piece in received]
-
-
-def _to_host(x):
-    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
 
 
 @contextmanager

@@ -7,7 +7,6 @@ cost model (`reference.scheme_cost`) would pick for the run's shapes.
 
 import numpy as np
 
-from reference import cost
 from reference.schemes import SCHEMES, Scheme
 from reference.scheme_cost import candidates, choose, predict_scheme
 
@@ -53,10 +52,9 @@ def _shape(args, mask):
 
 
 def predicted_speedup(args, n_ranks, layout, mask):
-    """Predicted critical-path speedup of `layout` over contiguous, in tiles' work."""
+    """Predicted critical-path speedup of `layout` over contiguous, in tiles' work
+    (for the ring: `reference.cost.speedup`'s "tiles")."""
     scheme = scheme_of(args, n_ranks)
-    if scheme.name == "ring":
-        return cost.speedup(args.seq_len, n_ranks, layout, args.tile_size, "tiles", args.causal, **mask)
     flops = [predict_scheme(scheme, args.seq_len, lay, **_shape(args, mask)).totals()["critical_flops"]
              for lay in ("contiguous", layout)]
     return flops[0] / flops[1]
@@ -66,21 +64,15 @@ def choice_line(args, n_ranks, layout, mask, flops_per_s):
     """The scheme the cost model picks for this run's shapes, at --link-gbs and
     `flops_per_s` (the rate this run's critical path measured), with each candidate's prediction."""
     link = args.link_gbs * 1e9
-    dropout = mask.get("dropout", 0.0)
-    mask = {k: v for k, v in mask.items() if k not in ("dropout", "seed")}
     costs = {s: tuple(predict_scheme(s, args.seq_len, layout, backward=b, **_shape(args, mask))
                       for b in (False, True)[:1 + bool(args.backward)])
              for s in candidates(n_ranks, args.heads, args.kv_heads or args.heads)}
     best = choose(costs, link, flops_per_s)
-    named = ", ".join(f"{_name(s)} {sum(c.seconds(link, flops_per_s) for c in pair) * 1e3:.0f} ms"
+    named = ", ".join(f"{s.label} {sum(c.seconds(link, flops_per_s) for c in pair) * 1e3:.0f} ms"
                       for s, pair in costs.items())
-    extra = "; dropout not modelled" if dropout else ""
+    extra = "; dropout not modelled" if mask.get("dropout") else ""
     return (f"cost model's choice ({layout}, link {args.link_gbs:g} GB/s, {flops_per_s / 1e9:.1f} GFLOP/s "
-            f"measured): {_name(best)} [{named}]{extra}")
-
-
-def _name(scheme):
-    return scheme.name + (f"(u={scheme.u})" if scheme.name == "usp" else "")
+            f"measured): {best.label} [{named}]{extra}")
 
 
 def measured_rate(args, n_ranks, layout, mask, critical_cpu_s):

@@ -13,6 +13,7 @@ from reference.plot import plot_timeline
 from reference.trace import write_trace
 
 from .check import check_tolerance
+from .scheme_args import scheme_of
 
 
 @dataclass
@@ -61,11 +62,9 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
 
 def _scheme_label(args, n_ranks):
     """'' for the ring; else the scheme and its Ulysses degree, then a comma."""
-    scheme = getattr(args, "scheme", "ring")
-    if scheme == "ring":
+    if getattr(args, "scheme", "ring") == "ring":
         return ""
-    u = getattr(args, "ulysses_degree", None) or (n_ranks if scheme == "ulysses" else 1)
-    return f"{scheme}" + (f" (u={u})" if u > 1 else "") + ", "
+    return scheme_of(args, n_ranks).label + ", "
 
 
 def mask_label(args):

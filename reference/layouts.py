@@ -197,5 +197,5 @@ def array_module(x):
 
 
 def to_host(x):
-    """A small array (positions, the owner) as NumPy, wherever it lives."""
+    """An array as NumPy, wherever it lives (CuPy's come through host memory)."""
     return x.get() if hasattr(x, "get") else np.asarray(x)

@@ -103,6 +103,11 @@ class Scheme:
     def describe(self):
         return dict(scheme=self.name, ulysses_degree=self.u)
 
+    @property
+    def label(self):
+        """As tables print it: "ring", "all_gather", "ulysses (u=4)", "usp (u=2)"."""
+        return self.name + (f" (u={self.u})" if self.u > 1 else "")
+
 
 class Comms(NamedTuple):
     """One device's communication objects: its ring group's and its Ulysses group's."""

@@ -414,7 +414,7 @@ def test_schemes_section_measures_what_the_model_predicts():
         pytest.skip("mpiexec not found")
     rows, rate = schemes.rows_of(schemes.measure(64, repeat=1, warmup=False), 64)
     assert len(rows) == len(schemes.PLANS) * len(schemes.SHOWN) * 2 and rate > 0
-    assert {r[0] for r in rows} == {"ring", "all_gather", "ulysses u=4", "usp u=2"}
+    assert {r[0] for r in rows} == {"ring", "all_gather", "ulysses (u=4)", "usp (u=2)"}
     for row in rows:
         assert row[5] == row[6] and row[7] == row[8], row
     assert {r[5] for r in rows if r[0] == "all_gather"} != {r[5] for r in rows if r[0] == "ring"}

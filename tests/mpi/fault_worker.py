@@ -127,22 +127,23 @@ def in_ring_fault(mode, comm):
 
 def in_collective_fault(mode, comm):
     """Rank 1 fails inside a scheme's collective: the all-to-all or the all-gather's shifts."""
-    from mpi_impl import groups
-    rank, calls = comm.Get_rank(), []
-    where, name = (groups.AllToAll, "all_to_all") if mode == "raise-all-to-all" else (RingComm, "start_shift")
-    real = getattr(where, name)
+    from mpi_impl.groups import AllToAll
+    scheme, where, name, call_to_fail, collective = {
+        "raise-all-to-all": ("ulysses", AllToAll, "all_to_all", 1, "all-to-all"),
+        "raise-all-gather": ("all_gather", RingComm, "start_shift", 2, "all-gather"),
+    }[mode]
+    real, calls = getattr(where, name), []
 
     def faulty(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 2 - (mode == "raise-all-to-all"):
-            raise RuntimeError(f"injected failure on rank {FAILING_RANK} in the {mode[6:]}")
+        if len(calls) == call_to_fail:
+            raise RuntimeError(f"injected failure on rank {FAILING_RANK} in the {collective}")
         return real(self, *args, **kwargs)
-    if rank == FAILING_RANK:
+    if comm.Get_rank() == FAILING_RANK:
         setattr(where, name, faulty)
     q, k, v = inputs(4)
-    ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2, scheme=mode[6:].replace("-", "_").replace(
-        "all_to_all", "ulysses"))
-    print(f"rank {rank}: ring done", flush=True)
+    ring_attention(q, k, v, comm=comm, layout="striped", tile_size=2, scheme=scheme)
+    print(f"rank {comm.Get_rank()}: ring done", flush=True)
 
 
 def again(comm):
