@@ -1,6 +1,7 @@
 # Every command a user needs; each creates .venv and installs what it needs.
 #   make demo        the main job: the ring on real MPI processes, with its work table
-#   make test        the test suite (what CI runs, with the next line)
+#   make test        the test suite, within 4 minutes on 2 cores (what CI runs, with the next two)
+#   make test-slow   the few tests that need minutes (marked slow: the prepared GPU check's scripts)
 #   make test MPI=openmpi   the MPI tests again under Open MPI (its own venv, .venv-openmpi)
 #   make train       train the small transformer over MPI ranks, draw its loss curve (train_loss.png)
 #   make notebooks   execute the step-through notebooks, rewrite their executed copies notebooks/NN_*.ipynb
@@ -39,7 +40,7 @@ $(error MPI must be mpich or openmpi, got '$(MPI)')
 endif
 PY     := $(VENV)/bin/python
 
-.PHONY: demo train test notebooks bench gpu-check gpu-wheels wheel-check conformance clean
+.PHONY: demo train test test-slow notebooks bench gpu-check gpu-wheels wheel-check conformance clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,11 +59,15 @@ train: $(VENV)/.installed
 
 # One pytest worker per core (pytest-xdist), and the slowest tests named at the end so
 # that growth shows. pytest exits 5 when it collected no test: not a failure of the
-# code (every other non-zero status is passed on).
+# code (every other non-zero status is passed on). Tests marked slow run in test-slow.
 CORES := $(shell $(PYTHON) -c 'import os; print(len(os.sched_getaffinity(0)))')
 TEST_ARGS ?=
+TEST_MARK ?= not slow
 test: $(VENV)/.installed
-	$(MPI_ENV) $(PY) -m pytest -q -n $(CORES) --durations=15 $(TEST_ARGS) $(TESTS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+	$(MPI_ENV) $(PY) -m pytest -q -n $(CORES) --durations=15 -m '$(TEST_MARK)' $(TEST_ARGS) $(TESTS) || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+
+test-slow: $(VENV)/.installed
+	$(MAKE) test TEST_MARK=slow
 
 notebooks: $(VENV)/.installed
 	$(PY) scripts/run_notebooks.py --write
@@ -70,6 +75,7 @@ notebooks: $(VENV)/.installed
 BENCH ?= --quick
 
 bench: $(VENV)/.installed
+	$(MAKE) .venv-openmpi/.installed MPI=openmpi      # the waits section's Open MPI rows
 	$(PY) -m bench.run $(BENCH)
 
 GPU_CHECK ?=

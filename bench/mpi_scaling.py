@@ -81,11 +81,11 @@ def _mpiexec():
     return find_mpiexec() or "mpiexec"          # not found: the launch says so
 
 
-def launch(cmd, progress=None, timeout=1800):
-    """Run one launch with one BLAS thread per rank; return its trace document."""
+def launch(cmd, progress=None, timeout=1800, env=None):
+    """Run one launch with one BLAS thread per rank (and `env` added); return its trace document."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(timeout), **SINGLE_THREAD)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(timeout), **SINGLE_THREAD, **(env or {}))
         start = time.perf_counter()
         proc = subprocess.run(cmd + ["--trace-out", str(path)], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=timeout + 60)

@@ -38,6 +38,7 @@ SECTIONS = {
     "kernel": ("bench.kernel", "Kernel efficiency and memory of one device"),
     "mpi": ("bench.mpi_scaling", "Measured speed-up with MPI processes"),
     "schemes": ("bench.schemes", "The four schemes on MPI ranks against their cost model"),
+    "waits": ("bench.waits", "Waiting ranks: more ranks than cores, spinning against sleeping"),
     "overlap": ("bench.overlap", "Transfers hidden behind compute on MPI ranks"),
     "soak": ("bench.soak", "A soak: thousands of ring calls, memory and communicators flat"),
     "virtual": ("bench.virtual_ring", "Virtual devices: wall time against the total tile count"),
@@ -114,13 +115,16 @@ def blas_info():
 
 
 def cpu_name():
+    """The CPU's model name and its widest vector extension: 'AMD EPYC (AVX-512)'."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    lines = text.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    return f"{name} ({vector})" if vector else name
 
 
 def git_commit():

@@ -36,6 +36,7 @@ with ``fwd``, ``bwd`` taking this package's keyword arguments, e.g.
 """
 
 import argparse
+import functools
 import resource
 import sys
 import time
@@ -51,8 +52,9 @@ from reference.masks import cu_seqlens_from_lengths, layout_mask, make_mask
 
 from .attention import gather_trace, ring_attention, ring_attention_backward
 from .check import Checker
-from .cores import rank_share, wait_quietly
-from .ranks import rank_name
+from .comm import RingComm
+from .cores import crowded, rank_share, wait_quietly
+from .ranks import abort_job
 from .scheme_args import add_scheme_options, choice, predicted_speedup, rank_positions, scheme_problem
 from .table import Row, largest, report, wait_fraction
 
@@ -84,6 +86,7 @@ class Backend:
 
 
 NUMPY = Backend("numpy", ring_attention, ring_attention_backward)
+WAITS = ("auto", "quiet", "spin")
 
 
 def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=None):
@@ -130,6 +133,10 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--trace-out", metavar="FILE.json", help="write every rank's per-round trace")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the per-rank, per-round timeline")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random q, k, v (and of dropout)")
+    ap.add_argument("--waits", choices=WAITS, default="auto",
+                    help="how a rank waits for a block: quiet (tested with a short sleep, leaving the cores to "
+                         "the ranks that compute), spin (in MPI's wait), auto (quiet when the ranks on this "
+                         "machine outnumber its cores); NumPy backend only")
     add_scheme_options(ap)
     return ap
 
@@ -173,6 +180,10 @@ def main(argv=None, backend=NUMPY, parser=None):
     comm = MPI.COMM_WORLD
     if not isinstance(backend, Backend):
         backend = backend(args)
+    if backend is NUMPY and args.waits != "auto":
+        make_ring = functools.partial(RingComm.on, quiet=args.waits == "quiet")
+        backend = replace(NUMPY, ring_attention=functools.partial(ring_attention, make_ring=make_ring),
+                          ring_attention_backward=functools.partial(ring_attention_backward, make_ring=make_ring))
     problem = backend_problem(args, backend) or check_args(args, comm.Get_size(), backend)
     if problem:                 # every rank finds the same problem; one of them says it
         if comm.Get_rank() == 0:
@@ -200,17 +211,8 @@ def hold_share(args, backend, comm):
     step = make_steps(args, backend, comm.Get_size())[0]
     share = rank_share(comm, takes_workers=step.takes_workers, threads=args.threads, blas_threads=args.blas_threads)
     args.threads, args.blas_threads = share.workers, share.blas
+    args.quiet_waits = crowded(comm) if args.waits == "auto" else args.waits == "quiet"   # as RingComm.on decides
     return share.held()
-
-
-def abort_job(comm):
-    """End every rank because this one failed, saying which rank and why. Run
-    without ``-m mpi4py``, the other ranks would otherwise wait for it forever."""
-    import traceback
-    print(f"{rank_name(comm)} of {comm.Get_size()} failed; ending the job:", file=sys.stderr)
-    traceback.print_exc()
-    sys.stderr.flush()
-    comm.Abort(1)
 
 
 def check_args(args, n_ranks, backend=NUMPY):
@@ -258,6 +260,8 @@ def backend_problem(args, backend):
     """A message for options this backend cannot run, or None."""
     if args.dtype == "bfloat16" and backend.array_module is not np:
         return f"--dtype bfloat16 is NumPy's (ml_dtypes); the {backend.name} backend has no bfloat16 arrays"
+    if args.waits != "auto" and backend.array_module is not np:
+        return f"--waits {args.waits} is the NumPy backend's; the {backend.name} backend waits as RingComm.on decides"
     return None
 
 

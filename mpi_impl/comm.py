@@ -63,6 +63,7 @@ import numpy as np
 from reference import ring
 from reference.layouts import array_module
 
+from .cores import crowded, wait_any
 from .memory import BufferSet, HostMemory, byte_view, overlap, span
 from .notices import DONE, KEPT, NeighbourLeft, Notices, quietly
 from .ranks import RingError, rank_name
@@ -122,7 +123,7 @@ class RingComm:
     """This rank's end of the ring over an mpi4py communicator."""
     progress_interval_s = 0.0005        # progress() tests the requests at most this often
 
-    def __init__(self, mpi_comm, memory=None):
+    def __init__(self, mpi_comm, memory=None, *, quiet=False):
         self.comm = mpi_comm
         self.memory = memory or HostMemory()
         self.clock = getattr(self.memory, "clock", None)
@@ -133,16 +134,20 @@ class RingComm:
         self.buffer_sets_allocated = 0
         self.transfers = []         # a Transfer per shift finished: its times, for the trace
         self._tested_at = float("-inf")     # when progress() last tested the requests
-        self._notices = Notices(mpi_comm, self.prev, self.next) if self.size > 1 else None
+        self.quiet = quiet          # wait testing with a short sleep, not spinning (mpi_impl.cores)
+        self._notices = Notices(mpi_comm, self.prev, self.next, quiet=quiet) if self.size > 1 else None
         self._owns_comm = False     # a duplicate made by `on`, freed by `close`
         self._closed = False        # closed, or left: the ring's end has been dealt with
 
     @classmethod
-    def on(cls, mpi_comm, memory=None):
+    def on(cls, mpi_comm, memory=None, *, quiet=None):
         """A RingComm on a duplicate of `mpi_comm` (collective), so that ring
         messages never meet the caller's. Use it as a context manager
-        (``with RingComm.on(comm) as ring_comm:``), or call `close()`."""
-        ring_comm = cls(mpi_comm.Dup(), memory)
+        (``with RingComm.on(comm) as ring_comm:``), or call `close()`. `quiet`
+        (default: `mpi_impl.cores.crowded`) waits testing with a short sleep."""
+        if quiet is None:
+            quiet = hasattr(mpi_comm, "Split_type") and crowded(mpi_comm)
+        ring_comm = cls(mpi_comm.Dup(), memory, quiet=quiet)
         ring_comm._owns_comm = True
         return ring_comm
 
@@ -358,7 +363,7 @@ class RingComm:
         """Wait for `request`, a transfer with neighbour `peer`, or for that
         neighbour's notice that it left (then raise NeighbourLeft)."""
         if self._notices is None:
-            request.Wait()
+            wait_any([request], quiet=self.quiet)
         else:
             self._notices.wait(request, peer)
 

@@ -11,6 +11,9 @@ than cores, ranks waiting for one rank's long work (rank 0's --check
 reference, its table and plot) took the cores from it: the demo spent most
 of its time there. `wait_quietly` waits in a nonblocking barrier tested with
 a short sleep instead, so a waiting rank leaves the cores to the one that works.
+The ring's own waits for a block do the same (`wait_any` with ``quiet``) when
+its ranks outnumber their machine's cores (`crowded`), and spin otherwise,
+where a sleep would only add its latency (BENCHMARKS.md, "Waiting ranks").
 
     share = rank_share(comm, takes_workers=True)      # Share(cores=2, devices=4, workers=1, blas=1)
     with share.held():
@@ -18,11 +21,13 @@ a short sleep instead, so a waiting rank leaves the cores to the one that works.
     wait_quietly(comm)                                # then every rank, without spinning
 """
 
+import os
 import time
 
 from reference import cores
 
 SLEEP_S = (0.0, 0.0001, 0.0005, 0.002)     # between tests of the barrier: at once, then longer, up to 2 ms
+RING_SLEEP_S = (0.0, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005)     # between tests of a ring transfer: up to 0.5 ms
 
 
 def ranks_here(comm):
@@ -33,6 +38,18 @@ def ranks_here(comm):
         return here.Get_size()
     finally:
         here.Free()
+
+
+LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")    # the job's ranks here: MPICH's, Open MPI's
+
+
+def crowded(comm):
+    """True when the job's ranks on this rank's machine (as its launcher
+    says, else `comm`'s) outnumber the cores this process may use (its
+    affinity). Collective where no launcher says."""
+    said = next((os.environ[name] for name in LOCAL_SIZE_VARS if os.environ.get(name, "").isdigit()), None)
+    here = int(said) if said is not None else ranks_here(comm)
+    return here > cores.available_cores()
 
 
 def rank_share(comm, *, takes_workers=True, threads=None, blas_threads=None):
@@ -50,13 +67,27 @@ def wait_quietly(comm):
     if comm.Get_size() == 1 or not hasattr(comm, "Ibarrier"):
         return
     request = comm.Ibarrier()
-    for pause in _pauses():
+    for pause in _pauses(SLEEP_S):
         if request.Test():
             return
         time.sleep(pause)
 
 
-def _pauses():
-    yield from SLEEP_S
+def wait_any(requests, *, quiet):
+    """The index of a request of `requests` (mpi4py requests) that completed,
+    waiting for one: in ``Waitany`` (MPICH spins), or, `quiet`, testing them
+    with a short sleep between tests, growing to half a millisecond."""
+    first = requests[0]             # its class's Waitany, Testany: mpi4py's, or a stand-in's
+    if not quiet:
+        return first.Waitany(requests)
+    for pause in _pauses(RING_SLEEP_S):
+        index, done = first.Testany(requests)
+        if done:
+            return index
+        time.sleep(pause)
+
+
+def _pauses(pauses):
+    yield from pauses
     while True:
-        yield SLEEP_S[-1]
+        yield pauses[-1]

@@ -27,6 +27,8 @@ a communicator (not by `on`) leaves such messages on the caller's.
 
 import numpy as np
 
+from .cores import wait_any
+
 FROM_PREV, FROM_NEXT = 0, 1     # MPI tags of a neighbour's notice ("done" or why it left), by where it comes from
 NOTICE_BYTES = 512              # its reason, UTF-8, cut to fit
 
@@ -41,8 +43,9 @@ class Notices:
     it left the ring), and waits for a transfer or that notice, whichever
     comes first."""
 
-    def __init__(self, comm, prev, next):
+    def __init__(self, comm, prev, next, *, quiet=False):
         self.comm, self.prev, self.next = comm, prev, next      # no reference back: no cycle to collect
+        self.quiet = quiet          # wait by testing with a short sleep, not spinning (`mpi_impl.cores.wait_any`)
         self._buffers = {FROM_PREV: np.zeros(NOTICE_BYTES, np.uint8), FROM_NEXT: np.zeros(NOTICE_BYTES, np.uint8)}
         self._peers = {FROM_PREV: prev, FROM_NEXT: next}
         self._requests = {tag: comm.Irecv(self._buffers[tag], source=self._peers[tag], tag=tag)
@@ -65,12 +68,12 @@ class Notices:
         data may land after the notice): it is waited for."""
         tag = self._tag(peer)
         if tag not in self._said:
-            if request.Waitany([request, self._requests[tag]]) == 0:
+            if wait_any([request, self._requests[tag]], quiet=self.quiet) == 0:
                 return
             self._read(tag)
         if self._said[tag] != DONE:
             raise NeighbourLeft(self._said[tag])
-        request.Wait()
+        wait_any([request], quiet=self.quiet)
 
     def reason(self, peer):
         """What `peer` said when it left, or None if it has not (tested now)."""
@@ -84,7 +87,7 @@ class Notices:
         neighbours); return the reason it left, or None if it said "done"."""
         for tag in (FROM_PREV, FROM_NEXT):
             if self._peers[tag] == peer and tag not in self._said:
-                self._requests[tag].Wait()
+                wait_any([self._requests[tag]], quiet=self.quiet)
                 self._read(tag)
         return next((self._said[tag] for tag in (FROM_PREV, FROM_NEXT)
                      if self._peers[tag] == peer and self._said[tag] != DONE), None)

@@ -4,9 +4,11 @@ MPI numbers ranks per communicator, so a message about a sub-communicator's
 rank says which world rank it is; `named_rank` puts the rank's name in front of
 any error raised inside it (the launcher's line naming the failed rank is
 sometimes lost), and a failed transfer raises `RingError`, naming this rank,
-the neighbour, the round and the transfer.
+the neighbour, the round and the transfer. `abort_job` ends the whole job
+from a rank that failed, saying which.
 """
 
+import sys
 from contextlib import contextmanager
 
 
@@ -66,3 +68,13 @@ def named_rank(mpi_comm):
             if not str(e).startswith(name) and hasattr(e, "add_note"):   # a message built otherwise
                 e.add_note(f"raised on {name}")
         raise
+
+
+def abort_job(comm):
+    """End every rank because this one failed, saying which rank and why. Run
+    without ``-m mpi4py``, the other ranks would otherwise wait for it forever."""
+    import traceback
+    print(f"{rank_name(comm)} of {comm.Get_size()} failed; ending the job:", file=sys.stderr)
+    traceback.print_exc()
+    sys.stderr.flush()
+    comm.Abort(1)

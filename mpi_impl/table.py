@@ -42,7 +42,8 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
              f"Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
              f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}, "
-             f"{args.blas_threads} BLAS thread{'s' if args.blas_threads != 1 else ''} per product",
+             f"{args.blas_threads} BLAS thread{'s' if args.blas_threads != 1 else ''} per product"
+             + (", waits quiet" if getattr(args, "quiet_waits", False) else ", waits spinning"),
              f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'wall speedup':>12} "
              f"{'crit. speedup':>13} {'predicted':>9} {'wait/compute':>12}",
              "-" * 93]

