@@ -97,7 +97,7 @@ wheel-check: $(VENV)/.installed
 PEERS_VENV := peers/.venv
 CONFORMANCE ?= --examples 40
 # the paper authors' JAX ring is a file, not a package: BPT=path/to/bpt.py adds its rows
-# (exists-forall/striped_attention at 0c3ef0f; README, 'Conformance of other rings')
+# (exists-forall/striped_attention at 0c3ef0f; docs/kit.md)
 BPT ?=
 
 $(PEERS_VENV)/.installed: pyproject.toml

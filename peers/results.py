@@ -191,7 +191,7 @@ def header(runs):
         _stated(runs, "", lambda run: run.versions.get("python", "")) + "; "
         f"{sum(run.seconds for run in runs):.0f} s of runs in all on a shared 2-core machine. Every rank's results "
         "are held against the float64 oracle by `reference.testing.check_ring_attention`, element by element, "
-        "within the kit's error model (README, 'Testing your own ring attention'). Each run draws up to "
+        "within the kit's error model (docs/kit.md). Each run draws up to "
         f"{' or '.join(asked)} hypothesis cases (seed 0) of the peer's layout on each world size "
         f"{', '.join(map(str, WORLD_SIZES))} in turn (up to the first that disagrees), B <= 2 (1 for the varlen "
         "functions), S <= 48, GQA and MQA heads, D <= 8, causal or not (where the peer takes both), every input "

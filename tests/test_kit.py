@@ -21,7 +21,7 @@ left out (a missing rank or output, the returned dtype and shape, an infinity
 of the wrong sign, float16 / bfloat16 held to float32 sums), the message of
 `assert_attention_close`, NaN and inf rules, the error model's margin (a
 correct ring uses a fraction of its tolerance; an error of a few ulps more
-per block does not pass), the README's example, and the lazy hypothesis import.
+per block does not pass), the kit guide's example (docs/kit.md), and the lazy hypothesis import.
 
     .venv/bin/python -m pytest tests/test_kit.py -q
 """
@@ -662,18 +662,18 @@ def test_tolerance_model_scales_with_the_problem():
     assert oracle(small)["magnitude"]["dk"].shape == (1, 8, 1, 4)
 
 
-# -- the README's example, and the import without hypothesis -------------------------
+# -- the kit guide's example, and the import without hypothesis -------------------------
 
-def readme_example():
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Testing your own ring attention"):]
+def guide_example():
+    text = (ROOT / "docs" / "kit.md").read_text()
+    section = text[text.index("# Testing your own ring attention"):]
     return section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
 
 
-def test_readme_example_passes_and_catches_its_planted_bug(tmp_path):
+def test_the_guides_example_passes_and_catches_its_planted_bug(tmp_path):
     import runpy
-    path = tmp_path / "readme_example.py"           # a file of its own: hypothesis reads its source
-    path.write_text(readme_example())
+    path = tmp_path / "guide_example.py"           # a file of its own: hypothesis reads its source
+    path.write_text(guide_example())
     namespace = runpy.run_path(str(path))
     namespace["test_mine"]()
     with pytest.raises(AssertionError) as e:

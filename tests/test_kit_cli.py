@@ -256,9 +256,9 @@ def test_the_kit_imports_no_framework_and_no_hypothesis():
 
 
 def test_the_readmes_jax_adapter_is_the_examples():
-    """The README shows examples/jax_ring.py's adapter; it must not drift from the file that runs."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### A JAX ring"):]
+    """The kit's guide shows examples/jax_ring.py's adapter; it must not drift from the file that runs."""
+    readme = (ROOT / "docs" / "kit.md").read_text()
+    section = readme[readme.index("## A JAX ring"):]
     block = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
     shown = block[block.index("def visible_keys"):]
     source = (ROOT / "examples" / "jax_ring.py").read_text()

@@ -9,13 +9,15 @@ Adding a version adds one line to `STEPS`.
     steps.check_step("auto", cupy, call=steps.call_of(q, k, None))   # float16 on CuPy: fused_v2
     reference.ring_attention(q, k, v, n_devices=4, step="v2")
 
-| name | file | what it changes from the one before |
-| --- | --- | --- |
-| ``v1`` | reference/step.py | the formulas, whole tiles, any array module (the default of `reference`) |
-| ``v2`` | reference/steps/v2.py | NumPy: base 2, folded columns, mask after exp2, one head at a time |
-| ``v3`` | reference/steps/v3.py | NumPy: lazy max, taller products, worker threads |
-| ``v4`` | reference/steps/v4.py | NumPy: masked tiles in sub-tiles (a diagonal tile costs a full one) |
-| ``v5`` | reference/steps/v5.py | NumPy: version 3, all heads of a key tile in one batched product |
+The versions, each with what it adds and its measured share of the matmul
+rate: README.md, "Step versions" (the one table of them).
+
+Writing one: subclass `reference.step.Step`, implement ``forward_tiles`` (and
+``backward_tiles``), calling the ``progress`` it is given between tiles, and
+add one line to `STEPS`. Each NumPy version stands alone beside version 1,
+built from the functions of `parts` (with its units and threads, `units`,
+and how it masks a block, `tile_masks`); each file opens with what it changes
+from the version before, and why.
 
 A backend adds its own versions with `register` when it is imported: the GPU
 package registers its CUDA kernels (``fused``, ``fused_v2``) beside these, and
