@@ -94,7 +94,7 @@ def block_arguments(prog, doc, n_devices=4, tile_size=256):
 def run_on_one_thread(module, args, argv, report):
     """``report(args, machine)`` with one BLAS thread and the machine's own BLAS
     kernels: first run again without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (``--as-set`` keeps them)."""
-    from .kernel import cpu_model, kernels_note, rerun_with_machine_kernels
+    from .machine import cpu_model, kernels_note, rerun_with_machine_kernels
     if not args.as_set and not args.unset:
         status = rerun_with_machine_kernels(module, sys.argv[1:] if argv is None else argv)
         if status is not None:

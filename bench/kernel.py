@@ -36,30 +36,23 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
-import time
-import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from reference import attention, attention_backward, steps
-from reference.heads import q_from_heads, rows_from_heads
-from reference.ring import own_block
-from reference.step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
-from reference.cores import blas_description, blas_limit
-from reference.tiles import DEFAULT_TILE_SIZE, count_visible_pairs
-from reference.tms import attention_flops
+from reference import steps
+from reference.tiles import DEFAULT_TILE_SIZE
+
 
 from . import RESULTS, markdown_table, torch_compare
+from .kernel_timing import CHECK_ROWS, HEADS, TARGET_D, TARGET_S, kernel_point, peak_memory, tile_costs
+from .machine import (KERNEL_ENV, MATMUL_N, blas_limit_note, blas_name, cpu_model, kernels_note,
+                      matmul_rate, rerun_with_machine_kernels)
 
 FORWARD_TARGET, BACKWARD_TARGET = 0.70, 0.70     # DESIGN.md
 RING_TARGET, RING_SIZES = 0.60, (1024, 2048)      # DESIGN.md: blocks of the sizes a ring computes
-HEADS, TARGET_S, TARGET_D = 8, 8192, 64
-MATMUL_N = 4096
-BLAS_IDLE_S = 0.5      # OpenBLAS's idle threads spin for a while after a product: let them settle
 
 
 @dataclass(frozen=True)
@@ -83,181 +76,7 @@ FULL = Sweep(repeats=5, repeats_other=3, seq_lens=(1024, 2048, 4096, 8192, 16384
              memory_seq_lens=(1024, 2048, 4096, 8192, 16384), plain_s=8192)
 
 
-# -- measurements -----------------------------------------------------------
-
-def matmul_rate(repeats, n=MATMUL_N):
-    """Best float32 FLOP/s of an n-square product over `repeats` tries."""
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    a @ a                                                 # warm up the BLAS threads
-    rate = 2 * n ** 3 / _best(lambda: a @ a, repeats)
-    time.sleep(BLAS_IDLE_S)
-    return rate
-
-
-def _best(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-@dataclass
-class Problem:
-    """One device holding all S tokens as one block (q_pos = k_pos = 0 .. S-1),
-    in the step's own types, and the user-layout inputs for the float64 check."""
-    queries: object
-    block: object
-    user: tuple          # q, k, v, dout (1, S, H, D) float32
-
-    @property
-    def pos(self):
-        return self.queries.pos
-
-
-def problem(S, D, heads=HEADS, seed=0):
-    rng = np.random.default_rng(seed)
-    q, k, v, do = (rng.standard_normal((1, S, heads, D), dtype=np.float32) for _ in range(4))
-    pos = np.arange(S)
-    return Problem(Queries.prepare(q, heads, pos, D ** -0.5), own_block(k, v, pos, 0), (q, k, v, do))
-
-
-def forward(step, pb, tile):
-    """One single-device forward: (out, lse, seconds spent in the step)."""
-    acc = ForwardAcc.zeros(pb.queries.q)
-    t = time.perf_counter()
-    step.forward(acc, pb.queries, pb.block, causal=True, tile_size=tile)
-    seconds = time.perf_counter() - t
-    return (*finish_forward(acc), seconds)
-
-
-def backward(step, pb, out, lse, tile):
-    """One single-device backward: (dq, dk, dv, seconds spent in the step)."""
-    q, k, v, do = pb.user
-    rows = BackwardRows.prepare(q_from_heads(out), rows_from_heads(lse), do, k.shape[2], np.float32)
-    grads = Grads(np.zeros_like(pb.queries.q), np.zeros_like(pb.block.k), np.zeros_like(pb.block.v))
-    t = time.perf_counter()
-    step.backward(grads, pb.queries, rows, pb.block, causal=True, tile_size=tile)
-    return grads.dq, grads.dk, grads.dv, time.perf_counter() - t
-
-
-CHECK_ROWS = 32     # query rows checked against float64 dense attention (dense on those rows only)
-
-
-def check_error(pb, out, lse, dq, D):
-    """Largest error of out and of dQ on a sample of query rows against float64
-    dense attention, relative to the largest reference value."""
-    q, k, v, do = (x.astype(np.float64) for x in pb.user)
-    S = q.shape[1]
-    rows = np.unique(np.linspace(0, S - 1, CHECK_ROWS).astype(int))
-    ref_out, ref_lse = attention(q[:, rows], k, v, q_pos=rows, k_pos=np.arange(S))
-    ref_dq = attention_backward(q[:, rows], k, v, ref_out, ref_lse, do[:, rows],
-                                q_pos=rows, k_pos=np.arange(S))[0]
-    got_out, got_dq = q_from_heads(out)[:, rows], q_from_heads(dq)[:, rows] * np.float32(D ** -0.5)
-    errors = [np.abs(got_out - ref_out).max() / np.abs(ref_out).max(),
-              np.abs(got_dq - ref_dq).max() / np.abs(ref_dq).max()]
-    return max(float(e) if np.isfinite(e) else np.inf for e in errors)      # NaN counts as infinite
-
-
-def kernel_point(S, D, tile, repeats, rate, step):
-    """One row: seconds in the step (the O(S D) set-up and finish outside it),
-    fraction of the matmul rate, and the error against float64 on sampled rows."""
-    pb = problem(S, D)
-    out, lse, _ = forward(step, pb, tile)                            # also warms up
-    error = check_error(pb, out, lse, backward(step, pb, out, lse, tile)[0], D)
-    t_f = min(forward(step, pb, tile)[-1] for _ in range(repeats))
-    t_b = min(backward(step, pb, out, lse, tile)[-1] for _ in range(repeats))
-    pairs = count_visible_pairs(pb.pos, pb.pos) * HEADS
-    flops_f, flops_b = attention_flops(pairs, D), attention_flops(pairs, D, backward=True)
-    return dict(S=S, D=D, tile=tile, step=f"step {step.label}", fwd_s=t_f, bwd_s=t_b, error=error,
-                fwd=flops_f / t_f / rate, bwd=flops_b / t_b / rate,
-                fwd_gflops=flops_f / t_f / 1e9, bwd_gflops=flops_b / t_b / 1e9)
-
-
-def peak_memory(S, step, D=TARGET_D, tile=None):
-    """Peak bytes NumPy allocates during one single-device forward, and backward,
-    beyond their inputs (tracemalloc sees NumPy's array buffers): the whole
-    pass, accumulators and outputs included."""
-    pb = problem(S, D)
-    peaks = []
-    for run in ("forward", "backward"):
-        if run == "backward":
-            out, lse, _ = forward(step, pb, tile)
-        tracemalloc.start()
-        if run == "forward":
-            forward(step, pb, tile)
-        else:
-            backward(step, pb, out, lse, tile)
-        peaks.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
-    return peaks
-
-
-def tile_costs(T=256, D=TARGET_D, repeats=20):
-    """Seconds per visible pair of each operation of one T x T tile on one thread:
-    what the NumPy step does (first rows) and the passes it avoids (last rows)."""
-    rng = np.random.default_rng(0)
-    q1 = rng.standard_normal((T, D + 1), dtype=np.float32) * 0.1
-    k1 = rng.standard_normal((T, D + 1), dtype=np.float32) * 0.1
-    s, s0 = np.empty((T, T), np.float32), rng.random((T, T), dtype=np.float32)
-    inc, col = np.empty((T, D + 1), np.float32), rng.random((T, 1), dtype=np.float32)
-    hidden = ~(np.arange(T)[:, None] >= np.arange(T)[None, :])
-    ops = [("S - m = [Q, -m] [K, 1]^T (matmul)", lambda: np.matmul(q1, k1.T, out=s)),
-           ("P = exp2(S - m)", lambda: np.exp2(s0, out=s)),
-           ("[P V, rowsum P] = P [V, 1] (matmul)", lambda: np.matmul(s0, k1, out=inc)),
-           ("mask (diagonal tiles only)", lambda: np.copyto(s, -np.inf, where=hidden)),
-           ("avoided: rowmax(S)", lambda: s0.max(axis=1)),
-           ("avoided: S - m (a pass)", lambda: np.subtract(s0, col, out=s)),
-           ("avoided: exp instead of exp2", lambda: np.exp(s0, out=s)),
-           ("avoided: rowsum(P) (a pass)", lambda: s0.sum(axis=1))]
-    with blas_limit(1):
-        return [(name, _best(fn, repeats) / (T * T)) for name, fn in ops]
-
-
 # -- report -----------------------------------------------------------------
-
-def cpu_model():
-    """The CPU's model name (Linux), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
-def blas_name():
-    """The BLAS that ran, with its kernels and threads (threadpoolctl)."""
-    return blas_description()
-
-
-# OpenBLAS reads these as it loads: some machines set them to older kernels (Haswell's on
-# an AVX-512 CPU), which handicaps sgemm and every share of its rate measured against it
-KERNEL_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-
-
-def rerun_with_machine_kernels(module, argv, env=None):
-    """Where OPENBLAS_CORETYPE or OPENBLAS_L2_SIZE is set, run ``python -m
-    module argv`` again without both (for that command only, so that sgemm
-    and the steps use the machine's own kernels) and return its exit status;
-    None where neither is set."""
-    env = os.environ if env is None else env
-    found = [f"{name}={env[name]}" for name in KERNEL_ENV if name in env]
-    if not found:
-        return None
-    print(f"  {module}: measuring with the machine's own BLAS kernels: running again without "
-          f"{' and '.join(found)} (--as-set keeps them)", file=sys.stderr, flush=True)
-    child = {k: v for k, v in env.items() if k not in KERNEL_ENV}
-    return subprocess.call([sys.executable, "-m", module, *argv, "--unset", ",".join(found)], env=child)
-
-
-def kernels_note(unset):
-    """What the report says about the kernels' environment (`unset`: the --unset of the rerun)."""
-    if unset:
-        return f" (the machine's own kernels: {unset.replace(',', ' and ')} unset for this command)"
-    set_ = [f"{name}={os.environ[name]}" for name in KERNEL_ENV if name in os.environ]
-    return f" (**{' and '.join(set_)} set: not the machine's own kernels**)" if set_ else ""
-
 
 def _tile_label(t):
     t = DEFAULT_TILE_SIZE if t is None else t
@@ -359,7 +178,7 @@ def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="aut
     say("memory")
     memory = [(S, *peak_memory(S, main_step)) for S in sweep.memory_seq_lens]
     pngs = plot(points, memory, results_dir)
-    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step, versus, unset), pngs
+    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step, versus=versus, unset=unset), pngs
 
 
 def numpy_steps():
@@ -372,19 +191,7 @@ def _make_step(name, threads):
     return steps.get(step.name, workers=threads) if step.takes_workers else step
 
 
-def blas_limit_note(env=None, cores=None):
-    """A warning when the environment holds BLAS below the cores (the matmul
-    rate is then a share of the machine, and the ratios are inflated), else ''."""
-    env, cores = os.environ if env is None else env, os.cpu_count() if cores is None else cores
-    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        value = env.get(name, "").strip()
-        if value.isdigit() and int(value) < cores:
-            return (f"**{name}={value} was set:** the matmul rate above is that of {value} of the {cores} cores, "
-                    "so the shares below are not of the machine's rate; run without it.")
-    return ""
-
-
-def report(sweep, rate, rate_after, points, costs, memory, pngs, step, versus=None, unset=""):
+def report(sweep, rate, rate_after, points, costs, memory, pngs, step, *, versus=None, unset=""):
     target = points[0]
     blas_note = blas_limit_note()
     workers = getattr(step, "workers", 1)

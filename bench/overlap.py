@@ -53,14 +53,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mpi_impl.launch import OPEN_MPI_AS_ROOT
+
 from . import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM, TILE = 4, 64, 256
 GOAL = 0.05                 # avoidable wait / compute, at most, at c >= 2048
 SINGLE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-OPEN_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+OPEN_MPI_ENV = OPEN_MPI_AS_ROOT
 ASYNC_ENV = {"MPIR_CVAR_ASYNC_PROGRESS": "1"}
 
 

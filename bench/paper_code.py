@@ -143,7 +143,7 @@ def run_jax(python, bpt, inputs_path, results_path, n_devices, tiles, repeats):
 
 def compare(args):
     from reference import cores
-    from .kernel import cpu_model
+    from .machine import cpu_model
     from . import markdown_table
     rng = np.random.default_rng(args.seed)
     shape = (1, args.seq_len, args.heads, args.head_dim)

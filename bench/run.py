@@ -15,7 +15,6 @@ import datetime
 import importlib
 import importlib.util
 import inspect
-import io
 import os
 import platform
 import shlex
@@ -24,10 +23,10 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import redirect_stdout
 from pathlib import Path
 
 from . import RESULTS, markdown_table
+from .machine import THREAD_VARS, blas_info, cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +47,6 @@ SECTIONS = {
     "gpu": ("bench.gpu_bench", "GPU"),
     "gpu_kernel": ("bench.gpu_kernel", "The tensor-core kernel, read before it runs"),
 }
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")   # they change BLAS timings
 HEARTBEAT_S = 30     # a line on stderr this often while a long section runs
 
 
@@ -97,34 +95,6 @@ def has_gpu():
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:      # no CuPy, no driver, no device: all mean "no usable GPU"
         return Path("/dev/nvidia0").exists()
-
-
-def blas_info():
-    """BLAS that numpy was built with, from numpy.show_config (numpy >= 1.25) or its text."""
-    import numpy as np
-    try:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        extra = blas.get("openblas configuration", "")
-        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip() + (f" ({extra})" if extra else "")
-    except Exception:      # older numpy: no mode=, print the text and take the blas lines
-        buf = io.StringIO()
-        with redirect_stdout(buf):
-            np.show_config()
-        lines = [ln.strip() for ln in buf.getvalue().splitlines() if "blas" in ln.lower()]
-        return "; ".join(lines[:3]) or "unknown"
-
-
-def cpu_name():
-    """The CPU's model name and its widest vector extension: 'AMD EPYC (AVX-512)'."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = text.splitlines()
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
-    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
-    return f"{name} ({vector})" if vector else name
 
 
 def git_commit():

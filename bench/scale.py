@@ -126,7 +126,7 @@ def useful_flops(S, D=HEAD_DIM):
 
 def run(quick=True, *, results_dir=RESULTS, progress=None, seq_lens=None, ranks=None, tile=None, step="auto",
         matmul_n=None):
-    from .kernel import blas_name, cpu_model, matmul_rate
+    from .machine import blas_name, cpu_model, matmul_rate
     cfg = dict(QUICK if quick else FULL)
     cfg.update({k: v for k, v in dict(seq_lens=seq_lens, ranks=ranks, tile=tile).items() if v})
     say = progress or (lambda msg: print(f"  scale: {msg}", file=sys.stderr, flush=True))

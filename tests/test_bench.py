@@ -247,7 +247,7 @@ def test_kernel_section_smoke(tmp_path):
 def test_kernel_says_when_blas_is_held_below_the_cores():
     """OPENBLAS_NUM_THREADS=1 on a 2-core machine makes the matmul rate one core's:
     the report says so instead of printing inflated shares silently."""
-    from bench.kernel import blas_limit_note
+    from bench.machine import blas_limit_note
     note = blas_limit_note({"OPENBLAS_NUM_THREADS": "1"}, cores=2)
     assert "OPENBLAS_NUM_THREADS=1 was set" in note and "1 of the 2 cores" in note
     assert "OMP_NUM_THREADS=3" in blas_limit_note({"OMP_NUM_THREADS": "3"}, cores=4)
@@ -257,7 +257,7 @@ def test_kernel_says_when_blas_is_held_below_the_cores():
 
 def test_kernel_check_catches_a_wrong_step():
     """The error column is a real check: a step that drops a tile shows a large error."""
-    from bench import kernel
+    from bench import kernel_timing as kernel
     from reference.steps.v2 import ExactBase2Step
 
     class DropsATile(ExactBase2Step):

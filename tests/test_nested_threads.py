@@ -16,7 +16,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 import reference
-from bench import kernel
+from bench import kernel_timing as kernel
 from mpi_impl import check
 from model import train, transformer
 from reference import cores

@@ -1,0 +1,140 @@
+"""make gpu-check's pieces every step shares: the sizes, a step's context and
+result, and running a command within the step's time (scripts/gpu_check.py).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from mpi_impl.launch import OPEN_MPI_AS_ROOT  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "gpu_check.py"   # the steps launch its worker modes
+OUT = ROOT / "bench" / "results" / "gpu_check.md"
+QUEUED_GPU = ROOT / "tests" / "gpu" / "queued_device.py"
+RANKS = 4
+WHOLE_S = 9 * 60        # the whole check, wheels installed included (scripts/gpu_check.sh starts the clock)
+MARGIN_S = 20           # kept back for writing the results, and for killing a step that ran over
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the steps run: a GPU's sizes, or small ones for --fake-gpu."""
+    realistic: tuple        # the command line step's arguments
+    traced: tuple           # the trace step's
+    fused_seq: int          # the fused kernel against the readable step: 4 striped blocks of fused_seq / 4
+    fused_dims: tuple       # head dims
+    rate_block: int         # the rates: one block pair of rate_block queries x keys
+    checked: dict           # the checked run: seq_len, heads, kv_heads, head_dim, tile (striped, float16)
+
+
+GPU_SIZES = Sizes(
+    realistic=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
+               "--layout", "striped", "--backward", "--check", "--tile-size", "1024", "--no-warmup"),
+    traced=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
+            "--layout", "all", "--backward", "--tile-size", "1024", "--repeat", "2"),
+    fused_seq=4096, fused_dims=(64, 128), rate_block=4096,
+    checked=dict(seq_len=65536, heads=8, kv_heads=2, head_dim=128, tile=1024))
+FAKE_SIZES = Sizes(
+    realistic=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
+               "--layout", "striped", "--backward", "--check", "--tile-size", "32", "--no-warmup"),
+    traced=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
+            "--layout", "all", "--backward", "--tile-size", "32", "--repeat", "2"),
+    fused_seq=64, fused_dims=(64, 128), rate_block=32,
+    checked=dict(seq_len=256, heads=8, kv_heads=2, head_dim=16, tile=32))
+FUSED_DTYPES = (np.float32, np.float16)
+
+
+@dataclass
+class Context:
+    dry: bool
+    python: str
+    mpiexec: str
+    work: Path
+    fake: bool = False
+    deadline: float = float("inf")      # time.time() by which this step's commands must have ended
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def sizes(self):
+        return FAKE_SIZES if self.fake else GPU_SIZES
+
+    def left(self):
+        """Seconds left to this step."""
+        return self.deadline - time.time()
+
+    def gpu_python(self):
+        """The interpreter, and on a fake GPU the runner that installs one in every process."""
+        return [self.python, str(QUEUED_GPU)] if self.fake else [self.python]
+
+
+@dataclass
+class Result:
+    ok: bool
+    text: str
+    skipped: str = ""           # a reason: the step could not run here (a tool is missing)
+
+
+# -- helpers -------------------------------------------------------------------------
+
+def run(ctx, cmd, limit):
+    """(returncode, stdout + stderr) of cmd, or (124, what it printed) once
+    `limit` seconds or the step's time left (the smaller) have passed; its whole
+    process group (mpiexec and its ranks) is killed then."""
+    timeout = min(limit, ctx.left())
+    if timeout < 1:
+        return 124, "[not started: no time left]"
+    full_env = dict(os.environ)
+    for name, value in OPEN_MPI_AS_ROOT.items():
+        full_env.setdefault(name, value)
+    full_env.update(PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+                    OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
+                    MPIEXEC_TIMEOUT=str(max(1, int(timeout) - 5)))    # mpiexec ends its ranks first
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, (out or "") + f"\n[timed out after {timeout:.0f} s]"
+    return proc.returncode, out
+
+
+def fenced(text, limit=60):
+    lines = text.strip().splitlines()
+    if len(lines) > limit:
+        lines = lines[:10] + [f"... ({len(lines) - limit} lines left out) ..."] + lines[-(limit - 10):]
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
+def mpirun(ctx, *args):
+    return [ctx.mpiexec, "-n", str(RANKS), *ctx.gpu_python()[:1], "-m", "mpi4py", *ctx.gpu_python()[1:], *args]
+
+
+def find_sanitizer():
+    for candidate in (shutil.which("compute-sanitizer"),
+                      *(Path(p) / "bin" / "compute-sanitizer" for p in
+                        (os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"))):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    return None
+
+
+def module_version(name):
+    try:
+        module = __import__(name)
+    except Exception as e:      # noqa: BLE001 - reported, not raised
+        return f"missing ({type(e).__name__}: {e})"
+    return getattr(module, "__version__", "present")
+
+

@@ -1,0 +1,222 @@
+"""make gpu-check's steps on the kernels: 1 environment, 2-3 the GPU tests,
+4 the fused kernel, 5 the tensor cores, 9 compute-sanitizer, 10 rates
+(scripts/gpu_check.py runs them).
+"""
+
+import sys
+
+import numpy as np
+
+from gpu_check_base import FUSED_DTYPES, SCRIPT, Result, fenced, find_sanitizer, module_version, run
+
+# -- 1. environment --------------------------------------------------------------------
+
+def environment(ctx):
+    rows = [("python", sys.version.split()[0] + f" ({ctx.python})")]
+    rows += [(name, module_version(name)) for name in ("numpy", "cupy", "mpi4py", "pytest", "hypothesis", "torch")]
+    rows.append(("mpiexec", ctx.mpiexec or "NOT FOUND"))
+    rows.append(("compute-sanitizer", find_sanitizer() or "not found"))
+    code = ("import gpu_impl; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0]); "
+            "print(gpu_impl.mpi_cuda_support()); print(gpu_impl.choose_transfer('auto'))")
+    rc, out = run(ctx, [ctx.python, "-c", code], 60)
+    lines = out.strip().splitlines()
+    rows.append(("MPI library", lines[0] if rc == 0 else "cannot ask: " + " / ".join(lines[-3:])))
+    if rc == 0:
+        rows.append(("MPIX_Query_cuda_support()", lines[1]))
+        rows.append(("transfer='auto'", lines[2]))
+    if not ctx.dry:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        rows.append(("GPU", f"{cupy.cuda.runtime.getDeviceCount()} x {props['name'].decode()}, "
+                            f"{props['totalGlobalMem'] / 2**30:.0f} GiB, sm_{props['major']}{props['minor']}"))
+        rows.append(("CUDA runtime / driver", f"{cupy.cuda.runtime.runtimeGetVersion()} / "
+                                              f"{cupy.cuda.runtime.driverGetVersion()}"))
+    text = "| what | found |\n| :--- | :--- |\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
+    missing = [name for name in ("pytest", "hypothesis") if module_version(name).startswith("missing")]
+    if not ctx.mpiexec:
+        return Result(False, text + "\n\nmpiexec not found: the ring tests cannot run (give --mpiexec PATH, "
+                                    "or carry the mpich wheel: --wheels DIR).")
+    if rc != 0:
+        return Result(False, text + "\n\nmpi4py cannot load an MPI library: carry the mpich wheel "
+                                    "(make gpu-wheels, then --wheels DIR, which installs it in the check's venv).")
+    if missing:
+        return Result(False, text + f"\n\n{', '.join(missing)} missing: carry their wheels (--wheels DIR).")
+    return Result(True, text)
+
+
+# -- 2, 3. the tests -------------------------------------------------------------------
+
+def pytest_step(ctx, selection):
+    """tests/test_gpu.py -m gpu with `selection`; fails on any failure or skip."""
+    base = [ctx.python, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-k", selection,
+            "-p", "no:cacheprovider", "-q", "-rs"]
+    if ctx.dry:
+        rc, out = run(ctx, base + ["--collect-only"], 120)
+        collected = sum(1 for line in out.splitlines() if "::" in line)
+        return Result(rc == 0 and collected > 0, f"dry run: {collected} GPU tests collected\n\n" + fenced(out, 20))
+    rc, out = run(ctx, base, ctx.left())
+    skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    ok = rc == 0 and not skipped
+    why = "" if ok else ("\n\nFAILED: " + ("tests were skipped although a GPU is present" if skipped
+                                           else f"pytest exit status {rc}"))
+    return Result(ok, fenced(out, 40) + why)
+
+
+def race_probe(ctx):
+    return pytest_step(ctx, "race_probe")
+
+
+def gpu_tests(ctx):
+    return pytest_step(ctx, "not race_probe")
+
+
+# -- 4. fused against readable -----------------------------------------------------------
+
+def fused_against_readable(ctx):
+    """Max |fused - readable| over |readable| at model shapes: 4 striped blocks, GQA 8/2."""
+    from gpu_impl import fused
+    if ctx.dry:
+        tiles = [fused.fused_tile(None, d) for d in ctx.sizes.fused_dims]
+        return Result(True, f"dry run: fused tiles {tiles} fit at D = {ctx.sizes.fused_dims}")
+    import cupy
+    from reference import ring, steps
+    from reference.layouts import positions, shard
+    from reference.step import ForwardAcc, Queries, finish_forward
+    rows, ok = [], True
+    seq = ctx.sizes.fused_seq
+    for head_dim, dtype in ((d, t) for d in ctx.sizes.fused_dims for t in FUSED_DTYPES):
+        rng = np.random.default_rng(head_dim)
+        q = rng.standard_normal((1, seq, 8, head_dim)).astype(dtype)
+        k, v = (rng.standard_normal((1, seq, 2, head_dim)).astype(dtype) for _ in range(2))
+        pos = positions(seq, 4, "striped")
+        queries = Queries.prepare(cupy.asarray(shard(q, 4, "striped")[3]), 2, pos[3], head_dim ** -0.5)
+        accs = ForwardAcc.zeros(queries.q), ForwardAcc.zeros(queries.q)
+        plain, kernel = steps.get("v1"), steps.get("fused")
+        for j in range(4):
+            block = ring.own_block(*(cupy.asarray(shard(x, 4, "striped")[j]) for x in (k, v)), pos[j], j)
+            plain.forward(accs[0], queries, ring.as_dtype(block, np.float32), causal=True, tile_size=512)
+            kernel.forward(accs[1], queries, ring.as_dtype(block, np.float32, kernel), causal=True, tile_size=None)
+        (o0, l0), (o1, l1) = ((cupy.asnumpy(x) for x in finish_forward(a)) for a in accs)
+        err = max(float(np.abs(o1 - o0).max() / max(1.0, np.abs(o0).max())),
+                  float(np.abs(l1 - l0).max() / max(1.0, np.abs(l0).max())))
+        good = err <= 1e-4
+        ok &= good
+        rows.append(f"| {head_dim} | {np.dtype(dtype).name} | {fused.fused_tile(None, head_dim)} | {err:.1e} | "
+                    f"{'ok' if good else 'FAILED'} |")
+    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {seq} on 4 striped "
+            "blocks, Hq = 8, Hkv = 2, causal; error scaled by max(1, |readable|), limit 1e-4.\n\n"
+            "| D | inputs | fused tile | max error | |\n| ---: | :--- | :--- | ---: | :--- |\n")
+    return Result(ok, head + "\n".join(rows))
+
+
+# -- 5. the tensor-core kernel -------------------------------------------------------------
+
+def tensor_cores(ctx):
+    """fused v2 checked against the readable step on the GPU, then timed (bench.gpu_kernel)."""
+    from bench import gpu_kernel
+    ok, text = gpu_kernel.gpu_check(dry=ctx.dry, small=ctx.fake)
+    return Result(ok, text)
+
+
+# -- 9. compute-sanitizer -------------------------------------------------------------------
+
+def one_fused_launch():
+    """One small fused launch per K/V dtype (what the sanitizer watches): a
+    partly masked block of 96 keys, D = 64, GQA, tiles cut short at both ends."""
+    import cupy
+
+    import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
+    from reference import ring, steps
+    from reference.step import ForwardAcc, Queries
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float16):
+        q = cupy.asarray(rng.standard_normal((1, 100, 4, 64)).astype(dtype))
+        k, v = (cupy.asarray(rng.standard_normal((1, 96, 2, 64)).astype(dtype)) for _ in range(2))
+        queries = Queries.prepare(q, 2, np.arange(100) * 2 + 1, 0.125)
+        step = steps.get("fused")
+        acc = ForwardAcc.zeros(queries.q)
+        block = ring.as_dtype(ring.own_block(k, v, np.arange(96) * 2, 0), np.float32, step)
+        step.forward(acc, queries, block, causal=True, tile_size=None)
+    cupy.cuda.Device().synchronize()
+    print("one fused launch per dtype: done")
+
+
+def sanitizer(ctx):
+    tool = find_sanitizer()
+    me = [*ctx.gpu_python(), str(SCRIPT), "--one-fused-launch"]
+    if ctx.dry:
+        rc, out = run(ctx, me + ["--dry-run"], 60)
+        return Result(rc == 0, f"dry run: the launch script starts ({out.strip()}); compute-sanitizer: "
+                               f"{tool or 'not found'}")
+    if tool is None:
+        rc, out = run(ctx, me, 60)              # the launch alone, at least
+        return Result(rc == 0, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH); "
+                               "the launch alone:\n\n" + fenced(out, 20), skipped="compute-sanitizer not found")
+    parts, ok = [], True
+    for name in ("racecheck", "memcheck"):
+        rc, out = run(ctx, [tool, "--tool", name, "--error-exitcode", "99", *me], 60)
+        good = rc == 0
+        ok &= good
+        summary = [line for line in out.splitlines() if "SUMMARY" in line or "done" in line]
+        parts.append(f"{name}: {'ok' if good else f'FAILED (exit {rc})'}\n\n" + fenced("\n".join(summary) or out, 20))
+    return Result(ok, "\n\n".join(parts))
+
+
+# -- 10. rates --------------------------------------------------------------------------------
+
+def rates(ctx):
+    """One block pair, every tile visible: rate_block queries x keys, Hq = 8, Hkv = 2, float16."""
+    if ctx.dry:
+        return Result(True, f"dry run: torch {module_version('torch')}")
+    import cupy
+
+    import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
+    from bench import gpu_bench
+    from reference import ring, steps
+    from reference.step import ForwardAcc, Queries
+    from reference.tms import attention_flops
+    c, hq, hkv = ctx.sizes.rate_block, 8, 2
+    rows = []
+    for head_dim in (64, 128):
+        useful = attention_flops(c * c * hq, head_dim)
+        rng = np.random.default_rng(1)
+        q = rng.standard_normal((1, c, hq, head_dim)).astype(np.float16)
+        k, v = (rng.standard_normal((1, c, hkv, head_dim)).astype(np.float16) for _ in range(2))
+        queries = Queries.prepare(cupy.asarray(q), hkv, np.arange(c) + c, head_dim ** -0.5)
+        block = ring.own_block(cupy.asarray(k), cupy.asarray(v), np.arange(c), 0)
+        for name, step, tile in (("v1 (readable), tile 1024", steps.get("v1"), 1024),
+                                 ("fused v1, its tile", steps.get("fused"), None)):
+            b = ring.as_dtype(block, np.float32, step)
+            seconds = gpu_bench.timed(cupy.cuda.Device().synchronize, lambda: step.forward(
+                ForwardAcc.zeros(queries.q), queries, b, causal=True, tile_size=tile), repeat=3)
+            rows.append((head_dim, name, seconds, useful / seconds / 1e12))
+        flash = torch_flash(c, hq, hkv, head_dim)
+        rows.append((head_dim, "torch flash attention" if flash else "torch: not installed (or no CUDA)",
+                     flash or float("nan"), useful / flash / 1e12 if flash else float("nan")))
+    table = "| D | step | ms | TFLOP/s (useful) |\n| ---: | :--- | ---: | ---: |\n" + "\n".join(
+        f"| {d} | {name} | {s * 1e3:.2f} | {r:.1f} |" for d, name, s, r in rows)
+    return Result(True, f"One block pair, every tile visible: {c} queries x {c} keys, Hq = 8, Hkv = 2, "
+                        "float16 inputs; useful FLOPs 4 D per pair per query head.\n\n" + table)
+
+
+def torch_flash(c, hq, hkv, head_dim):
+    """Seconds of torch's flash attention on the same block, or None without torch."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    q = torch.randn(1, hq, c, head_dim, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, hkv, c, head_dim, device="cuda", dtype=torch.float16).repeat_interleave(hq // hkv, 1)
+            for _ in range(2))
+
+    def fn():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, k, v)
+    from bench import gpu_bench
+    return gpu_bench.timed(torch.cuda.synchronize, fn)
+
+
