@@ -178,7 +178,8 @@ def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None, step="aut
     say("memory")
     memory = [(S, *peak_memory(S, main_step)) for S in sweep.memory_seq_lens]
     pngs = plot(points, memory, results_dir)
-    return report(sweep, rate, rate_after, points, costs, memory, pngs, main_step, versus=versus, unset=unset), pngs
+    text = report(sweep, rate, rate_after, points, costs, memory, pngs, main_step, versus=versus, unset=unset)
+    return text, pngs, headlines(points, sweep)
 
 
 def numpy_steps():
@@ -244,6 +245,20 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, *, versus
                          f"{S * S * 4 * HEADS / 2**20:.0f}"] for S, f, b in memory], align="rrrrr"),
     ]
     return "\n".join(lines) + "\n"
+
+
+def headlines(points, sweep):
+    """[(what, measured, goal)]: the target point's shares of the matmul rate, and the ring-sized blocks'."""
+    target = points[0]
+    lines = [(f"step {target['step'].split()[-1]}, forward, S = {sweep.target_s}: share of the matmul rate",
+              f"{target['fwd']:.0%}", f">= {FORWARD_TARGET:.0%}"),
+             (f"step {target['step'].split()[-1]}, backward, S = {sweep.target_s}: share of the matmul rate",
+              f"{target['bwd']:.0%}", f">= {BACKWARD_TARGET:.0%}")]
+    for p in points[1:]:
+        if p["S"] in RING_SIZES and p["D"] == TARGET_D and p["tile"] is None and p["step"] == target["step"]:
+            lines.append((f"a ring-sized block, c = {p['S']}: forward / backward share of the matmul rate",
+                          f"{p['fwd']:.0%} / {p['bwd']:.0%}", f">= {RING_TARGET:.0%}"))
+    return lines
 
 
 def _ring_sized(points):

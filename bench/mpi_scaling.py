@@ -241,7 +241,14 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, plan=None):
                        mem_rows),
         "Plots: " + ", ".join(f"`bench/results/{p.name}`" for p in pngs),
     ])
-    return text, pngs
+    heads = [(f"N = 2 ranks, S = {plan.speed_seq}, {r[1]}, {r[0]}: wall speed-up over contiguous, of predicted",
+              r[7], f">= {TARGET:.0%}") for r in wall_rows]
+    waits = [r for r in wait_rows if r[3] in COMPARED]
+    if waits:
+        worst = max(waits, key=lambda r: float(r[4].rstrip("%")))
+        heads.append((f"wait / compute, largest over striped and zigzag at >= {WAIT_MIN_TOKENS} tokens a rank "
+                       f"(N = {worst[0]}, {worst[2]}, {worst[3]})", worst[4], f"<= {WAIT_TARGET:.0%}"))
+    return text, pngs, heads
 
 
 def plot_speedups(wall_rows, crit_rows, path):

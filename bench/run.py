@@ -15,8 +15,10 @@ import datetime
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -26,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from . import RESULTS, markdown_table
-from .machine import THREAD_VARS, blas_info, cpu_name
+from .machine import blas_info, cpu_name, thread_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +50,7 @@ SECTIONS = {
     "gpu_kernel": ("bench.gpu_kernel", "The tensor-core kernel, read before it runs"),
 }
 HEARTBEAT_S = 30     # a line on stderr this often while a long section runs
+HEADLINES_MARK = "<!-- headlines: "      # a section's headline figures, under its footer
 
 
 def parse_args(argv=None):
@@ -108,33 +111,38 @@ def git_commit():
         return "unknown"
 
 
-def header(argv, quick):
+def header(argv, quick, names):
     import numpy as np
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     command = shlex.join(["python", "-m", "bench.run", *argv])
-    threads = ", ".join(f"{k}={os.environ[k]}" for k in THREAD_VARS if k in os.environ)
+    ran = ("every section" if len(names) == len(SECTIONS) else
+           f"the sections {', '.join(names)}; the others as an earlier run wrote them (each footer says when and where)")
     return "\n".join([
         "# Benchmarks",
         "",
-        f"Made by `{command}` ({'quick' if quick else 'full'} sizes), from the repository root; "
-        "`make bench` runs the quick one. Timings are ratios measured side by side in one "
-        "run (the machine may be shared and noisy); the cost model gives what each is held against.",
+        f"Made by `make bench` (`python -m bench.run`; `--full` for the longer sweeps), from the repository "
+        f"root; the last command was `{command}` ({'quick' if quick else 'full'} sizes), which ran {ran}. "
+        "Rerunning changes the figures, never the sections. Timings are ratios measured side by side in one "
+        "run (the machine may be shared and noisy); the cost model gives what each is held against. Dated "
+        "investigations beyond these sections: [docs/notes/](docs/notes/).",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
         f"- machine: {cpu_name()}, {os.cpu_count()} cores ({usable} usable), {platform.system()} {platform.release()}",
         f"- BLAS: {blas_info()}",
         f"- numpy {np.__version__}, Python {platform.python_version()}",
-        f"- thread settings: {threads or 'none set (BLAS picks its own)'}",
+        f"- thread settings: {thread_settings()}",
         f"- commit: {git_commit()}",
         "",
     ])
 
 
 def run_section(name, quick, results_dir, progress):
-    """(status, markdown, pngs): status is "ok", "missing" or "failed"."""
+    """(status, markdown, pngs, headlines): status is "ok", "missing" or
+    "failed"; headlines, [(what, measured, goal)], where the section gives them
+    (its run returns them third)."""
     module_name, _ = SECTIONS[name]
     if importlib.util.find_spec(module_name) is None:
-        return "missing", f"**Not run: `{module_name}` does not exist in this checkout.**\n", []
+        return "missing", f"**Not run: `{module_name}` does not exist in this checkout.**\n", [], []
     stop = progress.beat_while(name)
     try:
         run = importlib.import_module(module_name).run
@@ -144,19 +152,21 @@ def run_section(name, quick, results_dir, progress):
             kwargs["results_dir"] = results_dir
         if "progress" in params:
             kwargs["progress"] = lambda msg: progress.say(f"  {name}: {msg}")
-        text, pngs = run(**kwargs)
-        return "ok", text, list(pngs)
+        text, pngs, *headlines = run(**kwargs)
+        return "ok", text, list(pngs), headlines[0] if headlines else []
     except (Exception, SystemExit):      # reported in the file and the exit status, not dropped
         tb = traceback.format_exc()
         print(tb, file=sys.stderr)
         last = "\n".join(tb.strip().splitlines()[-12:])
-        return "failed", f"**Failed: `{module_name}` raised.**\n\n```\n{last}\n```\n", []
+        return "failed", f"**Failed: `{module_name}` raised.**\n\n```\n{last}\n```\n", [], []
     finally:
         stop()
 
 
-def section_markdown(name, status, text, pngs, seconds, out_dir):
-    """The section's text under its title, with its plots linked relative to the output file."""
+def section_markdown(name, status, text, pngs, seconds, out_dir, headlines=()):
+    """The section's text under its title, with its plots linked relative to
+    the output file, and a footer saying when and where it ran (and its
+    headlines, kept in a comment for the table at the top)."""
     title = SECTIONS[name][1]
     body = text.strip()
     parts = [body] if body.startswith("#") else [f"## {title}", body]
@@ -164,8 +174,43 @@ def section_markdown(name, status, text, pngs, seconds, out_dir):
         rel = os.path.relpath(Path(png).resolve(), out_dir)
         if Path(png).name not in body:      # the section may have linked it itself
             parts.append(f"![{Path(png).stem}]({Path(rel).as_posix()})")
-    parts.append(f"*Section `{name}`: {status}, {seconds:.1f} s.*")
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    parts.append(f"*Section `{name}`: {status}, {seconds:.1f} s, {when}, {cpu_name()}.*"
+                 + (f"\n{HEADLINES_MARK}{json.dumps([list(h) for h in headlines])} -->" if headlines else ""))
     return "\n\n".join(parts) + "\n"
+
+
+def read_sections(path):
+    """{name: its markdown} of the sections an earlier run wrote into `path`
+    (none if it does not exist): from its title to its footer."""
+    if not Path(path).exists():
+        return {}
+    text, found = Path(path).read_text(), {}
+    for name, (_, title) in SECTIONS.items():
+        start = text.find(f"\n## {title}\n")
+        footer = text.find(f"*Section `{name}`:", start)
+        if start < 0 or footer < 0:
+            continue
+        end = text.find("\n", footer)
+        if text.startswith(HEADLINES_MARK, end + 1):
+            end = text.find("\n", end + 1)
+        found[name] = text[start + 1:end + 1 if end >= 0 else len(text)]
+    return found
+
+
+def summary(chunks):
+    """The table of sections (status, seconds, when) and the headline table, read from the chunks' footers."""
+    rows, heads = [], []
+    for name, chunk in chunks.items():
+        footer = re.search(rf"\*Section `{name}`: (.*), ([0-9.]+) s, ([0-9-]+), (.*)\.\*", chunk)
+        status, seconds, when, _ = footer.groups() if footer else ("?", "?", "?", "?")
+        rows.append((f"{name}: {SECTIONS[name][1]}", status, seconds, when))
+        marked = re.search(re.escape(HEADLINES_MARK) + r"(.*) -->", chunk)
+        for what, measured, goal in json.loads(marked.group(1)) if marked else ():
+            anchor = re.sub(r"[^\w\- ]", "", SECTIONS[name][1].lower()).replace(" ", "-")
+            heads.append((f"[{what}](#{anchor})", measured, goal, f"`python -m bench.run --only {name}`"))
+    table = markdown_table(("what", "measured", "goal", "command"), heads, "lrll") if heads else ""
+    return table, markdown_table(("section", "status", "seconds", "run on"), rows, "llrl")
 
 
 def main(argv=None):
@@ -175,25 +220,26 @@ def main(argv=None):
     out = Path(args.out).resolve()
     progress = Progress()
     gpu = has_gpu()
-    chunks, summary, failures = [], [], []
+    chunks, failures = read_sections(out) if args.only else {}, []
     for i, name in enumerate(names, 1):
         progress.say(f"[{i}/{len(names)}] {name} ({SECTIONS[name][0]}) ...")
         t0 = time.perf_counter()
-        status, text, pngs = run_section(name, args.quick, args.results, progress)
+        status, text, pngs, headlines = run_section(name, args.quick, args.results, progress)
         seconds = time.perf_counter() - t0
         if name == "gpu" and not gpu and status != "ok":
             text += "\nNo GPU on this machine: the GPU section is not required here.\n"
             status += " (no GPU: not required)"
         elif status != "ok":
             failures.append(f"{name} {status}")
-        chunks.append(section_markdown(name, status, text, pngs, seconds, out.parent))
-        summary.append((f"{name}: {SECTIONS[name][1]}", status, f"{seconds:.1f}"))
+        chunks[name] = section_markdown(name, status, text, pngs, seconds, out.parent, headlines)
         progress.say(f"[{i}/{len(names)}] {name}: {status} in {seconds:.1f} s")
-    contents = markdown_table(("section", "status", "seconds"), summary, "llr")
+    chunks = {name: chunks[name] for name in SECTIONS if name in chunks}
+    headlines, contents = summary(chunks)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join([header(argv, args.quick), contents, "", *chunks]))
+    out.write_text("\n".join([header(argv, args.quick, names), headlines, "", contents, "", *chunks.values()]))
     progress.say(f"wrote {out}" + (f"; problems: {', '.join(failures)}" if failures else ""))
     return 1 if failures else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

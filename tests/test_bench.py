@@ -215,6 +215,32 @@ def test_driver_reports_missing_and_failing_sections(tmp_path, monkeypatch, gpu_
     assert "Not run: `bench_no_such_module` does not exist" in text
 
 
+def test_driver_keeps_the_sections_it_did_not_run_and_their_headlines(tmp_path, monkeypatch):
+    """--only rewrites its sections and keeps every other one as written, so
+    rerunning a section changes figures, never deletes one; a section's
+    headlines reach the table at the top, and stay with it."""
+    calls = {"first": 0}
+
+    def first(quick=True):
+        calls["first"] += 1
+        return f"figure {calls['first']}", [], [("first ratio", f"{calls['first']}.0x", ">= 1x")]
+
+    _fake_section(monkeypatch, "bench_fake_first", first)
+    _fake_section(monkeypatch, "bench_fake_second", lambda quick=True: ("second's table", []))
+    monkeypatch.setattr(bench_run, "SECTIONS", {"first": ("bench_fake_first", "First section"),
+                                                "second": ("bench_fake_second", "Second section")})
+    out = tmp_path / "B.md"
+    assert bench_run.main(["--out", str(out)]) == 0
+    assert bench_run.main(["--only", "second", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "figure 1" in text and "second's table" in text and text.index("## First") < text.index("## Second")
+    assert "| [first ratio](#first-section) | 1.0x | >= 1x | `python -m bench.run --only first` |" in text
+    assert bench_run.main(["--only", "first", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "figure 2" in text and "figure 1" not in text and "second's table" in text
+    assert text.count("## First section") == 1 and "| 2.0x |" in text and "| 1.0x |" not in text
+
+
 def test_driver_help(capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_run.main(["--help"])
@@ -233,7 +259,8 @@ def test_kernel_section_smoke(tmp_path):
     tiny = kernel.Sweep(target_s=512, matmul_n=256, repeats=1, repeats_other=1, seq_lens=(256, 512),
                         head_dims=(16,), tiles=((64, 32),), sweep_s=256, memory_seq_lens=(256, 512),
                         plain_s=256)
-    text, pngs = kernel.run(sweep=tiny, results_dir=tmp_path, threads=2)
+    text, pngs, heads = kernel.run(sweep=tiny, results_dir=tmp_path, threads=2)
+    assert [h[2] for h in heads[:2]] == [">= 70%", ">= 70%"] and all(h[1].endswith("%") for h in heads)
     assert "**Target (S = 512" in text
     rows = [line for line in text.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in rows]
@@ -299,7 +326,9 @@ def test_scale_check_sees_a_wrong_row():
 
 def test_virtual_ring_section_smoke():
     from bench import virtual_ring
-    text, _ = virtual_ring.run(seq_len=256, n_devices=4, tile=16, heads=1, head_dim=8, repeats=1, steps=("v1",))
+    text, _, heads = virtual_ring.run(seq_len=256, n_devices=4, tile=16, heads=1, head_dim=8, repeats=1,
+                                      steps=("v1",))
+    assert ["striped:" in heads[0][0], "zigzag:" in heads[1][0], len(heads)] == [True, True, 2]
     rows = [line for line in text.splitlines() if line.startswith("| v1 |")]
     assert [r.split("|")[2].strip() for r in rows] == ["striped", "zigzag"]
     cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
