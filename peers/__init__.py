@@ -25,7 +25,8 @@ disagreement to its smallest case); each says what one rank computes:
                                               beside them as a control
     peers/conformance.py                      the runner: stores each run in peers/results/
     peers/findings.py                         what explains each disagreement, read from the peers' code
-    peers/results.py                          the results store; renders CONFORMANCE.md from it (NumPy only)
+    peers/results.py                          the results store
+    peers/page.py                             CONFORMANCE.md and docs/conformance/ rendered from it (NumPy only)
 
     make conformance                          # installs the `peers` extra, runs, writes CONFORMANCE.md
     python -m peers.conformance --help

@@ -1,9 +1,9 @@
-"""Hold other projects' ring attention against the oracle and write CONFORMANCE.md.
+"""Hold other projects' ring attention against the oracle and write CONFORMANCE.md and its pages.
 
     make conformance                                       # what CI would not run: installs the peers extra
     peers/.venv/bin/python -m peers.conformance            # every peer: stores each run, renders CONFORMANCE.md
     peers/.venv/bin/python -m peers.conformance --peer ring-flash-attn/zigzag --examples 10
-    peers/.venv/bin/python -m peers.conformance --render   # CONFORMANCE.md from the stored runs, nothing run
+    peers/.venv/bin/python -m peers.conformance --render   # CONFORMANCE.md, docs/conformance/ from the stored runs
     peers/.venv/bin/python -m peers.conformance --missing  # only the runs not stored yet
     peers/.venv/bin/python -m peers.conformance --repro ring-attention-pytorch/striped backward "Case(...)"
 
@@ -17,7 +17,8 @@ oracle. A disagreement is shrunk to its smallest case (hypothesis replays the
 minimal example last, so the last failure seen is it); what explains it is
 looked up in peers/findings.py (written by reading the peer's code; "not
 classified" when none matches). Each run is stored in peers/results/ as it
-finishes (peers/results.py) and the page is rendered from every stored run,
+finishes (peers/results.py) and the pages are rendered from every stored run
+(peers/page.py: CONFORMANCE.md, and one page per library in docs/conformance/),
 so a run of some peers changes only their cells. Examples are drawn from a
 fixed seed: the same versions give the same report.
 """
@@ -38,7 +39,7 @@ from reference.testing import Case, cases, check_ring_attention, parse_case
 from reference.testing.compare import where_raised
 from reference.testing.harness.torch import close_worlds
 
-from . import PEERS, results
+from . import PEERS, page, results
 from .results import PASSES, WORLD_SIZES, Peer, Run
 
 LIBRARIES = ("striped-attention", "torch", "numpy", "ml_dtypes", "hypothesis", "ring-attention-pytorch",
@@ -212,8 +213,8 @@ def main(argv=None):
     ap.add_argument("--masks", action="append", choices=list(MASK_SETS), help="only these mask sets (repeatable)")
     ap.add_argument("--pass", dest="passes", action="append", choices=list(PASSES), help="only these passes (repeatable)")
     ap.add_argument("--results", default=str(results.RESULTS), help="the results store (a folder of JSON files)")
-    ap.add_argument("--out", default=str(results.ROOT / "CONFORMANCE.md"), help="the page ('-': stdout)")
-    ap.add_argument("--render", action="store_true", help="only render the page from the stored runs")
+    ap.add_argument("--out", default=str(results.ROOT / "CONFORMANCE.md"), help="the summary page ('-': stdout); the library pages go to docs/conformance/ beside it")
+    ap.add_argument("--render", action="store_true", help="only render the pages from the stored runs")
     ap.add_argument("--missing", action="store_true", help="only the runs not stored yet")
     ap.add_argument("--accumulate", help="hold every peer to this accumulation dtype's line instead of its own")
     ap.add_argument("--repro", nargs=3, metavar=("PEER", "PASS", "CASE"), help="check one case and print the result")
@@ -236,12 +237,20 @@ def main(argv=None):
         close_worlds()
     planned = [(Peer.of(peer), np.dtype(dtype).name, masks) for peer, dtype, masks, _ in plan(argparse.Namespace(
         peer=None, dtype=None, masks=None, passes=None, missing=False))]        # (every cell of every peer)
-    text = results.render(results.load(args.results, order=PEERS), planned)
+    runs = results.load(args.results, order=PEERS)
+    text = page.render(runs, planned)
     if args.out == "-":
         print(text)
-    else:
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out} from the runs stored in {args.results}")
+        return 0
+    Path(args.out).write_text(text)
+    pages = Path(args.out).resolve().parent / page.PAGES
+    pages.mkdir(parents=True, exist_ok=True)
+    written = page.render_pages(runs)
+    for stale in set(p.name for p in pages.glob("*.md")) - set(written):
+        (pages / stale).unlink()
+    for name, text in written.items():
+        (pages / name).write_text(text)
+    print(f"wrote {args.out} and {len(written)} pages in {pages} from the runs stored in {args.results}")
     return 0
 
 
@@ -272,7 +281,7 @@ def run_plan(runs, examples, directory):
         if terminal:
             print()
         results.save(run, directory)
-        print(f"[{i}/{len(runs)} {time.monotonic() - start:4.0f} s]   {results.cell(run)} ({run.seconds:.0f} s)",
+        print(f"[{i}/{len(runs)} {time.monotonic() - start:4.0f} s]   {page.cell(run)} ({run.seconds:.0f} s)",
               flush=True)
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import numpy as np
 
-from peers import results
+from peers import page, results
 from peers.results import Peer, Run
 from reference.testing import Adapter, Case
 
@@ -38,6 +38,11 @@ def agreeing(peer=CONTROL, dtype="float32", masks="causal / full", phase="forwar
 def failing(phase="forward"):
     return Run(WINDOWED, "float16", "window", phase, examples=7, world_sizes=Counter({2: 7}),
                failure=(SMALLEST, MESSAGE), asked=40, seconds=3.0, date="2026-12-02", versions=VERSIONS)
+
+
+def everything(runs, planned=()):
+    """CONFORMANCE.md and every library page, as one text."""
+    return page.render(runs, planned) + "".join(page.render_pages(runs).values())
 
 
 def test_a_run_comes_back_as_it_was_saved_failure_case_and_finding_included(tmp_path):
@@ -68,7 +73,7 @@ def test_a_rerun_replaces_only_its_own_cell(tmp_path):
 def test_the_page_shows_every_stored_run_with_its_repro_and_explanation(tmp_path):
     results.save(agreeing(), tmp_path)
     results.save(failing(), tmp_path)
-    page = results.render(results.load(tmp_path, order=["ring-flash-attn/zigzag"]))
+    page = everything(results.load(tmp_path, order=["ring-flash-attn/zigzag"]))
     rows = [line for line in page.splitlines() if line.startswith("| ring-flash-attn") or
             line.startswith("| examples")]
     assert rows == [
@@ -89,7 +94,7 @@ def test_the_page_shows_every_stored_run_with_its_repro_and_explanation(tmp_path
 def test_the_header_names_each_runs_date_and_versions_where_they_differ(tmp_path):
     results.save(agreeing(), tmp_path)
     results.save(agreeing(peer=WINDOWED, dtype="float16", date="2026-12-03", torch="2.12.0"), tmp_path)
-    page = results.render(results.load(tmp_path))
+    page = everything(results.load(tmp_path))
     assert "on 2026-12-02 (examples/torch_ring) and 2026-12-03 (ring-flash-attn/zigzag)" in page
     assert "torch 2.13.0+cpu (examples/torch_ring) and 2.12.0 (ring-flash-attn/zigzag)" in page
     assert "numpy 2.4.6;" in page
@@ -118,13 +123,13 @@ def test_a_finding_stored_with_a_run_explains_it_where_findings_no_longer_match(
     results.save(run, tmp_path)
     (back,) = results.load(tmp_path)
     assert back.finding()["key"] == "ring-flash-attn/float32-buffer-alias"
-    assert "**defect (float32 only, which flash-attn's kernels refuse)** (0; )" in results.render([back])
+    assert "**defect (float32 only, which flash-attn's kernels refuse)** (0; )" in everything([back])
 
 
 def test_what_a_peer_does_not_take_is_a_row_of_a_dtype_or_of_a_mask_set():
     peer = Peer(key="p/q", name="p q", library="p", layouts=("contiguous",),
                 unsupported={"float64": "no float64", "padding, full": "no key mask"})
-    page = results.render([agreeing(peer=peer)])
+    page = everything([agreeing(peer=peer)])
     assert "| p q | p ? | contiguous | float64 | any | not supported: no float64 | not supported: no float64 |" in page
     assert "| p q | p ? | contiguous | any | padding, full | not supported: no key mask | not supported: no key mask |" \
         in page
@@ -146,7 +151,7 @@ def test_the_summary_puts_a_peer_whose_only_disagreement_is_rounding_among_those
                    failure=(SMALLEST, "out: 1 of 4 elements out of tolerance; first at (0, 3, 0, 0): got 0.5, "
                                       "expected 0.25, error 3e-08 > tolerance 2e-08 (1.5x)"),
                    stored_finding="ring-flash-attn/float32-sigmoid-merge", date="2026-12-02")
-    lines = results.summary([agreeing(), marginal, failing()])
+    lines = page.summary([agreeing(), marginal, failing()])
     agree, disagree = lines[lines.index("**Agree everywhere they claim to work** (what disagrees is outside what "
                                         "they claim, or rounding just over the line, as said):"):], []
     split = next(i for i, line in enumerate(agree) if line.startswith("**Disagree**"))
@@ -154,24 +159,46 @@ def test_the_summary_puts_a_peer_whose_only_disagreement_is_rounding_among_those
     assert any(line.startswith("- **examples.torch_ring** (2 runs, 1 agree") and "sigmoid merge" in line
                for line in agree)
     assert "- **ring-flash-attn zigzag_ring_flash_attn_func** (1 runs, 0 agree: float16; window):" in disagree
-    assert any("defect (windows) (float16: window (forward)): A sliding window is measured" in line
-               for line in disagree)
+    assert any("[defect (windows)](docs/conformance/ring-flash-attn.md#window-block-local) (float16: window "
+               "(forward)): A sliding window is measured" in line for line in disagree)
 
 
 def test_a_finding_is_written_out_once_per_library_and_pointed_to_after():
-    page = results.render([failing("forward"), failing("backward")])
-    text = "A sliding window is wrong beyond the diagonal block. Every ring"
-    assert page.count(text) == 1
+    text = everything([failing("forward"), failing("backward")])
+    assert text.count("A sliding window is wrong beyond the diagonal block. Every ring") == 1
     assert ('(Explained under "ring-flash-attn zigzag_ring_flash_attn_func, float16, window, forward: '
-            'defect (windows)" above.)') in page
+            'defect (windows)" above.)') in text
 
 
 def test_a_planned_cell_that_is_not_stored_shows_as_not_run():
     never = Peer(key="x/y", name="x y", library="x", layouts=("striped",))
-    page = results.render([agreeing()], planned=[(CONTROL, "float32", "causal / full"), (CONTROL, "float16", "window"),
-                                                 (never, "float64", "causal / full")])
-    assert "| examples.torch_ring | striped-attention 0.1.0 | contiguous, striped | float16 | window | not run | " \
-           "not run |" in page
-    assert "| x y | x | striped | float64 | causal / full | not run | not run |" in page
-    assert "**Not run yet**: x y (`python -m peers.conformance --missing`)." in page
-    assert "(1 runs, 1 agree: float32; causal / full; 1 rows not run)" in page
+    text = page.render([agreeing()], planned=[(CONTROL, "float32", "causal / full"), (CONTROL, "float16", "window"),
+                                              (never, "float64", "causal / full")])
+    assert "| [examples.torch_ring][1] | contiguous, striped | - | 1/1 agree | 2 not run | - |" in text
+    assert "| x y | striped | 2 not run | - | - | - |" in text and "[1]: docs/conformance/examples.md\n" in text
+    assert "**Not run yet**: x y (`python -m peers.conformance --missing`)." in text
+    assert "(1 runs, 1 agree: float32; causal / full; 1 rows not run)" in text
+
+
+def test_the_pages_are_the_stored_runs_rendered_byte_for_byte():
+    """docs/conformance/ is what the store renders: `--render` rebuilds each page
+    as committed (a page edited by hand, or a run stored without rendering, fails)."""
+    from pathlib import Path
+    folder = Path(results.ROOT) / page.PAGES
+    pages = page.render_pages(results.load())
+    assert sorted(p.name for p in folder.glob("*.md")) == sorted(pages)
+    for name, text in pages.items():
+        assert (folder / name).read_text() == text, name
+
+
+def test_conformance_md_is_a_summary_under_60_kib_whose_links_reach_the_pages():
+    import re
+    from pathlib import Path
+    text = (Path(results.ROOT) / "CONFORMANCE.md").read_text()
+    assert len(text.encode()) < 60 * 1024
+    links = re.findall(r"^\[\d+\]: (docs/conformance/[^#\s]+)(?:#(\S+))?$", text, re.M)
+    assert len(links) > 10 and not re.search(r"\]\(docs/conformance/[^)]", text)     # each target once, by number
+    for path, anchor in links:
+        target = (Path(results.ROOT) / path).read_text()
+        anchors = set(re.findall(r'<a id="([^"]+)"></a>', target))
+        assert not anchor or anchor in anchors, (path, anchor)
