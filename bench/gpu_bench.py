@@ -272,7 +272,7 @@ def dense_gpu(cupy, q, k, v):
 
 def check_dense_gpu(cupy):
     """dense_gpu equals reference.attention (float64) at a small size; `cupy` may
-    be NumPy dressed as CuPy (tests/test_gpu.py)."""
+    be NumPy dressed as CuPy (tests/gpu/test_gpu.py)."""
     from reference import attention
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((2, 64, 3, 8)) for _ in range(3))

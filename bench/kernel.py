@@ -250,9 +250,9 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, *, versus
 def headlines(points, sweep):
     """[(what, measured, goal)]: the target point's shares of the matmul rate, and the ring-sized blocks'."""
     target = points[0]
-    lines = [(f"step {target['step'].split()[-1]}, forward, S = {sweep.target_s}: share of the matmul rate",
+    lines = [(f"{target['step']}, forward, S = {sweep.target_s}: share of the matmul rate",
               f"{target['fwd']:.0%}", f">= {FORWARD_TARGET:.0%}"),
-             (f"step {target['step'].split()[-1]}, backward, S = {sweep.target_s}: share of the matmul rate",
+             (f"{target['step']}, backward, S = {sweep.target_s}: share of the matmul rate",
               f"{target['bwd']:.0%}", f">= {BACKWARD_TARGET:.0%}")]
     for p in points[1:]:
         if p["S"] in RING_SIZES and p["D"] == TARGET_D and p["tile"] is None and p["step"] == target["step"]:

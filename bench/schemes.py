@@ -14,7 +14,7 @@ measured beside the predicted:
   both as a ratio to the ring's contiguous forward, so that the machine's
   compute rate cancels out;
 - bytes sent by the busiest rank and peak K/V bytes held, from the trace,
-  against the prediction (equal by construction: tests/test_schemes.py holds them);
+  against the prediction (equal by construction: tests/oracle/test_schemes.py holds them);
 - wall time of forward+backward, against the predicted time at the compute rate
   the ring's contiguous forward measured and a 10 GB/s link (processes of one
   machine copy through shared memory). With more ranks than cores the wall time

@@ -3,7 +3,7 @@
 Each rank calls `mpi_impl.ring_attention` and `ring_attention_backward` in
 turn, through every layout with masks on and off (causal or not, a sliding
 window, packed documents, dropout, padding), on small shards, and measures after a
-warm-up cycle, half-way and at the end (tests/mpi/soak_worker.py): the communicators
+warm-up cycle, half-way and at the end (tests/support/mpi/soak_worker.py): the communicators
 `RingComm.on` duplicated and did not free, Python's live memory (tracemalloc,
 after a collection), and the resident set. MPICH fails at about the 2,047th
 call of a job whose ring calls do not free their duplicates, so a run this
@@ -34,12 +34,12 @@ QUICK_CALLS, FULL_CALLS = 2000, 6000
 
 
 def mpi_soak(mpi, mpiexec, python, calls, tmp, timeout=3600):
-    """Every rank's measurements (tests/mpi/soak_worker.py), and the job's wall time."""
+    """Every rank's measurements (tests/support/mpi/soak_worker.py), and the job's wall time."""
     import subprocess
     out = Path(tmp) / f"soak_{mpi.replace(' ', '_')}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT=str(timeout), **SINGLE_THREAD,
                **(OPEN_MPI_ENV if mpi == "Open MPI" else {}))
-    cmd = [mpiexec, "-n", str(RANKS), python, "-m", "mpi4py", str(ROOT / "tests" / "mpi" / "soak_worker.py"),
+    cmd = [mpiexec, "-n", str(RANKS), python, "-m", "mpi4py", str(ROOT / "tests" / "support" / "mpi" / "soak_worker.py"),
            str(calls), str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 60)
@@ -116,7 +116,7 @@ def run(quick=True, *, progress=None, calls=None):
         "every call's results equal the first cycle's. Live memory is Python's (tracemalloc, after a "
         "collection: every NumPy buffer and object alive); a leak grows it in the second half too. The "
         f"command: `python -m bench.soak --calls N`, which runs `mpiexec -n {RANKS} python -m mpi4py "
-        "tests/mpi/soak_worker.py N OUT.json`.",
+        "tests/support/mpi/soak_worker.py N OUT.json`.",
         "",
         markdown_table(("MPI", "rank", "ring calls", "job wall (s)", "communicators open (start / end)",
                         "live KiB, first half", "live KiB, second half", "resident MiB (start / end)"),

@@ -22,7 +22,7 @@ every kernel of the step runs on it) and ``copy`` (host <-> device copies of the
 staged transfer, which must not wait behind queued kernels), and the verbs the
 ring's memory objects (`gpu_impl.transfer`) use: events to order the streams
 and time the step, device and pinned buffers, asynchronous copies.
-tests/gpu/queued_device.py implements the same verbs on NumPy with streams
+tests/support/gpu/queued_device.py implements the same verbs on NumPy with streams
 that really run later, so that a missing event gives a wrong answer on a CPU.
 
 Legend: ``a`` a device array, ``host`` a NumPy array (pinned where it matters).

@@ -6,7 +6,7 @@ The fused kernel (kernels/attend_block_v1.cu) keeps each query row in
 registers and a tile's keys, values and scores in shared memory, and skips a tile that no
 query can see from positions on the GPU (paper, section 2.2.1). Kernels are
 numbered like llm.c's dev/cuda versions; each is validated against the plain
-step (tests/test_gpu.py: on the GPU, and without one by compiling the same
+step (tests/gpu/test_gpu.py: on the GPU, and without one by compiling the same
 source for the CPU) before it is timed (bench/gpu_bench.py).
 
     gpu_impl.ring_attention(q, k, v, comm=comm, step="fused")

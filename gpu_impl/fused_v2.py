@@ -10,7 +10,7 @@ read with ldmatrix, the G query heads of a key/value head packed in one tile,
 every mask of `reference.masks` (windows, documents, padding) from positions.
 Like every version it is checked against the readable step before it is timed:
 without a GPU by running the same source on the CPU
-(tests/gpu/emulate_cuda.cpp, tests/test_fused_v2.py), on a GPU by
+(tests/support/gpu/emulate_cuda.cpp, tests/gpu/test_fused_v2.py), on a GPU by
 `scripts/gpu_check.py` (`bench.gpu_kernel`).
 
     gpu_impl.ring_attention(q, k, v, comm=comm, step="fused_v2")     # float16 CuPy arrays
@@ -121,7 +121,7 @@ def kv_format_of(dtype):
 @dataclass
 class Launch:
     """One launch, as host arrays and numbers: what the GPU launch uploads and
-    the CPU emulation passes as they are (tests/test_fused_v2.py)."""
+    the CPU emulation passes as they are (tests/gpu/test_fused_v2.py)."""
     config: Config
     grid: tuple            # (query tiles, B * Hkv)
     k_pos: np.ndarray      # (ck,) int32

@@ -6,7 +6,7 @@ Every layer is a pair of functions:
     dx, (grads of its weights) = name_backward(dy, cache)
 
 and every one is checked against finite differences in float64 by
-tests/test_model.py. All of them except attention work on each token by itself
+tests/model/test_model.py. All of them except attention work on each token by itself
 (a row of the last axes), so they run unchanged on any shard of tokens, in any
 order: that is why only attention has to know about the ring. Rotary embeddings
 read each token's *global* position, which travels with the token.
@@ -14,7 +14,7 @@ read each token's *global* position, which travels with the token.
 Legend: B sequences, c tokens (a shard, or the whole sequence), d = d_model,
 H heads, D = d // H head dim, f = d_ff, V vocabulary.
 
-    python -m pytest tests/test_model.py -q -k layer
+    python -m pytest tests/model/test_model.py -q -k layer
 """
 
 import numpy as np

@@ -5,7 +5,7 @@ thread, as MPI ranks and GPUs do), written for stepping through in a
 debugger: in round t device j holds the block that started on device
 ``src = (j - t) mod N``, so indexing the blocks by `src` is the transfer.
 The step, the accumulators and the finishing are the ring's own, so the
-results are bit for bit those of `reference.ring_attention` (tests/test_ring.py).
+results are bit for bit those of `reference.ring_attention` (tests/steps/test_ring.py).
 
     out, lse = lockstep.ring_attention(q, k, v, n_devices=4, layout="striped")
 

@@ -35,7 +35,7 @@ queries.mask)``); a version that applies dropout (``has_dropout``) weighs P V
 by `masks.keep_weights`, as version 1 does.
 Faster versions sit beside this one in the workshop (`reference.steps`: `v2` .. `v5`, each
 built from the pieces of `steps.parts` and `steps.units`; `gpu_impl.fused`), each checked
-against it (tests/test_step.py).
+against it (tests/steps/test_step.py).
 
 Rows without a visible key and NaN (DESIGN.md):
 - a row with no visible key at all ends with out = 0 and lse = -inf;

@@ -17,7 +17,7 @@ run stopped part-way leaves what it measured:
  1. environment     GPU, CUDA, CuPy, MPI library and its CUDA-awareness, mpiexec
                     (required: without it the ring tests cannot run), tools;
  2. race probe      the staged path with kernels, then copies, slowed down on purpose;
- 3. GPU tests       tests/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
+ 3. GPU tests       tests/gpu/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
                     GPU, both transfer paths, the fused kernel; any skip fails;
  4. fused kernel    against the readable step at D = 64 and 128, GQA, float16 and float32;
  5. tensor cores    fused v2 against the readable step (D = 64 and 128, float16 and
@@ -33,7 +33,7 @@ run stopped part-way leaves what it measured:
  9. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
 10. rates           plain and fused steps against torch's flash attention, one block.
 
---fake-gpu runs the same steps, at small sizes, on tests/gpu/queued_device.py
+--fake-gpu runs the same steps, at small sizes, on tests/support/gpu/queued_device.py
 (a GPU made of NumPy whose streams run later; the readable step stands in for
 the fused kernel): it checks this script, and measures nothing. The GPU tests
 skip there, so those two steps fail, as they must on a GPU where tests skip.
@@ -130,7 +130,7 @@ def parse_args(argv=None):
                                  epilog="Steps: " + ", ".join(f"{s} ({n})" for n, s in SHORT.items()))
     ap.add_argument("--dry-run", action="store_true", help="start every step without a GPU; measure nothing")
     ap.add_argument("--fake-gpu", action="store_true",
-                    help="run every step at small sizes on a GPU made of NumPy (tests/gpu/queued_device.py): "
+                    help="run every step at small sizes on a GPU made of NumPy (tests/support/gpu/queued_device.py): "
                          "checks this script, measures nothing")
     ap.add_argument("--out", default=str(OUT), help="the Markdown results file (default: %(default)s)")
     ap.add_argument("--only", nargs="+", choices=list(SHORT.values()), help="run only these steps")

@@ -20,7 +20,7 @@ from mpi_impl.launch import OPEN_MPI_AS_ROOT  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "gpu_check.py"   # the steps launch its worker modes
 OUT = ROOT / "bench" / "results" / "gpu_check.md"
-QUEUED_GPU = ROOT / "tests" / "gpu" / "queued_device.py"
+QUEUED_GPU = ROOT / "tests" / "support" / "gpu" / "queued_device.py"
 RANKS = 4
 WHOLE_S = 9 * 60        # the whole check, wheels installed included (scripts/gpu_check.sh starts the clock)
 MARGIN_S = 20           # kept back for writing the results, and for killing a step that ran over

@@ -47,8 +47,8 @@ def environment(ctx):
 # -- 2, 3. the tests -------------------------------------------------------------------
 
 def pytest_step(ctx, selection):
-    """tests/test_gpu.py -m gpu with `selection`; fails on any failure or skip."""
-    base = [ctx.python, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-k", selection,
+    """tests/gpu/test_gpu.py -m gpu with `selection`; fails on any failure or skip."""
+    base = [ctx.python, "-m", "pytest", "tests/gpu/test_gpu.py", "-m", "gpu", "-k", selection,
             "-p", "no:cacheprovider", "-q", "-rs"]
     if ctx.dry:
         rc, out = run(ctx, base + ["--collect-only"], 120)

@@ -6,7 +6,7 @@ notebook in memory, runs it in a fresh `python3` kernel of this interpreter
 (nbclient), and stops at the first cell that raises. With `--write` it saves the
 executed notebook, outputs and pictures included, beside the source as
 `notebooks/NN_name.ipynb`: the copies committed to the repository, so that a reader
-sees every picture without running anything (`tests/test_notebooks.py` fails when a
+sees every picture without running anything (`tests/notebooks/test_notebooks.py` fails when a
 copy's cells are no longer its source's).
 
     python scripts/run_notebooks.py                      # run all, report wall and CPU time

@@ -1,7 +1,7 @@
 """The registered block steps, and how a caller chooses one.
 
 Every version keeps the contract of `reference.step` and is checked against
-version 1, the readable one, by one parametrised test body (tests/test_step.py).
+version 1, the readable one, by one parametrised test body (tests/steps/test_step.py).
 Adding a version adds one line to `STEPS`.
 
     step = steps.get("v3", workers=2)      # a name, with the version's options

@@ -9,7 +9,7 @@ disagreement, the smallest N first, is shrunk to the smallest case hypothesis
 finds; the verdict names it, the first bad element, and the command that
 replays it (`--repro`):
 
-    python -m reference.testing check tests/test_kit.py:ToyRing --world-sizes 2,3 --examples 50
+    python -m reference.testing check tests/kit/test_kit.py:ToyRing --world-sizes 2,3 --examples 50
     python -m reference.testing check mymodule:MyRing --repro "Case(layout='striped', ...)"
 
 A disagreement is a result outside the error model's line

@@ -117,7 +117,7 @@ TOL = {
 }
 # bfloat16 (ml_dtypes) keeps 8 significant bits: results rounded to it once at
 # the end may differ by one unit in the last place, 2**-7 of the value (lse is
-# float32). Measured in tests/test_masks.py (test_bfloat16_tolerance_is_measured).
+# float32). Measured in tests/oracle/test_masks.py (test_bfloat16_tolerance_is_measured).
 try:
     import ml_dtypes
     BFLOAT16 = np.dtype(ml_dtypes.bfloat16)

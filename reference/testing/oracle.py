@@ -69,7 +69,7 @@ Without masks (the same command before they were drawn) the figures were
 bound is used up to twice, so GROWTH = 8 leaves a margin of 3 to 4 above the
 worst correct error seen in float32 and float64. bfloat16 needs no constant of
 its own: its results are float32 sums rounded once to bfloat16 (u_out =
-2**-9), as float16's are. The planted bugs of tests/test_kit.py sit 10^4 to
+2**-9), as float16's are. The planted bugs of tests/kit/test_kit.py sit 10^4 to
 10^14 above the line, an out 64 float32 ulps too large fails it, and so do
 bfloat16 gradients summed in bfloat16 round by round (examples/torch_ring.py
 with K, V sent as bfloat16: dv 3 to 6 times over the line).

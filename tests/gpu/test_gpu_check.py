@@ -1,0 +1,284 @@
+"""make gpu-check and make gpu-wheels without a GPU: the prepared first GPU run cannot fail for want of Python.
+
+- the wheels `make gpu-wheels` prepares (here for this machine's Python),
+  installed by scripts/gpu_check.sh into a fresh venv that has neither pip nor
+  NumPy: everything comes from the folder, mpi4py finds the mpich wheel's
+  libmpi, and every step of the dry run starts;
+- every step run for real (`--fake-gpu`) on a GPU made of NumPy
+  (tests/support/gpu/queued_device.py) at small sizes: the commands the steps launch,
+  their environment (Open MPI's root settings beside MPICH's mpiexec), the
+  parsing of what they print; the GPU tests skip here, and the check says so
+  and fails those two steps, as it must on a GPU;
+- the results file is written after every step; a step starts only while time
+  is left, and its commands are killed, process group and all, when it is up;
+- no GPU: status 2, nothing checked; no mpiexec: status 1, said.
+
+    .venv/bin/python -m pytest tests/gpu/test_gpu_check.py -q
+"""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpu_impl
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
+GPU_CHECK_PY = ROOT / "scripts" / "gpu_check.py"
+GPU_WHEELS = ROOT / "scripts" / "gpu_wheels.py"
+STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "tensor cores", "checked run", "command line",
+         "trace", "sanitizer", "rates")
+
+
+def _gpu_present():
+    try:
+        gpu_impl.require_cupy()
+    except gpu_impl.GpuUnavailable:
+        return False
+    return True
+
+
+GPU_PRESENT = _gpu_present()
+without_gpu = pytest.mark.skipif(GPU_PRESENT, reason="a GPU is present (make gpu-check runs the real thing)")
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def headings(text):
+    """[(step, status)] of a results file's sections, in order."""
+    pairs = [line[4:].split(": ", 1) for line in text.splitlines() if line.startswith("### ")]
+    return [(name, status.rsplit(" (", 1)[0]) for name, status in pairs]
+
+
+def section(text, name):
+    start = text.index(f"### {name}:")
+    end = text.find("\n### ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+@without_gpu
+def test_gpu_check_script_fails_clearly_without_gpu(tmp_path):
+    """No GPU: the script stops with status 2 and the reason, checking nothing."""
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--out", str(tmp_path / "r.md")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no usable GPU here, nothing was checked" in proc.stderr
+    assert "== environment" not in proc.stdout and not (tmp_path / "r.md").exists()
+
+
+def test_gpu_check_fails_without_mpiexec(tmp_path):
+    """Without mpiexec the ring tests cannot run: the check fails (status 1),
+    says so, and runs no further step."""
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--dry-run", "--mpiexec", str(tmp_path / "no-mpiexec"),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = out.read_text()
+    assert "mpiexec not found: the ring tests cannot run" in text and "FAILED: environment" in text
+    assert "### race probe" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gpu_wheels_install_into_a_fresh_venv_and_every_step_starts(tmp_path):
+    """make gpu-wheels for this machine's Python (the GPU machine's is 3.12),
+    then gpu_check.sh --wheels DIR --dry-run with the Python of a fresh venv
+    that has no pip and no NumPy (where the GPU machine's has CuPy, NumPy and
+    an mpi4py without MPI): the check's own venv gets every package from the
+    folder with the carried pip, mpi4py loads the mpich wheel's libmpi (the MPI
+    library row), mpiexec is the wheel's; and every step starts (tests
+    collected, the command lines parse, the sanitizer's launch imports), each
+    with a passing section, in order."""
+    wheels, venv, check_venv, out = (tmp_path / name for name in ("wheels", "venv", "check-venv", "gpu_check.md"))
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    proc = subprocess.run([sys.executable, str(GPU_WHEELS), "--dest", str(wheels), "--python-version", version],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {w.name.split("-")[0] for w in wheels.glob("*.whl")} >= {"mpich", "mpi4py", "numpy", "pytest", "pip",
+                                                                     "hypothesis", "ml_dtypes", "pytest_timeout"}
+    assert (wheels / "forced.txt").read_text().split() == ["mpi4py>=4.0", "mpich"]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    fresh = venv / "bin" / "python"
+    assert subprocess.run([str(fresh), "-c", "import numpy"], capture_output=True).returncode != 0
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--python", str(fresh), "--wheels", str(wheels), "--venv",
+                           str(check_venv), "--dry-run", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = out.read_text()
+    assert text.startswith("Dry run (nothing measured)") and "every step passed" in text
+    assert headings(text) == [(name, "ok") for name in STEPS], headings(text)
+    env = section(text, "environment")
+    assert f"| python | {version}" in env and f"{check_venv}/bin/python" in env
+    assert f"| mpiexec | {check_venv}/bin/mpiexec" in env and "| MPI library | MPICH" in env
+    assert "test_gpu_ring_matches_reference[4-staged]" in text          # 4 ranks sharing the GPU
+    assert "2 GPU tests collected" in text and "15 GPU tests collected" in text
+    assert "--seq-len 65536 --head-dim 128 --dtype float16" in text and "--backward --check" in text
+
+
+@without_gpu
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
+    """--fake-gpu: every step for real, at small sizes, on a GPU made of NumPy:
+    the environment table, the pytest runs of the GPU tests (which skip without
+    a GPU, so these two steps fail, saying why: any skip fails), the fused
+    kernel against the readable step (the readable step standing in for the
+    kernel), the checked run against its float64 reference, the command line
+    with --check and the trace under mpiexec (MPICH,
+    with Open MPI's root settings in the environment), the sanitizer's launch,
+    the rates."""
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--fake-gpu", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=360)
+    text = out.read_text()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert text.startswith("Fake GPU run (nothing measured)") and "FAILED: race probe, GPU tests." in text
+    assert headings(text) == [("environment", "ok"), ("race probe", "FAILED"), ("GPU tests", "FAILED"),
+                              ("fused kernel", "ok"), ("tensor cores", "ok"), ("checked run", "ok"),
+                              ("command line", "ok"), ("trace", "ok"),
+                              ("sanitizer", "skipped: compute-sanitizer not found"), ("rates", "ok")], text
+    assert "| GPU | 1 x QueuedDevice (NumPy)" in section(text, "environment")
+    for name, count in (("race probe", 2), ("GPU tests", 15)):
+        part = section(text, name)
+        assert f"{count} skipped" in part and "needs a GPU" in part, part     # pytest ran them
+        assert "FAILED: tests were skipped although a GPU is present" in part
+    assert section(text, "fused kernel").count("| ok |") == 4
+    tensor = section(text, "tensor cores")         # fused v2 checked (the readable step standing in), then timed
+    assert tensor.count("| ok |") == 8 and tensor.count("fused v2, the kernel alone") == 4, tensor
+    assert section(text, "checked run").count("| ok |") == 5                  # out, lse, dq, dk, dv
+    cli = section(text, "command line")
+    rows = [line.split() for line in cli.splitlines() if line.startswith("striped ")]
+    assert len(rows) == 1 and float(rows[0][1]) < 1e-2, cli               # --check's max error, float16
+    assert "forward+backward" in cli
+    traced = section(text, "trace")
+    assert "forward, striped: per round" in traced and "backward, striped: per round" in traced
+    assert "One block's shift alone" in traced
+    assert "one fused launch per dtype: done" in section(text, "sanitizer")
+    assert section(text, "rates").count("fused v1, its tile") == 2
+    for line in proc.stdout.splitlines():           # each section was printed too
+        if line.startswith("### "):
+            assert line in text
+
+
+def test_results_are_written_after_every_step(tmp_path):
+    """The check killed after its first step (as a device lease ends) leaves
+    that step's section in the results file, marked incomplete: the file is
+    written before the section is printed."""
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.Popen([sys.executable, str(GPU_CHECK_PY), "--dry-run", "--only", "env", "race",
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("### environment"):
+                break
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.stdout.close()
+        proc.wait(timeout=60)
+    text = out.read_text()
+    assert "INCOMPLETE (1 steps still to run)" in text.splitlines()[0]
+    assert headings(text) == [("environment", "ok")]
+
+
+def test_steps_start_only_while_time_is_left(tmp_path):
+    """The whole run's 9 minutes count from --started (gpu_check.sh passes its
+    own start, before the wheels are installed): once they are spent no step
+    starts, and each says how to rerun it alone."""
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.run([sys.executable, str(GPU_CHECK_PY), "--dry-run", "--started", str(time.time() - 600),
+                           "--only", "fused", "rates", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    text = out.read_text()
+    assert headings(text) == [("fused kernel", "FAILED"), ("rates", "FAILED")]
+    assert "not started: the whole run's 540 s are spent (rerun it alone: --only fused)" in text
+
+
+def test_a_command_is_killed_with_its_process_group_when_the_step_time_is_up(tmp_path):
+    """run() gives a command what is left of its step, then kills its whole
+    process group (mpiexec's ranks with it): a background child of the command
+    does not outlive it. Its environment carries Open MPI's root settings and
+    an MPIEXEC_TIMEOUT below the time left."""
+    gpu_check = load_gpu_check()
+    ctx = gpu_check.Context(dry=False, python=sys.executable, mpiexec="mpiexec", work=tmp_path,
+                            deadline=time.time() + 3)
+    pid_file = tmp_path / "pid"
+    rc, out = gpu_check.run(ctx, ["bash", "-c", f"sleep 120 >/dev/null 2>&1 & echo $! > {pid_file}; "
+                                                f"echo $MPIEXEC_TIMEOUT $OMPI_ALLOW_RUN_AS_ROOT; wait"], limit=60)
+    assert rc == 124 and "timed out after" in out
+    timeout, as_root = out.split()[:2]
+    assert int(timeout) <= 3 and as_root == "1"
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    for _ in range(100):                    # SIGKILL is sent; it lands at once, but not always before we look
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX":     # gone, or a zombie
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the command's background child outlived the step: {stat.read_text()}")
+
+
+class NumpyAsCupy:
+    """NumPy under CuPy's names, for the check's GPU formulas on a CPU."""
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    asnumpy = staticmethod(np.asarray)
+
+
+def test_checked_runs_reference_is_the_dense_reference():
+    """The checked run's float64 reference on the GPU (query chunks, GQA)
+    equals reference.attention and attention_backward: a chunk boundary
+    inside the sequence, 2 query heads per K/V head."""
+    from reference import attention, attention_backward
+    gpu_check = load_gpu_check()
+    rng = np.random.default_rng(3)
+    q, dout = (rng.standard_normal((1, 40, 4, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 40, 2, 8)) for _ in range(2))
+    got = gpu_check.dense_reference_gpu(NumpyAsCupy(), q[0], k[0], v[0], dout[0], chunk=16)
+    out, lse = attention(q, k, v)
+    want = dict(out=out[0], lse=lse[0], **dict(zip(("dq", "dk", "dv"),
+                                                    (x[0] for x in attention_backward(q, k, v, out, lse, dout)))))
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_the_check_venv_finds_the_machine_packages_as_cupy_looks_for_them(tmp_path):
+    """A machine venv (holding a package, and a .pth pointing at another folder)
+    and the check's venv made from it as scripts/gpu_check.sh makes it: in the
+    check's venv, site.getsitepackages() lists the machine's site-packages (where
+    CuPy's cuda-pathfinder looks for NVRTC and cuBLAS), and the machine's .pth
+    files are read. With the .pth of plain paths it wrote before, neither held."""
+    def venv(path):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+        python = path / "bin" / "python"
+        site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+        return python, Path(site_dir)
+    machine, machine_site = venv(tmp_path / "machine")
+    (machine_site / "machine_lib.py").write_text("X = 1\n")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "pth_lib.py").write_text("Y = 2\n")
+    (machine_site / "extra.pth").write_text(f"{extra}\n")
+    check, check_site = venv(tmp_path / "check")
+    subprocess.run([str(machine), str(ROOT / "scripts" / "machine_pth.py"), str(check_site)], check=True, timeout=60)
+    probe = ("import site, machine_lib, pth_lib; "
+             f"print({str(machine_site)!r} in site.getsitepackages(), site.getsitepackages()[0])")
+    out = subprocess.run([str(check), "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    found, first = out.stdout.split()
+    assert found == "True", out.stdout
+    assert Path(first) == check_site, "the check venv's own packages must come first"

@@ -1,0 +1,232 @@
+"""The four schemes on virtual devices (`reference.schemes`): the ring, the
+all-gather, Ulysses and USP, each pointed at by the kit as a user would point
+it at anyone's ring, against the float64 oracle on every layout, mask, dtype
+and GQA shape it draws; the kit catching a planted Ulysses bug (heads dealt in
+the wrong order after the all-to-all) and a planted USP bug (ring groups and
+Ulysses groups swapped) with the smallest case; and bad input refused before
+any work. MPI ranks run the same schemes in tests/test_mpi_schemes.py.
+
+    .venv/bin/python -m pytest tests/oracle/test_schemes.py -q
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference.virtual
+from reference import ring_attention, ring_attention_backward, schemes
+from reference.cost import candidates, choose, predict_scheme
+from reference.testing import VirtualRingAdapter, check_ring_attention
+from reference.testing.cases import MASKS, cases
+from reference.testing.check import check_adapter, make_plan
+
+ADAPTERS = [VirtualRingAdapter(), VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"),
+            VirtualRingAdapter("usp", ulysses_degree=2)]
+
+
+def drawn(adapter):
+    return cases(devices=adapter.world_sizes, masks=MASKS, head_multiple=adapter.head_multiple,
+                 keep=lambda case: not adapter.supports(case))
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.scheme)
+def test_each_scheme_agrees_with_the_oracle(adapter):
+    @settings(max_examples=40, deadline=None)
+    @given(case=drawn(adapter))
+    def agrees(case):
+        check_ring_attention(adapter, case)
+    agrees()
+
+
+def test_ulysses_spreads_whole_heads_and_usp_deals_the_ring_tokens():
+    """Positions: Ulysses holds contiguous tokens whatever the layout (its
+    ring has one rank); USP u=2 on 4 devices stripes over its two ring ranks."""
+    ulysses, usp = schemes.Scheme("ulysses", 4, 4), schemes.Scheme("usp", 4, 2)
+    assert ulysses.positions(8, "striped").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert usp.positions(8, "striped").tolist() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert usp.ring_group(1) == (1, 3) and usp.ulysses_group(3) == (2, 3)
+
+
+class HeadsReversed(VirtualRingAdapter):
+    """Ulysses whose all-to-all deals group rank i the heads of piece u-1-i."""
+
+    def __init__(self):
+        super().__init__("ulysses")
+        self.name = "planted: Ulysses heads in the wrong order"
+
+    def run(self, case, shards):
+        real = schemes.to_heads
+
+        def to_heads(a2a, arrays, **axes):
+            return real(Reversed(a2a), arrays, **axes)
+        schemes.to_heads = to_heads
+        try:
+            return super().run(case, shards)
+        finally:
+            schemes.to_heads = real
+
+
+class Reversed:
+    """A Ulysses group whose all-to-all sends piece u-1-i to group rank i."""
+
+    def __init__(self, a2a):
+        self.a2a, self.rank, self.size = a2a, a2a.rank, a2a.size
+
+    def all_to_all(self, pieces):
+        return self.a2a.all_to_all(pieces[::-1])
+
+
+class GroupsSwapped(VirtualRingAdapter):
+    """USP whose devices talk over their Ulysses group as the ring and over the
+    ring group as the Ulysses group, while the tokens are dealt as for the right
+    groups (a communicator split the wrong way round)."""
+
+    def __init__(self):
+        super().__init__("usp", ulysses_degree=2)
+        self.name = "planted: USP groups swapped"
+
+    def run(self, case, shards):
+        real = schemes.Comms
+        schemes.Comms = lambda ring, ulysses: real(ulysses, ring)
+        try:
+            return super().run(case, shards)
+        finally:
+            schemes.Comms = real
+
+
+def test_the_kit_catches_a_ulysses_that_deals_heads_in_the_wrong_order():
+    planted = HeadsReversed()
+    verdict = check_adapter(planted, make_plan(planted, world_sizes=(1, 2, 3), examples=40, shrink_seconds=60))
+    assert not verdict.agrees, "the planted Ulysses bug went unseen"
+    case = verdict.case
+    # the smallest case: two devices (one cannot misdeal), two heads, the default shape otherwise
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 2, 2, 1, 2), case
+    assert "differs from the float64 oracle" in verdict.message
+
+
+def test_the_kit_catches_a_usp_with_its_groups_swapped():
+    planted = GroupsSwapped()
+    verdict = check_adapter(planted, make_plan(planted, world_sizes=(2, 4), examples=40, shrink_seconds=60))
+    assert not verdict.agrees, "the planted USP bug went unseen"
+    case = verdict.case
+    # the smallest case: N = 2 (one ring rank of a Ulysses pair, talked to as a ring of two), one token each
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 2, 2, 1, 2), case
+
+
+# -- bad input, before any work ----------------------------------------------------------
+
+@pytest.fixture
+def no_work(monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("work started before the input was checked")
+    monkeypatch.setattr(reference.virtual, "run_devices", started)
+    monkeypatch.setattr(reference.virtual, "shard_at", started)
+
+
+def arrays(Hq=4, Hkv=2, S=8):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((1, S, Hq, 4)), *rng.standard_normal((2, 1, S, Hkv, 4))
+
+
+@pytest.mark.parametrize("options, Hq, Hkv, message", [
+    (dict(scheme="tree"), 4, 2, "scheme must be one of"),
+    (dict(scheme="ring", ulysses_degree=2), 4, 2, "applies to scheme 'ulysses' or 'usp'"),
+    (dict(scheme="all_gather", ulysses_degree=2), 4, 2, "applies to scheme 'ulysses' or 'usp'"),
+    (dict(scheme="usp"), 4, 2, "needs ulysses_degree"),
+    (dict(scheme="usp", ulysses_degree=3), 6, 3, r"ulysses_degree \(3\) must divide the number of devices \(4\)"),
+    (dict(scheme="usp", ulysses_degree=0), 4, 2, "positive int"),
+    (dict(scheme="usp", ulysses_degree=2.0), 4, 2, "positive int"),
+    (dict(scheme="ulysses"), 4, 2, r"key/value heads \(2\) .* multiples of ulysses_degree \(4\)"),
+    (dict(scheme="ulysses", ulysses_degree=2), 4, 4, "use scheme='usp'"),
+    (dict(scheme="usp", ulysses_degree=4), 8, 2, r"key/value heads \(2\)"),
+])
+def test_bad_schemes_are_refused_before_any_work(no_work, options, Hq, Hkv, message):
+    q, k, v = arrays(Hq, Hkv)
+    with pytest.raises(ValueError, match=message):
+        ring_attention(q, k, v, n_devices=4, **options)
+    with pytest.raises(ValueError, match=message):
+        ring_attention_backward(q, k, v, q, np.zeros((1, Hq, 8)), q, n_devices=4, **options)
+
+
+@pytest.mark.parametrize("options", [dict(scheme="ulysses"), dict(scheme="usp", ulysses_degree=2),
+                                     dict(scheme="all_gather"), dict(ulysses_degree=2)])
+def test_the_lockstep_ring_refuses_another_scheme(options):
+    """reference.lockstep is the ring alone: another scheme is an error, never the ring run in its place."""
+    from reference import lockstep
+    q, k, v = arrays(4, 4)
+    with pytest.raises(ValueError, match="runs the ring only"):
+        lockstep.ring_attention(q, k, v, n_devices=4, **options)
+    with pytest.raises(ValueError, match="runs the ring only"):
+        lockstep.ring_attention_backward(q, k, v, q, np.zeros((1, 4, 8)), q, n_devices=4, **options)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from(["ring", "all_gather", "ulysses", "usp"]), st.sampled_from(["striped", "zigzag", "contiguous"]))
+def test_every_scheme_gives_the_same_answer_as_the_ring(scheme, layout):
+    """Bit-level agreement is not promised (sums in other orders), the dense line is."""
+    q, k, v = arrays(Hq=4, Hkv=4, S=16)
+    u = 2 if scheme == "usp" else None
+    out, lse = ring_attention(q, k, v, n_devices=4, layout=layout, scheme=scheme, ulysses_degree=u)
+    ring_out, ring_lse = ring_attention(q, k, v, n_devices=4, layout=layout)
+    np.testing.assert_allclose(out, ring_out, rtol=0, atol=1e-13)
+    np.testing.assert_allclose(lse, ring_lse, rtol=0, atol=1e-13)
+
+
+# -- the cost model holds the trace ------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(scheme=st.sampled_from(["ring", "all_gather", "ulysses", "usp"]), n=st.integers(1, 4),
+       layout=st.sampled_from(["striped", "zigzag", "contiguous"]), S=st.integers(1, 24),
+       group=st.sampled_from([1, 2]), dtype=st.sampled_from([np.float64, np.float32, np.float16]),
+       backward=st.booleans(), window=st.sampled_from([None, 3]), tile=st.sampled_from([None, 2, 3]))
+def test_the_trace_moves_holds_and_computes_what_the_cost_model_predicts(scheme, n, layout, S, group, dtype,
+                                                                         backward, window, tile):
+    u = {"ring": 1, "all_gather": 1, "ulysses": n, "usp": 2 if n % 2 == 0 else 1}[scheme]
+    if scheme == "usp" and u == 1:
+        scheme = "ring"
+    Hkv = 2 * u
+    rng = np.random.default_rng(S)
+    q = rng.standard_normal((1, S, Hkv * group, 3)).astype(dtype)
+    k, v = rng.standard_normal((2, 1, S, Hkv, 3)).astype(dtype)
+    options = dict(n_devices=n, layout=layout, scheme=scheme, window=window, tile_size=tile,
+                   ulysses_degree=u if scheme in ("ulysses", "usp") else None)
+    out, lse, trace = ring_attention(q, k, v, trace=True, **options)
+    if backward:
+        *_, trace = ring_attention_backward(q, k, v, out, lse, q, trace=True, **options)
+    plan = schemes.Scheme(scheme, n, u)
+    predicted = predict_scheme(plan, S, layout, B=1, Hq=Hkv * group, Hkv=Hkv, D=3, dtype=dtype, tile_size=tile,
+                               window=window, backward=backward)
+    for name in ("bytes_sent", "bytes_received", "kv_bytes"):
+        np.testing.assert_array_equal(getattr(trace, name), getattr(predicted, name), err_msg=name)
+    for name in ("source", "tiles_computed", "tiles_skipped", "pairs"):
+        np.testing.assert_array_equal(getattr(trace, name), getattr(predicted.work, name), err_msg=name)
+
+
+def test_the_command_tabulates_every_scheme_and_names_its_choice(capsys):
+    from reference.cost import main
+    main(["--scheme", "all", "--n-devices", "4", "--seq-len", "4096", "--kv-heads", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[3:-1]] == ["ring", "all_gather", "usp", "ulysses"]
+    assert all(len(line.split()) == 12 for line in lines[3:-1]), lines      # no column runs into the next
+    assert lines[-1].split()[1] in ("ring", "all_gather", "usp", "ulysses")
+
+
+def total(pair, what):
+    return sum(what(c) for c in pair)
+
+
+def test_the_choice_follows_the_link_the_compute_and_the_memory():
+    costs = {s: tuple(predict_scheme(s, 4096, "striped", B=1, Hq=8, Hkv=8, D=64, backward=b) for b in (False, True))
+             for s in candidates(4, 8, 8)}
+    assert [(s.name, s.u) for s in costs] == [("ring", 1), ("all_gather", 1), ("usp", 2), ("ulysses", 4)]
+    moved = {s: total(pair, lambda c: np.maximum(c.bytes_sent, c.bytes_received).max(axis=1).sum())
+             for s, pair in costs.items()}
+    flops = {s: total(pair, lambda c: (c.work.tile_area * c.flops_per_entry).max(axis=1).sum())
+             for s, pair in costs.items()}
+    assert choose(costs, 1.0, 1e30) == min(moved, key=moved.get)           # a slow link: the fewest bytes
+    assert choose(costs, 1e30, 1.0) == min(flops, key=flops.get)           # slow compute: the shortest path
+    peak = {s: max(c.kv_bytes.max() for c in pair) for s, pair in costs.items()}
+    assert choose(costs, 1e30, 1.0, min(peak.values())) == min(peak, key=peak.get)
+    with pytest.raises(ValueError, match="fit"):
+        choose(costs, 1e12, 1e9, min(peak.values()) - 1)
