@@ -1,4 +1,4 @@
-"""make gpu-check: what a first GPU must show, in one run of under 9 minutes, written to one Markdown file.
+"""make gpu-check: what a first GPU must show, in one run within a time cap (9 minutes), written to one Markdown file.
 
     python scripts/gpu_check.py                        # what `make gpu-check` runs (bash scripts/gpu_check.sh)
     python scripts/gpu_check.py --dry-run              # any machine: every step starts, nothing is measured
@@ -9,7 +9,7 @@
 For one machine with a CUDA 13 GPU, CuPy and mpi4py, and no package index:
 nothing is installed here (scripts/gpu_check.sh installs carried wheels). Each
 step runs in a process of its own, killed when its time is up: its own limit,
-never past what is left of the whole run's 9 minutes. After every step the
+never past what is left of the whole run's --minutes (9). After every step the
 results file (default bench/results/gpu_check.md, which BENCHMARKS.md includes
 through `bench.gpu_bench`) is written again and the step's section printed, so a
 run stopped part-way leaves what it measured:
@@ -135,8 +135,11 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(OUT), help="the Markdown results file (default: %(default)s)")
     ap.add_argument("--only", nargs="+", choices=list(SHORT.values()), help="run only these steps")
     ap.add_argument("--mpiexec", help="the launcher (default: beside python, else on PATH)")
+    ap.add_argument("--minutes", type=float, default=WHOLE_S / 60,
+                    help="the whole check's time cap, the install of carried wheels included (default: %(default)g): "
+                         "no step starts or runs past it")
     ap.add_argument("--started", type=float, default=None,
-                    help="when the whole check started (time.time(); default: now): 9 minutes from then")
+                    help="when the whole check started (time.time(); default: now): --minutes from then")
     ap.add_argument("--step", choices=list(SHORT.values()), help=argparse.SUPPRESS)       # run one step here
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -166,7 +169,7 @@ def main(argv=None):
     started = args.started or time.time()
     ctx = Context(dry=args.dry_run, python=sys.executable, mpiexec=find_mpiexec(sys.executable, args.mpiexec),
                   work=Path(tempfile.mkdtemp(prefix="gpu_check_")), fake=args.fake_gpu,
-                  deadline=started + WHOLE_S - MARGIN_S)
+                  deadline=started + args.minutes * 60 - MARGIN_S)
     reason = None if ctx.dry or ctx.fake else gpu_missing(ctx)
     if reason:
         print(f"gpu-check: no usable GPU here, nothing was checked: {reason}", file=sys.stderr)
@@ -178,7 +181,7 @@ def main(argv=None):
         print(f"== {name} ({t0 - started:.0f} s; {ctx.left():.0f} s left)", flush=True)
         limit = min(STEPS[name][1], ctx.left())
         if limit < 10:
-            result = Result(False, f"not started: the whole run's {WHOLE_S} s are spent "
+            result = Result(False, f"not started: the whole run's {args.minutes * 60:.0f} s are spent "
                                    f"(rerun it alone: --only {SHORT[name]})")
         else:
             result = run_step(ctx, name, limit, ctx.work / f"{SHORT[name]}.json")

@@ -41,7 +41,37 @@ def environment(ctx):
                                     "(make gpu-wheels, then --wheels DIR, which installs it in the check's venv).")
     if missing:
         return Result(False, text + f"\n\n{', '.join(missing)} missing: carry their wheels (--wheels DIR).")
+    if not (ctx.dry or ctx.fake):
+        ok, probed = cuda_probe(ctx)
+        text += f"\n\n{probed}"
+        if not ok:
+            return Result(False, text)
     return Result(True, text)
+
+
+PROBE = """import cupy
+twice = cupy.RawKernel(r'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }', "twice")
+x = cupy.arange(32, dtype=cupy.float32)
+twice((1,), (32,), (x,))
+a = cupy.ones((64, 64), dtype=cupy.float32)
+print(float(x[3]), float((a @ a)[0, 0]))
+"""
+PROBE_EXPECTED = "6.0 64.0"
+
+
+def cuda_probe(ctx):
+    """(ok, what it says): one RawKernel compiled by NVRTC and one cuBLAS matmul, in a
+    process of its own, so that a CuPy that imports but cannot reach NVRTC or cuBLAS
+    fails here, at once, saying what to set, rather than at every later step."""
+    rc, out = run(ctx, [ctx.python, "-c", PROBE], 120)
+    lines = out.strip().splitlines()
+    if rc == 0 and lines and lines[-1] == PROBE_EXPECTED:
+        return True, "CUDA probe: one kernel compiled by NVRTC and one cuBLAS matmul ran (x2 = 6.0, 64 x 64 ones: 64.0)."
+    return False, ("FAILED: CuPy imports but cannot compile a kernel (NVRTC) or run a matmul (cuBLAS):\n\n"
+                   + fenced(out, 12) + "\n\nCuPy finds NVRTC and cuBLAS in the running interpreter's "
+                   "site-packages (site.getsitepackages(): the nvidia-* wheels) or under CUDA_PATH. Run the "
+                   "check with the machine's own python (--python PATH), or set CUDA_PATH to the CUDA toolkit "
+                   "(for example /usr/local/cuda), or LD_LIBRARY_PATH to the folders of libnvrtc and libcublas.")
 
 
 # -- 2, 3. the tests -------------------------------------------------------------------

@@ -18,6 +18,7 @@
 
 import importlib.util
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -90,11 +91,24 @@ def test_gpu_check_fails_without_mpiexec(tmp_path):
     assert "### race probe" not in text
 
 
+def documented_command(*, wheels, out):
+    """docs/gpu.md's one command for a lent GPU, as a list, its wheels folder
+    and results file moved to `wheels` and `out` (everything else as written)."""
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("bash scripts/gpu_check.sh ")]
+    assert len(lines) == 1, lines
+    words = shlex.split(lines[0])
+    words[words.index("--wheels") + 1], words[words.index("--out") + 1] = str(wheels), str(out)
+    assert words[:2] == ["bash", "scripts/gpu_check.sh"] and "--minutes" in words
+    return words
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_gpu_wheels_install_into_a_fresh_venv_and_every_step_starts(tmp_path):
     """make gpu-wheels for this machine's Python (the GPU machine's is 3.12),
-    then gpu_check.sh --wheels DIR --dry-run with the Python of a fresh venv
+    then docs/gpu.md's one command (gpu_check.sh --wheels DIR --out FILE
+    --minutes M) with --dry-run and the Python of a fresh venv
     that has no pip and no NumPy (where the GPU machine's has CuPy, NumPy and
     an mpi4py without MPI): the check's own venv gets every package from the
     folder with the carried pip, mpi4py loads the mpich wheel's libmpi (the MPI
@@ -112,9 +126,9 @@ def test_gpu_wheels_install_into_a_fresh_venv_and_every_step_starts(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     fresh = venv / "bin" / "python"
     assert subprocess.run([str(fresh), "-c", "import numpy"], capture_output=True).returncode != 0
-    proc = subprocess.run(["bash", str(GPU_CHECK), "--python", str(fresh), "--wheels", str(wheels), "--venv",
-                           str(check_venv), "--dry-run", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(documented_command(wheels=wheels, out=out) + ["--python", str(fresh), "--venv",
+                                                                       str(check_venv), "--dry-run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = out.read_text()
     assert text.startswith("Dry run (nothing measured)") and "every step passed" in text
@@ -194,9 +208,9 @@ def test_results_are_written_after_every_step(tmp_path):
 
 
 def test_steps_start_only_while_time_is_left(tmp_path):
-    """The whole run's 9 minutes count from --started (gpu_check.sh passes its
+    """The whole run's --minutes (9) count from --started (gpu_check.sh passes its
     own start, before the wheels are installed): once they are spent no step
-    starts, and each says how to rerun it alone."""
+    starts, and each says how to rerun it alone; a longer cap lets it start."""
     out = tmp_path / "gpu_check.md"
     proc = subprocess.run([sys.executable, str(GPU_CHECK_PY), "--dry-run", "--started", str(time.time() - 600),
                            "--only", "fused", "rates", "--out", str(out)], cwd=ROOT, capture_output=True,
@@ -205,6 +219,10 @@ def test_steps_start_only_while_time_is_left(tmp_path):
     text = out.read_text()
     assert headings(text) == [("fused kernel", "FAILED"), ("rates", "FAILED")]
     assert "not started: the whole run's 540 s are spent (rerun it alone: --only fused)" in text
+    proc = subprocess.run([sys.executable, str(GPU_CHECK_PY), "--dry-run", "--started", str(time.time() - 600),
+                           "--minutes", "20", "--only", "fused", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and headings(out.read_text()) == [("fused kernel", "ok")], proc.stdout + proc.stderr
 
 
 def test_a_command_is_killed_with_its_process_group_when_the_step_time_is_up(tmp_path):
@@ -228,6 +246,36 @@ def test_a_command_is_killed_with_its_process_group_when_the_step_time_is_up(tmp
         time.sleep(0.1)
     else:
         pytest.fail(f"the command's background child outlived the step: {stat.read_text()}")
+
+
+def fake_python(tmp_path, body):
+    """An 'interpreter' that runs `body` (bash) whatever it is asked: the probe's stand-in."""
+    path = tmp_path / "python"
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_environment_probe_fails_at_once_saying_what_to_set(tmp_path):
+    """The environment step compiles one kernel and runs one matmul: a CuPy that
+    imports but cannot reach NVRTC (CuPy 14's DynamicLibNotFoundError, as the
+    check's venv met it) fails the step, naming CUDA_PATH and --python; the
+    right answer passes; a wrong answer fails too."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_kernels as kernels
+    gpu_check = load_gpu_check()
+
+    def probe(body):
+        ctx = gpu_check.Context(dry=False, python=fake_python(tmp_path, body), mpiexec="mpiexec", work=tmp_path,
+                                deadline=time.time() + 60)
+        return kernels.cuda_probe(ctx)
+
+    ok, text = probe("echo 'cuda.pathfinder.DynamicLibNotFoundError: Failure finding \"libnvrtc.so\"' >&2; exit 1")
+    assert not ok and "DynamicLibNotFoundError" in text and "CUDA_PATH" in text and "--python" in text
+    ok, text = probe(f"echo '{kernels.PROBE_EXPECTED}'")
+    assert ok and "NVRTC" in text
+    ok, _ = probe("echo '2.0 64.0'")                  # a kernel that did not run
+    assert not ok
 
 
 class NumpyAsCupy:
