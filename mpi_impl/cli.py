@@ -41,7 +41,6 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -56,7 +55,7 @@ from .comm import RingComm
 from .cores import crowded, rank_share, wait_quietly
 from .ranks import abort_job
 from .scheme_args import add_scheme_options, choice, predicted_speedup, rank_positions, scheme_problem
-from .table import Row, largest, report, wait_fraction
+from .table import Row, largest, output_problem, report, wait_fraction
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -100,6 +99,8 @@ def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=N
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="q, k, v dtype (float16 and bfloat16 accumulate in float32)")
     ap.add_argument("--tile-size", type=tile_arg, default=128,
                     help="tile side T (T queries by T keys), or TQxTK for a rectangle")
+    ap.add_argument("--backward-tile-size", type=tile_arg, default=None, metavar="TILE_SIZE",
+                    help="the backward's tile, where it differs (a fused forward's own tile, a large one behind it)")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all", help="how tokens are dealt to ranks; all: each in turn")
     ap.add_argument("--step", choices=steps.names(), default="auto",
                     help="block step version (reference.steps): auto is the fastest validated one for the arrays")
@@ -244,18 +245,6 @@ def check_args(args, n_ranks, backend=NUMPY):
     return None
 
 
-def output_problem(option, path):
-    """A message if `path` (an output file) cannot be written, checked before the run: None if it can."""
-    if path is None:
-        return None
-    folder = Path(path).resolve().parent
-    if not folder.is_dir():
-        return f"{option} {path}: the folder {folder} does not exist"
-    if Path(path).is_dir():
-        return f"{option} {path}: is a folder; give a file name"
-    return None
-
-
 def backend_problem(args, backend):
     """A message for options this backend cannot run, or None."""
     if args.dtype == "bfloat16" and backend.array_module is not np:
@@ -287,8 +276,13 @@ def make_steps(args, backend, n_ranks):
     forward = steps.check_step(args.step, xp, **rules)
     if args.threads and args.threads > 1 and forward.takes_workers:
         forward = steps.get(forward.name, workers=args.threads)
+    rules["call"] = call._replace(tile_size=backward_tile(args))
     backward = forward if forward.has_backward else steps.check_step("auto", xp, backward=True, **rules)
     return forward, backward
+
+
+def backward_tile(args):
+    return args.tile_size if args.backward_tile_size is None else args.backward_tile_size
 
 
 def _layouts(args):
@@ -349,8 +343,8 @@ def time_passes(args, layout, backend, comm):
     out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", step=fwd_step, **opts)
     grads, logs = None, {"forward": fwd_log}
     if args.backward:
-        *grads, logs["backward"] = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank",
-                                                                   step=bwd_step, **opts)
+        *grads, logs["backward"] = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank", step=bwd_step,
+                                                                   **dict(opts, tile_size=backward_tile(args)))
     backend.synchronize()
     wall = comm.allreduce(time.perf_counter() - start, op=_max())
     return Timed(wall, out, lse, grads, logs)

@@ -6,6 +6,7 @@
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -41,7 +42,8 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
     lines = [f"{backend_name}: {_scheme_label(args, n_ranks)}N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, "
              f"Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
-             f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}, "
+             + (f"backward tile={args.backward_tile_size}, " if getattr(args, "backward_tile_size", None) else "")
+             + f"{mask_label(args)}, {passes}, best of {args.repeat}, {ran}, "
              f"{args.blas_threads} BLAS thread{'s' if args.blas_threads != 1 else ''} per product"
              + (", waits quiet" if getattr(args, "quiet_waits", False) else ", waits spinning"),
              f"{'layout':<11} {'max error':>9} {'crit. path':>10} {'wall':>9} {'wall speedup':>12} "
@@ -136,3 +138,15 @@ def report(rows, args, comm, backend, checker, choice=""):
             for r in failed) + f" above {tol:g}", file=sys.stderr)
         return 1
     return 0
+
+
+def output_problem(option, path):
+    """A message if `path` (an output file) cannot be written, checked before the run: None if it can."""
+    if path is None:
+        return None
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        return f"{option} {path}: the folder {folder} does not exist"
+    if Path(path).is_dir():
+        return f"{option} {path}: is a folder; give a file name"
+    return None

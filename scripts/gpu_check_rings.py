@@ -24,7 +24,7 @@ def checked_run(ctx):
     max(1, |reference|), per output."""
     cfg = ctx.sizes.checked
     what = (f"S = {cfg['seq_len']}, Hq = {cfg['heads']}, Hkv = {cfg['kv_heads']}, D = {cfg['head_dim']}, "
-            f"float16, striped, tile {cfg['tile']}, {RANKS} ranks, forward and backward")
+            f"float16, striped, tile {cfg['tile']} (backward {cfg['backward_tile']}), {RANKS} ranks, forward and backward")
     if ctx.dry:
         return Result(True, f"dry run: {what}")
     path = ctx.work / "checked.json"
@@ -57,11 +57,12 @@ def checked_run_worker(path, cfg):
     def inputs(pos):
         return [make_shard(CHECK_SEED, i, shape, pos, np.float16) for i, shape in enumerate(shapes)]
     q, k, v, dout = (cupy.asarray(x) for x in inputs(positions(S, n, "striped")[rank]))
-    opts = dict(comm=comm, layout="striped", tile_size=cfg["tile"])
+    tile = tuple(cfg["tile"]) if isinstance(cfg["tile"], list) else cfg["tile"]
     comm.Barrier()
     start = time.perf_counter()
-    out, lse = gpu_impl.ring_attention(q, k, v, **opts)
-    dq, dk, dv = gpu_impl.ring_attention_backward(q, k, v, out, lse, dout, **opts)
+    out, lse = gpu_impl.ring_attention(q, k, v, comm=comm, layout="striped", tile_size=tile)
+    dq, dk, dv = gpu_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=comm, layout="striped",
+                                                  tile_size=cfg["backward_tile"])
     cupy.cuda.Device().synchronize()
     ring_s = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     got = {name: comm.gather(cupy.asnumpy(x)) for name, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}

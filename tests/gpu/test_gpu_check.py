@@ -330,3 +330,27 @@ def test_the_check_venv_finds_the_machine_packages_as_cupy_looks_for_them(tmp_pa
     found, first = out.stdout.split()
     assert found == "True", out.stdout
     assert Path(first) == check_site, "the check venv's own packages must come first"
+
+
+def test_the_checks_ring_runs_forward_through_the_tensor_core_kernel():
+    """The checked run, the command line and the trace run a float16 forward at
+    a tile fused_v2 takes, so that "auto" picks it on CuPy (where it is the
+    default) and a lent GPU runs it inside a ring; the backward at its own tile."""
+    import types
+
+    from mpi_impl import cli
+    from reference import steps
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_base as base
+    import gpu_impl.fused_v2  # noqa: F401 - registers fused_v2
+    cupy = types.ModuleType("cupy")                     # only its name is read
+    sizes = base.GPU_SIZES
+    for argv in (sizes.realistic, sizes.traced):
+        args = cli.build_parser().parse_args(list(argv))
+        call = steps.Call(args.dtype, args.head_dim, args.heads // args.kv_heads, args.tile_size)
+        assert steps.check_step("auto", cupy, call=call).name == "fused_v2", argv
+        assert args.backward and args.backward_tile_size == 1024
+    c = sizes.checked
+    call = steps.Call("float16", c["head_dim"], c["heads"] // c["kv_heads"], tuple(c["tile"]))
+    assert steps.check_step("auto", cupy, call=call).name == "fused_v2"
+    assert steps.check_step("auto", cupy, call=call._replace(tile_size=1024)).name == "v1"     # as it ran before

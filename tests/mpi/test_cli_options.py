@@ -55,3 +55,26 @@ def test_seed_picks_the_inputs_and_the_dropped_pairs(monkeypatch):
     out8, inputs8 = ring_out(BASE + ["--dropout", "0.5", "--seed", "8"], monkeypatch)
     assert not np.array_equal(inputs7[0], inputs8[0])
     assert_close(out8, attention(*inputs8, dropout=0.5, seed=8)[0], np.float64, "seed 8")
+
+
+def test_the_backward_runs_at_its_own_tile(monkeypatch):
+    """--backward-tile-size reaches the backward alone (a fused forward's small
+    tile, a large one behind it); without it the backward takes --tile-size."""
+    monkeypatch.setattr(cli, "_max", lambda: None)
+    tiles = []
+
+    def forward(q, k, v, *, tile_size, **options):
+        tiles.append(("forward", tile_size))
+        return q, None, None
+
+    def backward(q, k, v, out, lse, dout, *, tile_size, **options):
+        tiles.append(("backward", tile_size))
+        return q, k, v, None
+
+    backend = cli.Backend("recording", forward, backward)
+    for argv, want in (([], 4), (["--backward-tile-size", "12"], 12)):
+        tiles.clear()
+        args = cli.build_parser().parse_args(BASE + ["--backward"] + argv)
+        assert cli.check_args(args, 1) is None
+        cli.time_passes(args, "striped", backend, OneRankWorld())
+        assert tiles == [("forward", 4), ("backward", want)]
