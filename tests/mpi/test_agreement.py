@@ -65,6 +65,9 @@ FIELDS = {
     "step": (forward(step="v1"), forward(step="v2")),
     "trace": (forward(), forward(trace="rank")),
     "lse": (backward(), backward(lse=np.zeros((1, 2, C), np.float32))),
+    "scheme": (forward(), forward(scheme="all_gather")),
+    "ulysses_degree": (forward(scheme="usp", ulysses_degree=1, qkv=data(hq=3, hkv=3)),
+                       forward(scheme="usp", ulysses_degree=3, qkv=data(hq=3, hkv=3))),
 }
 # mask options that must agree: every one is a field of the "mask" entry
 MASK_FIELDS = {

@@ -230,3 +230,71 @@ def test_the_choice_follows_the_link_the_compute_and_the_memory():
     assert choose(costs, 1e30, 1.0, min(peak.values())) == min(peak, key=peak.get)
     with pytest.raises(ValueError, match="fit"):
         choose(costs, 1e12, 1e9, min(peak.values()) - 1)
+
+
+@pytest.mark.parametrize("n, u", [(3, 2), (6, 4), (9, 2)])
+def test_a_degree_that_does_not_divide_the_devices_is_refused_whatever_the_degree(n, u):
+    with pytest.raises(ValueError, match=rf"ulysses_degree \({u}\) must divide the number of devices \({n}\)"):
+        schemes.Scheme.checked("usp", u, n_devices=n, Hq=8, Hkv=4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_usp_without_a_degree_is_refused_on_any_number_of_devices(n):
+    with pytest.raises(ValueError, match="needs ulysses_degree"):
+        schemes.Scheme.checked("usp", None, n_devices=n, Hq=8, Hkv=8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_scheme_does_the_same_arithmetic_in_all(causal):
+    """Summed over devices and rounds, every scheme computes the same attention:
+    without a mask, 4 D flops for each of S x S pairs of each query head, whatever
+    the scheme deals over its devices (its heads or its tokens); with the causal
+    mask, the same flops in every scheme whose ring has the same tiles."""
+    from reference.scheme_cost import predict_scheme
+    S, B, Hq, Hkv, D, n = 64, 1, 8, 4, 16, 4
+    totals = {}
+    for name, u in (("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2)):
+        scheme = schemes.Scheme.checked(name, u, n_devices=n, Hq=Hq, Hkv=Hkv)
+        cost = predict_scheme(scheme, S, "striped", B=B, Hq=Hq, Hkv=Hkv, D=D, tile_size=1, causal=causal)
+        totals[name] = int((cost.work.tile_area * cost.flops_per_entry).sum())
+    pairs = S * S if not causal else S * (S + 1) // 2
+    assert totals == dict.fromkeys(totals, 4 * D * B * Hq * pairs), totals
+
+
+def test_the_candidates_are_the_schemes_whose_degree_divides_devices_and_heads():
+    from reference.scheme_cost import candidates
+    labels = [s.label for s in candidates(4, Hq=8, Hkv=2)]
+    assert labels == ["ring", "all_gather", "usp (u=2)"]                 # u = 4 divides no 2 K/V heads
+    assert [s.label for s in candidates(6, Hq=6, Hkv=6)] == ["ring", "all_gather", "usp (u=2)", "usp (u=3)",
+                                                             "ulysses (u=6)"]
+
+
+def test_a_round_lasts_its_compute_or_its_overlapped_transfer_whichever_is_longer():
+    """The ring's transfers overlap its compute: with a link so fast that they
+    take a millionth of it, the predicted time is the critical path's compute
+    alone; with a link so slow that compute is a millionth, the bytes alone."""
+    from reference.scheme_cost import predict_scheme
+    scheme = schemes.Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
+    cost = predict_scheme(scheme, 256, "striped", B=1, Hq=4, Hkv=4, D=16, tile_size=16)
+    rate = 1e9
+    compute = cost.totals()["critical_flops"] / rate
+    moved = float(cost.bytes_sent.max(axis=1).sum())
+    assert cost.seconds(moved / compute * 1e6, rate) == pytest.approx(compute, rel=1e-12)
+    assert cost.seconds(moved / compute * 1e-6, rate) == pytest.approx(compute * 1e6, rel=1e-5)
+
+
+def test_a_scheme_is_chosen_only_if_both_its_passes_fit_in_memory():
+    """choose() takes a (forward, backward) pair per scheme: one whose backward
+    holds more than the memory given is left out, however fast."""
+    from types import SimpleNamespace
+
+    from reference.scheme_cost import choose
+
+    def cost(seconds, peak):
+        return SimpleNamespace(seconds=lambda link, rate: seconds, kv_bytes=np.array([peak]))
+    fast, slow = schemes.Scheme("all_gather", 4, 1), schemes.Scheme("ring", 4, 1)
+    costs = {fast: (cost(1.0, 100), cost(1.0, 900)), slow: (cost(5.0, 100), cost(5.0, 100))}
+    assert choose(costs, 1e9, 1e9) is fast
+    assert choose(costs, 1e9, 1e9, memory_bytes=500) is slow
+    with pytest.raises(ValueError, match="fit in 50 bytes"):
+        choose(costs, 1e9, 1e9, memory_bytes=50)
