@@ -78,3 +78,22 @@ def test_the_backward_runs_at_its_own_tile(monkeypatch):
         assert cli.check_args(args, 1) is None
         cli.time_passes(args, "striped", backend, OneRankWorld())
         assert tiles == [("forward", 4), ("backward", want)]
+
+
+def test_the_choice_line_prices_both_passes_at_the_link_given():
+    """The cost model's choice under the table: each scheme's time is its forward
+    and backward at --link-gbs and the rate measured, and that rate counts the
+    flops of both passes over the critical path's seconds."""
+    from mpi_impl import scheme_args
+    from reference.scheme_cost import predict_scheme
+    from reference.schemes import Scheme
+    args = cli.build_parser().parse_args(["--seq-len", "256", "--heads", "4", "--head-dim", "16", "--tile-size", "32",
+                                          "--backward", "--link-gbs", "0.5"])
+    mask = cli.mask_options(args)
+    ring = Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
+    fwd, bwd = (predict_scheme(ring, 256, "striped", backward=b, **scheme_args._shape(args, mask)) for b in (False, True))
+    flops = fwd.totals()["critical_flops"] + bwd.totals()["critical_flops"]
+    assert scheme_args.measured_rate(args, 4, "striped", mask, 0.5) == pytest.approx(flops / 0.5)
+    line = scheme_args.choice_line(args, 4, "striped", mask, 1e9)
+    ms = (fwd.seconds(0.5e9, 1e9) + bwd.seconds(0.5e9, 1e9)) * 1e3
+    assert f"[ring {ms:.0f} ms," in line and "link 0.5 GB/s" in line, line

@@ -64,6 +64,8 @@ def test_the_share_of_each_device():
     assert cores.share(1, cores=2, takes_workers=False) == cores.Share(2, 1, workers=1, blas=2)
     assert cores.share(2, cores=8, takes_workers=False) == cores.Share(8, 2, workers=1, blas=4)
     assert cores.share(2, cores=8) == cores.Share(cores=8, devices=2, workers=4, blas=1)
+    assert cores.share(2, cores=3) == cores.Share(cores=3, devices=2, workers=1, blas=1)      # rounded down, never up
+    assert cores.share(4, cores=7, takes_workers=False) == cores.Share(7, 4, workers=1, blas=1)
     assert cores.share(8, cores=2, threads=2, blas_threads=3) == cores.Share(2, 8, workers=1, blas=2)   # within 2 cores
     assert "1 BLAS thread per product" in cores.share(8, cores=2).label
     # devices computing at once: as many as the cores hold
@@ -77,6 +79,16 @@ def test_the_share_of_each_device():
             cores.share(8, threads=bad)
         with pytest.raises(ValueError, match="blas_threads must be a positive int"):
             cores.share(8, blas_threads=bad)
+
+
+def test_a_call_inside_nested_holds_has_the_innermost_budget():
+    """A share held inside another is the budget of calls made there, never the outer one."""
+    outer, inner = cores.share(1, cores=2, takes_workers=False), cores.share(2, cores=2)
+    with outer.held():
+        assert cores.budget() == 2
+        with inner.held():
+            assert cores.budget() == 1
+        assert cores.budget() == 2
 
 
 def test_blas_is_described_by_its_kernels():
