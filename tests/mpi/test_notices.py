@@ -104,3 +104,28 @@ def test_a_rank_that_leaves_keeps_the_notices_mpi_has_not_sent_and_their_buffers
     other.leave(RuntimeError("again"))                   # the next failed call prunes those complete by then
     assert all(request is not r for r, _ in kept for request, _ in notices._TOLD)
     notices._TOLD[:] = told
+
+
+def test_a_quiet_ring_waits_quietly_for_its_blocks_and_its_neighbours_notices(monkeypatch):
+    """RingComm(quiet=True) (more ranks than cores): every wait, for a block, a
+    send and each neighbour's notice at close, goes through the quiet wait
+    (`mpi_impl.cores.wait_any` with quiet), none through MPI's spinning one."""
+    from mpi_impl import comm as comm_module
+    from mpi_impl.cores import wait_any
+    waited = []
+
+    def recording(requests, *, quiet):
+        waited.append((quiet, tuple(requests)))
+        return wait_any(requests, quiet=False)         # the scripted neighbours answer MPI's waits
+    monkeypatch.setattr(notices, "wait_any", recording)
+    monkeypatch.setattr(comm_module, "wait_any", recording)
+    mpi = ScriptedMPI(rank=1, size=3)
+    ring_comm = RingComm(mpi, quiet=True)
+    shift = ring_comm.start_shift(block(1), 1)
+    mpi.deliver(1, block(0))
+    ring_comm.finish_shift(shift)
+    mpi.take()
+    notice_requests = set(ring_comm._notices._requests.values())
+    ring_comm.close()
+    assert waited and all(quiet for quiet, _ in waited)
+    assert notice_requests <= {r for _, requests in waited for r in requests}    # close's waits for both notices

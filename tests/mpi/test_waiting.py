@@ -139,3 +139,15 @@ def test_the_reference_is_computed_once_for_every_layout():
     assert checker.reference(backward=False) is first
     both = checker.reference(backward=True)
     assert len(both) == 5 and np.array_equal(both[0], first[0])
+
+
+@pytest.mark.parametrize("waits, crowded, quiet", [("auto", True, True), ("auto", False, False),
+                                                   ("quiet", False, True), ("spin", True, False)])
+def test_the_table_says_how_the_ranks_waited(monkeypatch, waits, crowded, quiet):
+    """--waits quiet or spin is what ran (and what the table's first line says),
+    whatever the machine; auto is as RingComm.on decides."""
+    monkeypatch.setattr(cli, "crowded", lambda comm: crowded)
+    monkeypatch.setattr(cli, "rank_share", lambda comm, **k: cores.cores.share(1, cores=1))
+    args = cli.build_parser().parse_args(["--seq-len", "16", "--waits", waits])
+    cli.hold_share(args, cli.NUMPY, OneRankWorld())
+    assert args.quiet_waits is quiet
