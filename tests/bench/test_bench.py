@@ -230,15 +230,19 @@ def test_driver_keeps_the_sections_it_did_not_run_and_their_headlines(tmp_path, 
     monkeypatch.setattr(bench_run, "SECTIONS", {"first": ("bench_fake_first", "First section"),
                                                 "second": ("bench_fake_second", "Second section")})
     out = tmp_path / "B.md"
+    assert bench_run.main(["--only", "second", "--out", str(out)]) == 0
+    assert bench_run.main(["--only", "first", "--out", str(out)]) == 0          # a section new to the file
+    text = out.read_text()                                                        # takes its place, first
+    assert "second's table" in text and text.index("## First") < text.index("## Second")
     assert bench_run.main(["--out", str(out)]) == 0
     assert bench_run.main(["--only", "second", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "figure 1" in text and "second's table" in text and text.index("## First") < text.index("## Second")
-    assert "| [first ratio](#first-section) | 1.0x | >= 1x | `python -m bench.run --only first` |" in text
+    assert "figure 2" in text and "second's table" in text and text.index("## First") < text.index("## Second")
+    assert "| [first ratio](#first-section) | 2.0x | >= 1x | `python -m bench.run --only first` |" in text
     assert bench_run.main(["--only", "first", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "figure 2" in text and "figure 1" not in text and "second's table" in text
-    assert text.count("## First section") == 1 and "| 2.0x |" in text and "| 1.0x |" not in text
+    assert "figure 3" in text and "figure 2" not in text and "second's table" in text
+    assert text.count("## First section") == 1 and "| 3.0x |" in text and "| 2.0x |" not in text
 
 
 def test_driver_help(capsys):

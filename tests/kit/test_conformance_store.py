@@ -180,6 +180,13 @@ def test_a_planned_cell_that_is_not_stored_shows_as_not_run():
     assert "(1 runs, 1 agree: float32; causal / full; 1 rows not run)" in text
 
 
+def test_the_pages_do_not_depend_on_the_order_runs_come_in(tmp_path):
+    """The runner passes its peers' order, a test the store's: both render the same."""
+    runs = [agreeing(), failing(), agreeing(peer=WINDOWED, dtype="float16"), failing("backward")]
+    assert page.render(runs) == page.render(runs[::-1])
+    assert page.render_pages(runs) == page.render_pages(runs[::-1])
+
+
 def test_the_pages_are_the_stored_runs_rendered_byte_for_byte():
     """docs/conformance/ is what the store renders: `--render` rebuilds each page
     as committed (a page edited by hand, or a run stored without rendering, fails)."""
