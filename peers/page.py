@@ -21,7 +21,7 @@ def render(runs, planned=()):
     """CONFORMANCE.md from `runs` (implementations by key, each's runs in the order given);
     `planned`: (Peer, dtype, mask set) of every cell the runner would run, so that those not
     stored show as not run."""
-    runs = sorted(runs, key=lambda run: run.peer.key)
+    runs = sorted(runs, key=in_order)
     missing = dict(sorted(_missing(runs, planned).items()))
     lines = ["# Conformance: other projects' ring attention against this project's oracle", "",
              header(runs), "", *summary(runs, missing), *overview(runs, missing)]
@@ -47,7 +47,7 @@ def render_pages(runs):
     holds the committed pages equal to them without the peers installed."""
     pages = {}
     for family in dict.fromkeys(family_of(run) for run in runs):
-        mine = sorted((run for run in runs if family_of(run) == family), key=lambda run: run.peer.key)
+        mine = sorted((run for run in runs if family_of(run) == family), key=in_order)
         libraries = dict.fromkeys(run.peer.library for run in mine)
         title = "; ".join(_stated(mine, library, lambda run, library=library: run.versions.get(library, ""))
                           for library in libraries)
@@ -57,6 +57,12 @@ def render_pages(runs):
             "of these implementations and each disagreement in full.", "",
             *matrix(mine), *sections(mine)]) + "\n"
     return pages
+
+
+def in_order(run):
+    """Implementations by key, each's runs by dtype, mask set and pass: the pages
+    read the same whatever order the runs come in."""
+    return (run.peer.key, _order(*run.cell))
 
 
 def family_of(run):
