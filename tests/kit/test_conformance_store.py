@@ -180,6 +180,20 @@ def test_a_planned_cell_that_is_not_stored_shows_as_not_run():
     assert "(1 runs, 1 agree: float32; causal / full; 1 rows not run)" in text
 
 
+def test_a_cell_planned_for_both_passes_is_counted_once_per_pass():
+    """The runner plans a cell once per pass: the page counts its runs not stored, not its plan's lines."""
+    text = page.render([agreeing()], planned=[(CONTROL, "float16", "window")] * 2)
+    assert "| - | 1/1 agree | 2 not run | - |" in text
+
+
+def test_todays_findings_classify_a_stored_run_before_the_one_stored_with_it():
+    """A finding written since a run was stored explains it (FINDINGS read now);
+    the finding stored with the run is only for runs today's findings do not match."""
+    run = failing()
+    run.stored_finding = "ring-flash-attn/float32-buffer-alias"        # what explained it when it ran
+    assert run.finding()["key"] == "ring-flash-attn/window-block-local"
+
+
 def test_the_pages_do_not_depend_on_the_order_runs_come_in(tmp_path):
     """The runner passes its peers' order, a test the store's: both render the same."""
     runs = [agreeing(), failing(), agreeing(peer=WINDOWED, dtype="float16"), failing("backward")]
