@@ -241,6 +241,32 @@ def check_against_readable(cupy, seq=CHECK_SEQ, n=4, hq=8, hkv=2, make_v2=None):
                                      "rllrrrl")
 
 
+def sanitizer_launches(cupy, make_v2=None):
+    """Version 2's launches for compute-sanitizer (make gpu-check's step 9): D = 128,
+    float16 and bfloat16, 100 queries and keys (not a multiple of any tile), a window
+    of 24 (tiles masked, skipped and full), a NaN in V (the guarded path); returns
+    whether every out is finite where the NaN cannot reach and NaN where it does."""
+    from gpu_impl.fused_v2 import TensorCoreStep
+    from reference import ring
+    from reference.masks import make_mask
+    from reference.heads import q_from_heads
+    from reference.step import ForwardAcc, Queries, finish_forward
+    ok, c, window, bad = True, 100, 24, 40                  # key 40 holds a NaN in V
+    for kv_format in ("float16", "bfloat16"):
+        rng = np.random.default_rng(7)
+        (_, q), (k16, _), (v16, _) = (_inputs(rng, (1, c, h, 128), kv_format) for h in (4, 2, 2))
+        v16[0, bad, 0, 5] = np.nan
+        queries = Queries.prepare(cupy.asarray(q), 2, np.arange(c), 128 ** -0.5)
+        acc = ForwardAcc.zeros(queries.q)
+        block = ring.own_block(_on_gpu(cupy, k16, kv_format), _on_gpu(cupy, v16, kv_format), np.arange(c), 0)
+        (make_v2 or TensorCoreStep)(kv_format=kv_format).forward(acc, queries, block, mask=make_mask(window=window),
+                                                                  tile_size=None)
+        out = q_from_heads(cupy.asnumpy(finish_forward(acc)[0]))[0]      # (c, 4 query heads, 128)
+        sees = (np.arange(c) >= bad) & (np.arange(c) < bad + window)
+        ok &= bool(np.isnan(out[sees, :2, 5]).all() and np.isfinite(out[~sees]).all())
+    return ok
+
+
 def torch_flash_seconds(c, hq, hkv, head_dim, kv_format, repeat=5):
     """Seconds of torch's flash attention on one block (K/V heads repeated for
     the group), or None without torch on CUDA."""

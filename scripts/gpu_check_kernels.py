@@ -167,8 +167,14 @@ def one_fused_launch():
         acc = ForwardAcc.zeros(queries.q)
         block = ring.as_dtype(ring.own_block(k, v, np.arange(96) * 2, 0), np.float32, step)
         step.forward(acc, queries, block, causal=True, tile_size=None)
+    from bench.gpu_kernel import sanitizer_launches
+    finite_where_it_should_be = sanitizer_launches(cupy)            # fused_v2: D = 128, float16 and bfloat16
     cupy.cuda.Device().synchronize()
     print("one fused launch per dtype: done")
+    print(f"fused_v2 launches (D = 128, float16 and bfloat16, a window, a NaN in V): "
+          f"{'done' if finite_where_it_should_be else 'FAILED: NaN where it cannot reach, or none where it does'}")
+    if not finite_where_it_should_be:
+        raise SystemExit(1)
 
 
 def sanitizer(ctx):

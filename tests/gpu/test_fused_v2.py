@@ -542,6 +542,16 @@ def test_gpu_check_step_runs_on_the_cpu(libraries):
     assert gpu_kernel.gpu_check(dry=True)[0]
 
 
+def test_the_sanitizers_v2_launches_run_on_the_cpu(libraries):
+    """make gpu-check's compute-sanitizer step launches version 2 too (D = 128,
+    float16 and bfloat16, c not a multiple of the tile, a window, a NaN in V):
+    with the emulated kernel, the NaN reaches exactly the rows whose window
+    holds its key."""
+    def make(kv_format):
+        return emulator.EmulatedTensorCoreStep({c: libraries[c] for c in DEFAULTS}, kv_format=kv_format)
+    assert gpu_kernel.sanitizer_launches(NumpyAsCupy, make_v2=make)
+
+
 # -- compiled for sm_90 ----------------------------------------------------------------------
 
 NVCC = shutil.which("nvcc")
