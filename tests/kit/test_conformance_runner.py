@@ -47,3 +47,20 @@ def test_a_failure_that_agrees_on_replay_says_so_instead_of_a_shrunk_case():
     case, message = run.failure
     assert case is not None and "out:" in message
     assert message.endswith(conformance.FLAKY)
+
+
+class BackwardRaises(Virtual):
+    """A peer whose backward raises: its forward must still be judged on its own."""
+    key = "virtual/backward-raises"
+
+    def run(self, case, shards):
+        if self.backward:
+            raise RuntimeError("its backward raises")
+        return super().run(case, shards)
+
+
+def test_the_forward_run_leaves_the_peers_backward_off():
+    forward = conformance.run_one(BackwardRaises(), np.float64, "causal / full", "forward", 3)
+    assert forward.failure is None, forward.failure
+    backward = conformance.run_one(BackwardRaises(), np.float64, "causal / full", "backward", 3)
+    assert backward.failure is not None and "its backward raises" in backward.failure[1]
