@@ -100,7 +100,7 @@ plt.figure(figsize=(3.8, 3.4))
 plt.imshow(np.ma.masked_where(~mask, P), cmap=weights, vmin=0)
 plt.xlabel("key position")
 plt.ylabel("query position")
-plt.title("attention weights P\n(black: masked, never computed)", fontsize=10)
+plt.title("attention weights P\n(black: masked, weight 0)", fontsize=10)
 plt.colorbar(fraction=0.046, label="weight (each row sums to 1)")
 plt.show()
 

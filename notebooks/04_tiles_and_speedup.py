@@ -228,17 +228,20 @@ for n in (4, 8):
         assert curves[n, "zigzag", "tiles"][i] - curves[n, "striped", "tiles"][i] < cost.striped_limit(n) * T_REAL / c_
 
 # %% [markdown]
-# So zigzag with tiles beats striped with exact skipping only while `T < 2N` (expand the
-# two closed forms: the sign of the difference is that of `c (2N - T) + T`), which is
-# the tiny-tile corner the first plot lives in. At the same tile size zigzag is ahead of
+# So zigzag with tiles beats striped with exact skipping only while `T <= 2N`, and only
+# with tiles that line up with its chunks (expand the two closed forms, which assume they
+# do: the sign of the difference is that of `c (2N - T) + T`, still positive at `T = 2N`,
+# by the margin `T`). A tile that cuts across zigzag's chunks (6 or 7 at N = 4) loses
+# already. That is the tiny-tile corner the first plot lives in. At the same tile size zigzag is ahead of
 # striped by the diagonal band striped computes every round: a few percent at 16 tiles per
 # block, under 1% at 128; both reach the same ceiling. What striping has for it is that its
 # balance needs no alignment: any `c`, any tile, every round the same triangle.
 
 # %%
-for tile in (2, 4, 8, 16, 32):                                    # N = 4, c = 256: the sign of c (2N - T) + T
+for tile in (2, 4, 6, 7, 8, 16, 32):                              # N = 4, c = 256: the sign of c (2N - T) + T
     zig_tiles, str_pairs = (cost.speedup(4 * 256, 4, layout, tile, mode) for layout, mode in [("zigzag", "tiles"), ("striped", "pairs")])
-    assert (zig_tiles > str_pairs) == (256 * (2 * 4 - tile) + tile > 0), tile
+    lines_up = 128 % tile == 0                                    # zigzag's chunks hold c / 2 = 128 tokens
+    assert (zig_tiles > str_pairs) == (lines_up and 256 * (2 * 4 - tile) + tile > 0), tile
 
 # %% [markdown]
 # ## Communication against compute

@@ -144,6 +144,9 @@ def main(argv=None):
         if args.write:
             write_copy(nb, path)
     print(f"{'all':<40} {time.perf_counter() - total:6.1f}s {children_cpu_s() - total_cpu:6.1f}s")
+    if args.write:
+        print(f"executed copies written beside their sources in {NOTEBOOKS}: NN_name.ipynb for each NN_name.py "
+              "(git diff notebooks/ shows what changed)")
 
 
 if __name__ == "__main__":
