@@ -60,6 +60,24 @@ q = rng.standard_normal((B, S, HQ, D))                        # (B, S, Hq, D)
 k, v = (rng.standard_normal((B, S, HKV, D)) for _ in range(2))   # (B, S, Hkv, D)
 dense_out, dense_lse = attention(q, k, v)
 
+
+# %% [markdown]
+# A message is a copy: each device sends its array to the next one, and what arrives is
+# the sender's values in memory of the receiver's own, which the sender may write again
+# at once.
+
+# %%
+def one_shift(j, comm):
+    mine = np.full(3, float(j))
+    (got,) = comm.finish_shift(comm.start_shift((mine,), 1))
+    return mine, got
+
+
+pairs = run_devices(N, one_shift)
+for j, (mine, got) in enumerate(pairs):
+    sender = pairs[(j - 1) % N][0]                                 # device j receives from j - 1
+    assert (got == (j - 1) % N).all() and not np.shares_memory(got, sender)
+
 # %% [markdown]
 # ## Algorithm 1 in lockstep
 #
