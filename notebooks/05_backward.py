@@ -18,13 +18,16 @@
 # saved only `out` and `lse` per query (nothing of size `n_seq x n_seq`), and the backward
 # recomputes each tile's softmax weights from them (FlashAttention's backward):
 #
-# $$P = e^{S - \mathrm{lse}},\quad dV \mathrel{+}= P^\top dO,\quad dP = dO\,V^\top,\quad
-# dS = P \circ (dP - \delta),\quad dQ \mathrel{+}= dS\,K,\quad dK \mathrel{+}= dS^\top Q$$
+# $$S = \sigma\, Q K^\top,\quad P = e^{S - \mathrm{lse}},\quad dV \mathrel{+}= P^\top dO,\quad
+# dP = dO\,V^\top,\quad dS = P \circ (dP - \delta),\quad dQ \mathrel{+}= \sigma\, dS\,K,\quad
+# dK \mathrel{+}= \sigma\, dS^\top Q$$
 #
-# with `delta = rowsum(dO * out)` computed once per query.
+# with `delta = rowsum(dO * out)` computed once per query, and `sigma` the scale
+# (`1 / sqrt(D)` unless given): the scores carry it, and so do the products that go back
+# through them to `Q` and `K`.
 #
 # **Two meanings of S.** In these formulas, as in FlashAttention and in the code (`s`),
-# `S = Q K^T` is the matrix of **scores** of a tile. The other notebooks also use `S` for
+# `S = sigma Q K^T` is the matrix of **scores** of a tile. The other notebooks also use `S` for
 # the number of **tokens**; to keep the two apart, this notebook calls the number of tokens
 # `n_seq` (the paper's name), and `S` is always scores.
 #
