@@ -273,8 +273,8 @@ assert (sent["striped"][:-1] == 2 * 16 * 2 * 8 * 8 + 16 * 8 + 8).all()   # K, V 
 # so contiguous hides it from `c >= r` and striped from `c >= 2r - T`: **the block size
 # needed to hide a transfer doubles** (zigzag's `c^2/2` needs `c >= 2r`). Striping removes
 # the idle devices, and with them the slack that hid the communication. For illustration
-# take `F = 150` TFLOP/s in attention, `B = 25` GB/s per direction and bfloat16 (`b = 2`):
-# `r = 6000` tokens.
+# take `F = 150` TFLOP/s in attention, `B = 25` GB/s per direction (one 200 Gb/s
+# InfiniBand HDR port, a link between nodes) and bfloat16 (`b = 2`): `r = 6000` tokens.
 
 # %%
 F_ATTN, LINK, WORD = 150e12, 25e9, 2             # FLOP/s, bytes/s, bytes per number (assumed)
