@@ -29,7 +29,8 @@
 # 6. real processes with MPI;
 # 7. the whole model: a transformer trained over the ring.
 #
-# Every claim is followed by an `assert` or a picture. Nothing is re-implemented here:
+# Every claim here is followed by an `assert` or a picture (the timings of notebooks 6
+# and 7 are printed and drawn, never asserted). Nothing is re-implemented here:
 # the notebooks call the project's own code (`reference`, pure NumPy; later `mpi_impl`
 # and `model`).
 #

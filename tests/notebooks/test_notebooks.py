@@ -7,7 +7,9 @@ naming no local path.
 The notebooks are jupytext percent files (`notebooks/NN_name.py`);
 `scripts/run_notebooks.py` turns each into a notebook in memory and executes it in
 a fresh `python3` kernel of this interpreter (nbclient). Every claim in a notebook
-is an `assert`, so a wrong claim fails here.
+is an `assert`, so a wrong claim fails here, but for timings: notebooks 6 and 7
+print and draw what they measure, and assert only what the run does, never how
+long it took.
 
 Notebooks teach with the real code: each of 1 to 6 prints the source of what it explains
 (`inspect.getsource`), and any excerpt typed into a notebook's text as a ```python block
