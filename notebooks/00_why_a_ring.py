@@ -240,9 +240,10 @@ print(f"K, V of one device's own tokens: {own_kv} bytes; after the all-gather ea
 assert gathered_kv == N * own_kv
 
 # %% [markdown]
-# But now every device holds the whole sequence's keys and values, `2 S H D` numbers per
-# layer, however many devices share the work: the memory we cut by `N` comes back for
-# attention, in every layer. (For training it comes back twice: their gradients too.)
+# But now every device holds the whole sequence's keys and values, `2 S H D` numbers,
+# however many devices share the work: the memory we cut by `N` comes back for attention,
+# one layer at a time (the gathered blocks can go once that layer is done; for training,
+# their gradients come back too). How much that is, and the other ways, are below.
 #
 # **The ring.** Instead, pass the blocks around. Each device keeps its queries; in each of
 # `N` rounds it attends them to the one key/value block it holds and passes that block to
@@ -284,6 +285,73 @@ ax.grid(alpha=0.3)
 plt.show()
 assert held["all-gather"] == [1.0] * len(n_devices)
 assert held["ring"] == [2 / n for n in n_devices]
+
+# %% [markdown]
+# ## Three ways to spread attention, side by side
+#
+# The all-gather and the ring are two of the three ways the field spreads attention over
+# devices. The third, **Ulysses**, cuts the other axis for attention alone: an all-to-all
+# trades each device's shard of every head for the whole sequence of `H / N` heads, each
+# device attends on its own, and a second all-to-all trades back. It needs the heads (and
+# the key/value heads) divisible by `N`. **USP** runs Ulysses in groups of `u` devices and
+# the ring across the `N / u` groups. All four run here (`scheme=`), and the project's cost
+# model (`reference.scheme_cost`) counts, per device, the K/V bytes each holds and the bytes
+# each sends, byte for byte as the runs' traces record them:
+
+# %%
+from reference.scheme_cost import predict_scheme
+from reference.schemes import Scheme
+
+PLANS = (("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2))
+S4, N4, H4, D4 = 64, 4, 4, 8
+q4, k4, v4 = (rng.standard_normal((1, S4, H4, D4)) for _ in range(3))
+for name, u in PLANS:
+    out4, _, tr = ring_attention(q4, k4, v4, n_devices=N4, scheme=name, ulysses_degree=u, trace=True)
+    assert np.allclose(out4, attention(q4, k4, v4)[0], rtol=0, atol=1e-12)          # the same answer
+    cost4 = predict_scheme(Scheme.checked(name, u, n_devices=N4, Hq=H4, Hkv=H4), S4, "striped",
+                           B=1, Hq=H4, Hkv=H4, D=D4, dtype=np.float64)
+    assert (tr.kv_bytes == cost4.kv_bytes).all() and (tr.bytes_sent == cost4.bytes_sent).all()
+
+# %% [markdown]
+# The same count at the paper's size: a 7B model (32 heads of 128, bfloat16), 256k tokens
+# on 8 devices, one attention layer's forward:
+
+# %%
+S7, N7, H7, D7 = 262144, 8, 32, 128
+costs = {}
+for name, u in PLANS:
+    scheme = Scheme.checked(name, u, n_devices=N7, Hq=H7, Hkv=H7)
+    costs[scheme.label] = predict_scheme(scheme, S7, "striped", B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16",
+                                         tile_size=4096).totals()
+print(f"{'scheme':<14} {'K/V held, GiB':>14} {'sent, GiB':>10}   (per device, one layer, forward)")
+for label, t in costs.items():
+    print(f"{label:<14} {t['peak_kv'] / GiB:>14.2f} {t['bytes_sent'] / GiB:>10.2f}")
+fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+for ax, key, title in zip(axes, ("peak_kv", "bytes_sent"), ("K/V held per device", "bytes sent per device")):
+    ax.bar(list(costs), [t[key] / GiB for t in costs.values()], color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"])
+    ax.set_title(title + " (GiB)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+plt.tight_layout()
+plt.show()
+whole_layer_kv = 2 * S7 * H7 * D7 * BF16                                       # one layer's K and V
+assert whole_layer_kv == 4 * GiB and 4 * GiB < costs["all_gather"]["peak_kv"] < 4.01 * GiB
+assert costs["ring"]["peak_kv"] * 3.99 < costs["all_gather"]["peak_kv"]       # two blocks of eight
+assert costs["ulysses (u=8)"]["peak_kv"] < costs["ring"]["peak_kv"]            # its heads' whole sequence
+assert costs["ring"]["bytes_sent"] == costs["all_gather"]["bytes_sent"]        # the same blocks, moved once
+assert costs["ulysses (u=8)"]["bytes_sent"] * 3.9 < costs["ring"]["bytes_sent"]
+
+# %% [markdown]
+# So at 7B and 256k tokens the all-gather holds 4 GiB of one layer's keys and values while
+# that layer runs: a cost, but small beside the 64 GiB of layer inputs kept for the
+# backward (above), which is why it is used in practice (Llama 3 was trained with it). It
+# moves the same bytes as the ring, all before the first tile, so nothing hides them.
+# Ulysses holds and moves least, but only while the heads divide over the devices (32 heads:
+# at most 32 devices), and its two all-to-alls cannot overlap the compute. The ring holds
+# two blocks, whatever `N`, and hides each transfer behind a round of compute; it is the
+# one that keeps working when the sequence outgrows what a device can gather and the heads
+# run out. USP sits between them. These notebooks follow the ring, where the causal mask
+# creates the imbalance that striping removes; `python -m reference.cost --scheme all`
+# puts the four side by side for any shape and link.
 
 # %% [markdown]
 # ## The ring, drawn
@@ -367,8 +435,9 @@ print("busiest device per round, contiguous:", cont.max(axis=1), " striped:", st
 # %% [markdown]
 # **What we have seen.** Memory grows with the sequence: quadratically for the scores,
 # which the online softmax removes, and linearly for everything else, which only cutting
-# the sequence over devices divides. Attention then needs other devices' keys; gathering
-# them all gives back the memory we saved, passing them around a ring does not. A round
+# the sequence over devices divides. Attention then needs other devices' keys: gathering
+# them all holds one layer's keys and values at a time, Ulysses trades the sequence for
+# heads, and passing them around a ring holds two blocks. A round
 # lasts as long as its busiest device, and under contiguous blocks that device has a full
 # block while others idle: the rest of these notebooks is about that imbalance and how
 # striping removes it. Next, `01_attention_and_online_softmax`: why one block at a time
