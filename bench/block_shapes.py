@@ -94,13 +94,13 @@ def block_arguments(prog, doc, n_devices=4, tile_size=256):
 def run_on_one_thread(module, args, argv, report):
     """``report(args, machine)`` with one BLAS thread and the machine's own BLAS
     kernels: first run again without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (``--as-set`` keeps them)."""
-    from .machine import cpu_model, kernels_note, rerun_with_machine_kernels
+    from .machine import cpu_name, kernels_note, rerun_with_machine_kernels
     if not args.as_set and not args.unset:
         status = rerun_with_machine_kernels(module, sys.argv[1:] if argv is None else argv)
         if status is not None:
             sys.exit(status)
     with blas_limit(1):
-        report(args, f"{cpu_model()}, BLAS {blas_description()}{kernels_note(args.unset)}")
+        report(args, f"{cpu_name()}, BLAS {blas_description()}{kernels_note(args.unset)}")
 
 
 def main(argv=None):

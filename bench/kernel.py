@@ -48,7 +48,7 @@ from reference.tiles import DEFAULT_TILE_SIZE
 
 from . import RESULTS, markdown_table, torch_compare
 from .kernel_timing import CHECK_ROWS, HEADS, TARGET_D, TARGET_S, kernel_point, peak_memory, tile_costs
-from .machine import (KERNEL_ENV, MATMUL_N, blas_limit_note, blas_name, cpu_model, kernels_note,
+from .machine import (KERNEL_ENV, MATMUL_N, blas_limit_note, blas_name, cpu_name, kernels_note,
                       matmul_rate, rerun_with_machine_kernels)
 
 FORWARD_TARGET, BACKWARD_TARGET = 0.70, 0.70     # DESIGN.md
@@ -200,7 +200,7 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, *, versus
     lines = [
         f"Made by `python -m bench.kernel{' --full' if mode == 'full' else ''}` ({mode} sizes) on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}: "
-        f"{os.cpu_count()} cores, {platform.machine()} ({cpu_model()}), BLAS {blas_name()}{kernels_note(unset)}; "
+        f"{os.cpu_count()} cores, {platform.machine()} ({cpu_name()}), BLAS {blas_name()}{kernels_note(unset)}; "
         f"step {step.label} (`--step {step.name} --threads {workers}`). numpy {np.__version__}. Best of {sweep.repeats} (target) or "
         f"{sweep.repeats_other} (others) repeats; the machine is shared, so timings are noisy "
         "and the ratios are what to read.",

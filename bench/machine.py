@@ -40,11 +40,6 @@ def cpu_name():
     return f"{name} ({vector})" if vector else name
 
 
-def cpu_model():
-    """The CPU's model name and widest vector extension (`cpu_name`)."""
-    return cpu_name()
-
-
 def blas_name():
     """The BLAS that ran, with its kernels and threads (threadpoolctl)."""
     return blas_description()

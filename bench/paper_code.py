@@ -143,7 +143,7 @@ def run_jax(python, bpt, inputs_path, results_path, n_devices, tiles, repeats):
 
 def compare(args):
     from reference import cores
-    from .machine import cpu_model
+    from .machine import cpu_name
     from . import markdown_table
     rng = np.random.default_rng(args.seed)
     shape = (1, args.seq_len, args.heads, args.head_dim)
@@ -169,7 +169,7 @@ def compare(args):
     S, N = args.seq_len, args.n_devices
     text = "\n".join([
         f"Made by `python -m bench.paper_code --bpt PATH/bpt.py --jax-python PATH/python` on "
-        f"{cores.available_cores()} cores ({cpu_model()}), BLAS {cores.blas_description()}; "
+        f"{cores.available_cores()} cores ({cpu_name()}), BLAS {cores.blas_description()}; "
         f"JAX {theirs['jax']} on {theirs['devices']} CPU devices. S = {S}, N = {N}, H = {args.heads}, "
         f"D = {args.head_dim}, float32, causal, forward + backward, best of {args.repeats} after one untimed run. "
         f"Ours: `reference.ring_attention` + `ring_attention_backward`, step {args.step}, {threads}. "

@@ -126,7 +126,7 @@ def useful_flops(S, D=HEAD_DIM):
 
 def run(quick=True, *, results_dir=RESULTS, progress=None, seq_lens=None, ranks=None, tile=None, step="auto",
         matmul_n=None):
-    from .machine import blas_name, cpu_model, matmul_rate
+    from .machine import blas_name, cpu_name, matmul_rate
     cfg = dict(QUICK if quick else FULL)
     cfg.update({k: v for k, v in dict(seq_lens=seq_lens, ranks=ranks, tile=tile).items() if v})
     say = progress or (lambda msg: print(f"  scale: {msg}", file=sys.stderr, flush=True))
@@ -145,7 +145,7 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, seq_lens=None, ranks=
                      f"{growth / 2**10 / (per_rank / 1000):.0f}", f"{r['error']:.1e}"])
     text = "\n".join([
         f"Made by `python -m bench.scale --seq-lens {' '.join(map(str, cfg['seq_lens']))} --ranks {cfg['ranks']} "
-        f"--tile {cfg['tile']}` on {os.cpu_count()} cores ({cpu_model()}), BLAS {blas_name()}, one BLAS thread "
+        f"--tile {cfg['tile']}` on {os.cpu_count()} cores ({cpu_name()}), BLAS {blas_name()}, one BLAS thread "
         f"per rank; step {results[0]['step']}; striped, one head, D = {HEAD_DIM}, float32, forward + backward. "
         f"sgemm rate of the machine (all cores, measured first): {rate / 1e9:.0f} GFLOP/s. Errors: out, lse and "
         f"dq of {CHECK_ROWS} sampled query rows against float64 dense attention on those rows.",

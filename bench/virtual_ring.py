@@ -53,7 +53,7 @@ def wall(step, layout, cfg, inputs):
 
 
 def run(quick=True, *, results_dir=RESULTS, progress=None, **overrides):
-    from .machine import blas_name, cpu_model, kernels_note
+    from .machine import blas_name, cpu_name, kernels_note
     cfg = dict(QUICK if quick else FULL, **overrides)
     say = progress or (lambda msg: print(f"  virtual: {msg}", file=sys.stderr, flush=True))
     S, N, tile = cfg["seq_len"], cfg["n_devices"], cfg["tile"]
@@ -74,7 +74,7 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, **overrides):
                          f"{measured:.2f}", f"{cpus['contiguous']:.3f}", f"{cpus[layout]:.3f}", f"{by_cpu:.2f}",
                          f"{predicted:.2f}", f"{measured / predicted:.0%}", f"{by_cpu / predicted:.0%}"])
     text = "\n".join([
-        f"Made by `python -m bench.virtual_ring --tile {tile} --steps {' '.join(cfg['steps'])}` on {os.cpu_count()} cores ({cpu_model()}), "
+        f"Made by `python -m bench.virtual_ring --tile {tile} --steps {' '.join(cfg['steps'])}` on {os.cpu_count()} cores ({cpu_name()}), "
         f"BLAS {blas_name()}{kernels_note('')}; {threads}: "
         f"S = {S}, N = {N} virtual devices (threads), tiles of {tile}, H = {cfg['heads']}, D = {cfg['head_dim']}, "
         f"float32, forward + backward, best of {cfg['repeats']}. Predicted: total tile area of contiguous over "
