@@ -351,7 +351,10 @@ assert costs["ulysses (u=8)"]["bytes_sent"] * 3.9 < costs["ring"]["bytes_sent"]
 # one that keeps working when the sequence outgrows what a device can gather and the heads
 # run out. USP sits between them. These notebooks follow the ring, where the causal mask
 # creates the imbalance that striping removes; `python -m reference.cost --scheme all`
-# puts the four side by side for any shape and link.
+# puts the four side by side for any shape and link. Other people's Ulysses and USP
+# (Ulysses x ring) implementations are checked against this project's oracle by its
+# conformance kit: `CONFORMANCE.md` at the top of the repository lists what each gave,
+# and `docs/conformance/yunchang.md` the Ulysses and USP rings of one of them.
 
 # %% [markdown]
 # ## The ring, drawn
@@ -431,6 +434,49 @@ cont, strip = runs["contiguous"].pairs, runs["striped"].pairs
 assert (cont[0] == c * (c + 1) // 2).all() and set(cont[1:].ravel()) == {0, c * c}   # idle or full
 assert set(strip.ravel()) == {c * (c - 1) // 2, c * (c + 1) // 2}                  # 6 or 10, always
 print("busiest device per round, contiguous:", cont.max(axis=1), " striped:", strip.max(axis=1))
+
+# %% [markdown]
+# ## Exercises
+#
+# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
+# the answer and checks it against the project.
+#
+# 1. One head of one layer at 64k tokens (65536): how many GiB do its bfloat16 scores take?
+# 2. The 7B model at 256k tokens, on 16 devices instead of 8: how much K/V does the ring hold
+#    per device, and the all-gather? (Ignore the few bytes of positions.)
+# 3. With 32 heads, what is the largest number of devices Ulysses can use on its own, and
+#    what does the project say when asked for more?
+# 4. The ring on `N` devices sends each device's block to every other device once. What
+#    fraction of the whole sequence's K and V does one device send in a forward pass, as
+#    `N` grows?
+
+# %% jupyter={"source_hidden": true}
+# 1. 65536^2 scores x 2 bytes = 2^33 bytes = 8 GiB
+answer_1 = 8
+assert 65536 ** 2 * BF16 == answer_1 * GiB
+
+# 2. the ring: two blocks of 1/16 of one layer's 4 GiB = 0.5 GiB; the all-gather: still all 4 GiB
+answer_2 = (0.5, 4.0)
+for (name, held_gib) in zip(("ring", "all_gather"), answer_2):
+    t = predict_scheme(Scheme.checked(name, None, n_devices=16, Hq=H7, Hkv=H7), S7, "striped",
+                       B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16", tile_size=4096).totals()
+    assert abs(t["peak_kv"] / GiB - held_gib) < 0.01 * held_gib
+
+# 3. 32: each device must get a whole number of heads; 64 devices is refused before any work
+answer_3 = 32
+Scheme.checked("ulysses", None, n_devices=answer_3, Hq=H7, Hkv=H7)
+try:
+    Scheme.checked("ulysses", None, n_devices=2 * answer_3, Hq=H7, Hkv=H7)
+    raise AssertionError("64 devices accepted")
+except ValueError as e:
+    print(e)
+
+# 4. N - 1 of its N blocks' worth over the pass, each 1/N of the sequence: (N - 1) / N, close to all of it
+answer_4 = lambda n: (n - 1) / n
+for n in (4, 8):
+    t = predict_scheme(Scheme.checked("ring", None, n_devices=n, Hq=H7, Hkv=H7), S7, "striped",
+                       B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16", tile_size=4096).totals()
+    assert abs(t["bytes_sent"] / whole_layer_kv - answer_4(n)) < 0.01
 
 # %% [markdown]
 # **What we have seen.** Memory grows with the sequence: quadratically for the scores,

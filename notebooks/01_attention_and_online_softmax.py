@@ -47,8 +47,8 @@ import inspect
 from reference import attention, merge, steps
 from reference.heads import q_from_heads, rows_from_heads
 from reference.ring import own_block
-from reference.step import ForwardAcc, Queries, finish_forward, forward_tile
-from reference.tiles import visible
+from reference.step import ForwardAcc, Queries, finish_forward, forward_tile, tile_rows
+from reference.tiles import MASKED, tile_plan, visible
 
 rng = np.random.default_rng(0)
 
@@ -106,6 +106,24 @@ plt.colorbar(fraction=0.046, label="weight (each row sums to 1)")
 plt.show()
 
 # %% [markdown]
+# ## Why a running maximum: `exp` overflows
+#
+# A softmax computed as written, `exp(s) / sum(exp(s))`, overflows as soon as a score
+# passes about 88 in float32 (709 in float64): `exp` gives `inf`, and `inf / inf` is NaN.
+# Subtracting the row's maximum first changes nothing mathematically (the factor
+# $e^{-\max}$ cancels between numerator and denominator) and keeps every exponent at or
+# below 0. Scores that large are real: a dot product of two 128-dimensional vectors whose
+# entries are about 1 is already about 11 before scaling, and trained models see far larger.
+
+# %%
+s_big = np.array([100.0, 99.0, 98.0], dtype=np.float32)        # three scores of one row
+with np.errstate(over="ignore", invalid="ignore"):
+    naive = np.exp(s_big) / np.exp(s_big).sum()                  # exp(100) is inf in float32
+shifted = np.exp(s_big - s_big.max()) / np.exp(s_big - s_big.max()).sum()
+print("naive:", naive, "  shifted by the max:", shifted)
+assert np.isnan(naive).all() and np.isclose(shifted.sum(), 1.0)
+
+# %% [markdown]
 # ## The online softmax: one block of keys at a time
 #
 # In a ring, a device never holds all keys at once: it sees one block per round. It keeps,
@@ -119,17 +137,26 @@ plt.show()
 # and at the end `out = O / l`, `lse = m + log l`. The factor $e^{m - m'}$ rescales what was
 # accumulated against the old maximum; nothing is lost.
 #
-# First the identity on one row of six numbers, split into two blocks of three:
+# First the identity on one row of six scores, with one value per key, split into two
+# blocks of three; each block keeps its own `m`, `l` and `O`, and the merge rescales both
+# to the larger maximum:
 
 # %%
-row = rng.standard_normal(6)
-a, b = row[:3], row[3:]
-m_a, l_a = a.max(), np.exp(a - a.max()).sum()
-m_b, l_b = b.max(), np.exp(b - b.max()).sum()
+row = rng.standard_normal(6)                  # the scores of one query against six keys
+vals = rng.standard_normal(6)                 # one value per key (V with D = 1)
+blocks = []
+for keys in (slice(0, 3), slice(3, 6)):
+    m_b = row[keys].max()
+    p_b = np.exp(row[keys] - m_b)
+    blocks.append((m_b, p_b.sum(), p_b @ vals[keys]))       # (m, l, O) of one block
+(m_a, l_a, o_a), (m_b, l_b, o_b) = blocks
 m = max(m_a, m_b)
 l = l_a * np.exp(m_a - m) + l_b * np.exp(m_b - m)
+o = o_a * np.exp(m_a - m) + o_b * np.exp(m_b - m)
 
+weights_full = np.exp(row) / np.exp(row).sum()             # the softmax of the whole row
 assert np.isclose(m + np.log(l), np.log(np.exp(row).sum()))   # merged lse == full lse
+assert np.isclose(o / l, weights_full @ vals)                  # merged out == full softmax average
 
 # %% [markdown]
 # The same merge on whole outputs: `reference.merge` combines two partial results, each
@@ -160,20 +187,39 @@ assert np.allclose(merged_lse, lse, rtol=0, atol=1e-12)
 # On a device the merge happens inside the per-device step, `reference.step` (Algorithm 1's
 # `AccumulateAttentionFragment`), one tile of queries by keys at a time. This is its
 # readable version (version 1; faster ones, `reference.steps`, are checked against it).
-# Here is the update of one tile, the formulas above line by line:
-
-# %%
-print(inspect.getsource(forward_tile))
-
-# %% [markdown]
-# The step works in a *compute layout* `(B, Hkv, c, G, D)` (query heads grouped under their
-# key/value head). Its inputs are small named types:
+#
+# **The layout first.** The step does not work on `(B, S, Hq, D)`: it regroups the queries
+# as `(B, Hkv, c, G, D)`, the *compute layout*:
+#
+# - `c` is the number of queries this device holds (here all `S = 16`);
+# - `G = Hq / Hkv` is the number of query heads that share one key/value head (grouped-query
+#   attention; `G = 1` here, one head of each);
+# - a **tile** is `tq` queries by `tk` keys; `tile_size=4` below asks for `tq = tk = 4`, so the
+#   16 queries and a block of 8 keys make 4 x 2 tiles;
+# - inside a tile the `tq` queries of every head in the group are stacked as `R = tq * G`
+#   rows (query-major), so that one matrix product `Q K^T` of shape `(R, tk)` covers the
+#   whole group: `K` and `V` are read once for `G` heads.
+#
+# Its inputs are small named types:
 #
 # - `Queries.prepare(q, ...)`: this device's queries `Q_j`, pre-scaled, with their positions;
 # - `own_block(k, v, k_pos, rank)`: a key/value block `K_k, V_k` with its positions;
 # - `ForwardAcc.zeros(...)`: the empty running state (`m = -inf`, `l = 0`, `O = 0`);
 # - `step.forward(acc, queries, block, ...)`: merge one block; `finish_forward(acc)`:
 #   `out = O / l`, `lse = m + log l`.
+#
+# Three names in the tile code guard rare inputs and can be skipped on a first reading:
+#
+# - `guard` is true only when the block holds a NaN or an inf (checked once per block);
+# - `z` holds the dropout weights of the tile, or `None` without dropout (the usual case);
+# - `masked_product(p, v, vis)` is `p @ v`, except that with `vis` given a masked pair adds
+#   exactly 0 even where `V` holds NaN or inf (`0 x NaN` is NaN in floating point).
+#
+# Here is the update of one tile, the formulas above line by line (`s` is `S`, `p` is `P`,
+# `alpha` is $e^{m - m'}$):
+
+# %%
+print(inspect.getsource(forward_tile))
 
 # %%
 step = steps.get("v1")                                  # the readable step
@@ -243,6 +289,32 @@ assert np.allclose(rows_from_heads(lse_h), lse, rtol=0, atol=1e-12)
 # things: the first has nothing to average (`out = 0`, `lse = -inf`); the second has keys
 # whose weights are `exp(-inf) = 0` and sum to 0, so the formula gives `0 / 0 = NaN`, and the
 # step follows the formula, as dense attention does.
+#
+# To see the second case, give query 5 a first coordinate of `-inf` and every key a positive
+# first coordinate: all of query 5's scores are `-inf`, and only its row becomes NaN, in
+# dense attention and in the step alike.
+
+# %%
+q_inf = q.copy()
+q_inf[0, 5, 0, 0] = -np.inf                       # query 5: every score -inf ...
+k_pos1 = k.copy()
+k_pos1[..., 0] = np.abs(k_pos1[..., 0]) + 0.1     # ... as every key's first coordinate is > 0
+
+with np.errstate(invalid="ignore"):
+    dense_out, dense_lse = attention(q_inf, k_pos1, v, causal=True)
+    queries_inf = Queries.prepare(q_inf, n_kv_heads=H, q_pos=pos, scale=scale)
+    acc = ForwardAcc.zeros(queries_inf.q)
+    for keys in (second, first):
+        step.forward(acc, queries_inf, own_block(k_pos1[:, keys], v[:, keys], pos[keys], rank=0),
+                     causal=True, tile_size=4)
+    step_out, step_lse = (f(x) for f, x in zip((q_from_heads, rows_from_heads), finish_forward(acc)))
+
+nan_rows = np.isnan(step_out[0, :, 0]).any(axis=-1)
+print("rows with NaN in out:", np.flatnonzero(nan_rows).tolist())
+assert np.flatnonzero(nan_rows).tolist() == [5] and np.isnan(step_lse[0, 0, 5])
+assert np.isnan(dense_out[0, 5]).all() and np.isnan(dense_lse[0, 0, 5])
+keep = np.arange(S) != 5                          # every other row: as dense attention
+assert np.allclose(step_out[:, keep], dense_out[:, keep], rtol=0, atol=1e-12)
 
 # %% [markdown]
 # ## Picture: the running state, block by block
@@ -270,6 +342,45 @@ plt.show()
 
 assert np.allclose(partial[1], lse[0, 0])
 assert (partial[0][8:] <= lse[0, 0][8:] + 1e-12).all()   # more keys only add to the sum
+
+# %% [markdown]
+# ## Exercises
+#
+# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
+# the answer and checks it against the project.
+#
+# 1. In float64, `exp` overflows a little above 709. A row's scores are `[800, 799]`: what are
+#    its two softmax weights, to three digits?
+# 2. Two blocks of one query's keys give `(m, l) = (2, 3)` and `(5, 1)`. What are the merged
+#    `m`, `l` and `lse`?
+# 3. `Hq = 8` query heads, `Hkv = 2` key/value heads, `tile_size = 64`: what are `G` and the
+#    number of rows `R` of one tile's score matrix?
+# 4. Queries and keys at positions `0..15`, `tile_size=4`, causal: how many of the 16 tiles
+#    does the step skip because no pair in them is visible, and how many need a mask?
+
+# %% jupyter={"source_hidden": true}
+# 1. shift by 800: exp(0) = 1 and exp(-1) = 0.368; weights 1 / 1.368 and 0.368 / 1.368
+answer_1 = (0.731, 0.269)
+with np.errstate(over="ignore", invalid="ignore"):
+    assert np.isnan(np.exp(np.array([800.0, 799.0])) / np.exp(np.array([800.0, 799.0])).sum()).all()
+assert np.allclose(np.exp([0.0, -1.0]) / np.exp([0.0, -1.0]).sum(), answer_1, atol=5e-4)
+
+# 2. m = max(2, 5) = 5; l = 3 e^(2 - 5) + 1 e^0 = 1 + 3 e^-3 = 1.149; lse = 5 + log(1.149)
+answer_2 = (5.0, 1 + 3 * np.exp(-3.0), 5 + np.log(1 + 3 * np.exp(-3.0)))
+m2, l2 = max(2.0, 5.0), 3 * np.exp(2.0 - 5.0) + 1 * np.exp(5.0 - 5.0)
+assert np.allclose((m2, l2, m2 + np.log(l2)), answer_2)
+assert np.isclose(answer_2[2], np.logaddexp(2 + np.log(3), 5 + np.log(1)))   # lse of each block, merged
+
+# 3. G = Hq / Hkv = 4 query heads per key/value head; R = tq * G = 64 * 4 = 256 rows
+answer_3 = (4, 256)
+gq = Queries.prepare(rng.standard_normal((1, 64, 8, 16)), n_kv_heads=2, q_pos=np.arange(64), scale=0.25)
+assert gq.q.shape[3] == answer_3[0]
+assert tile_rows(gq.q, slice(0, 64)).shape[2] == answer_3[1]      # the rows of one 64-query tile
+
+# 4. 4 x 4 tiles: the 6 above the diagonal are skipped, the 4 on it are masked, 6 are full
+answer_4 = (6, 4)
+plan, skipped = tile_plan(pos, pos, tile_size=4)            # causal
+assert (skipped, sum(kind == MASKED for _, _, kind in plan)) == answer_4
 
 # %% [markdown]
 # **What we have seen.** A device can attend to keys one block at a time, in any order,

@@ -35,6 +35,10 @@
 #
 # The third is for the step, which calls it between its tiles (more below).
 #
+# Notebook 0 set the ring beside the two other ways to spread attention, the all-gather
+# and Ulysses; the notebooks follow the ring from here, and the same `run_devices` runs the
+# other two (`ring_attention(..., scheme="ulysses")`).
+#
 # `reference.virtual` provides N *virtual* devices (threads in this process, sharing
 # nothing: a message is a copy). Here we run them on a small case, watch the blocks go
 # round, and read the trace: the work each device did in each round.
@@ -223,11 +227,38 @@ layout, (pos, sent, trace) = "contiguous", watched["contiguous"]
 # ## The work table
 #
 # `Trace.table()` prints the same per-(round, device) work compactly, with the busiest and
-# idlest device of each round. A round lasts as long as its busiest device, so the
-# **critical path** is the sum over rounds of the busiest device's work.
+# idlest device of each round. The ring has no barrier between rounds, but device `j`
+# starts round `t + 1` only when it has finished round `t` and its left neighbour has too
+# (it needs that neighbour's block). With transfers hidden and every device equally fast,
+# the ring therefore takes at least its busiest device's total and at most the sum over
+# rounds of each round's busiest device: that sum is the **critical path** counted below.
 
 # %%
 print(trace.table(f"{layout}: S={S}, N={N}, tile={T}"))
+
+# %% [markdown]
+# The rule in code: finish times, round by round, with one visible pair as the unit of time.
+# For the three layouts here the ring takes exactly the critical path: a round does last as
+# long as its busiest device.
+
+# %%
+def ring_finish(work):
+    """When each device finishes its last round: round t + 1 starts once the device and
+    its left neighbour have finished round t. work: (rounds, devices)."""
+    done = np.zeros(work.shape[1])
+    for t, row in enumerate(work):
+        start = np.maximum(done, np.roll(done, 1)) if t else done   # np.roll: the left neighbour
+        done = start + row
+    return done
+
+
+for name in LAYOUTS:
+    work = cost.predict(S, N, name, tile_size=T).pairs
+    finish = ring_finish(work).max()
+    assert work.sum(axis=0).max() <= finish <= work.max(axis=1).sum()    # the two bounds
+    assert finish == work.max(axis=1).sum(), name                         # and the upper one is met
+    print(f"{name:>10}: busiest device's total {work.sum(axis=0).max():4d}, ring {finish:5.0f}, "
+          f"critical path {work.max(axis=1).sum():4d}")
 
 # %% [markdown]
 # ## Every layout
@@ -303,6 +334,33 @@ assert crit_tiles["striped"] < crit_tiles["contiguous"]
 assert crit["contiguous"] / crit["striped"] == cost.speedup(S, N, "striped", T, mode="pairs")
 assert crit["contiguous"] / crit["striped"] < cost.striped_limit(N)
 assert (traces["zigzag"].pairs[1:] == c * c // 2).all()
+
+# %% [markdown]
+# ## Exercises
+#
+# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
+# the answer and checks it against the project.
+#
+# 1. Striped, `S = 32` on `N = 4`: which device's block does device 2 hold in round 3, and
+#    how many visible pairs does device 0 compute in round 1?
+# 2. Contiguous, same size, pairs skipped exactly: what is the critical path, in pairs?
+# 3. Device `j` sends a block in every round but the last. How many messages does the whole
+#    ring send in one forward pass?
+
+# %% jupyter={"source_hidden": true}
+# 1. (2 - 3) mod 4 = 3; in round 1 device 0 holds device 3's block, all of whose keys come
+#    after its queries but for the diagonal it does not have: c (c - 1) / 2 = 28 pairs
+answer_1 = (3, 28)
+assert traces["striped"].source[3, 2] == answer_1[0] and traces["striped"].pairs[1, 0] == answer_1[1]
+
+# 2. round 0: a triangle with its diagonal, c (c + 1) / 2 = 36; then a full past block,
+#    c^2 = 64, on the busiest device of each of the 3 other rounds: 36 + 3 * 64
+answer_2 = 228
+assert crit["contiguous"] == answer_2
+
+# 3. N devices x (N - 1) rounds = 12
+answer_3 = 12
+assert (traces["striped"].bytes_sent > 0).sum() == answer_3
 
 # %% [markdown]
 # **What we have seen.** The ring is Algorithm 1 run by N copies of one function; every

@@ -463,6 +463,35 @@ assert by_tiles[0] < 1 < by_tiles[-1]                            # contiguous wi
 assert by_tiles[-1] == cost.speedup(S_W, N_W, "striped", TILE_W)  # W = S: plain causal attention
 
 # %% [markdown]
+# ## Exercises
+#
+# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
+# the answer and checks it against the project.
+#
+# 1. Striped on `N = 4` devices, blocks of `m = 4` tiles per side, whole tiles computed: what
+#    speed-up over contiguous does the cost model predict? (Use the closed form.)
+# 2. What is the ceiling of striped's speed-up on 8 devices?
+# 3. The link doubles to 50 GB/s, everything else as in "Communication against compute":
+#    from which block size `c` does striped hide its transfer, with tiles of 128?
+
+# %% jupyter={"source_hidden": true}
+# 1. u = T, c = 4T, A = (2N - 1) c = 28T: (A + u) / (N (c + u)) = 29T / 20T = 1.45
+answer_1 = 1.45
+assert np.isclose(cost.speedup(4 * 4 * TILE_SMALL, 4, "striped", TILE_SMALL, "tiles"), answer_1)
+
+# 2. (2N - 1) / N = 15 / 8
+answer_2 = 1.875
+assert cost.striped_limit(8) == answer_2
+
+# 3. r = b F / (2 B) = 2 x 150e12 / 1e11 = 3000 tokens; striped from c >= 2r - T = 5872
+answer_3 = 5872
+assert 2 * (WORD * F_ATTN / (2 * 50e9)) - T_REAL == answer_3
+c_hide = np.arange(T_REAL, 16384 + 1, T_REAL)       # the first block size, in tiles of 128, that hides it
+work = np.array([cost.predict(N_ * c_, N_, "striped", T_REAL).tile_area[1:N_ - 1].max() for c_ in c_hide])
+hides = 4 * D_ * H_ * work / F_ATTN >= 2 * c_hide * H_ * D_ * WORD / 50e9
+assert abs(c_hide[np.argmax(hides)] - answer_3) < T_REAL
+
+# %% [markdown]
 # **What we have seen.** Striped blocks skip the same fraction of tiles in every round, so
 # the speed-up grows with the number of tiles per block, from none at one tile to close to
 # `(2N - 1) / N`; the paper's 33% and 25% examples and its whole TMS table follow from

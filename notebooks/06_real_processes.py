@@ -275,22 +275,14 @@ assert predicted[0] == 1.0 and min(predicted[1:]) > 1.4       # what the model c
 # %% [markdown]
 # ## Why striped falls short of its prediction
 #
-# The cost model charges every computed tile the same. The trace lets us check that: it has
-# each rank's CPU time in each round, and from positions we know which tiles that rank
-# computed, **full** ones (every pair visible, no mask) and **masked** ones (a mask built and
-# applied). Contiguous computes mostly full tiles (a past block is all full); striped's
-# triangles have a masked tile on every diagonal, `m` of their `m(m+1)/2` tiles (8 of 36
-# here). And a block that is skipped entirely (contiguous's future blocks) still costs
-# something: the step plans its tiles from positions and notes which rows see a key.
-#
-# So fit each step's CPU time as `a * full tiles + b * masked tiles + f`, plus `r` in
-# round 0, over all ranks, rounds and layouts. Round 0 gets a cost of its own because on
-# these ranks it costs more than its tiles say (`r`, printed below, has come out positive in
-# every run of this notebook so far; striped's rounds all have the same tiles, and its round 0
-# is still the dearest), for a reason this notebook
-# does not pin down. Fitted with the rest, that extra would land on the masked tiles,
-# which round 0 is full of (every layout holds its own diagonal block then). Then put the
-# fitted costs back into the critical path, and compare with the measured speed-up.
+# The cost model charges every computed tile the same. The trace lets us check that: from
+# positions we know which tiles each rank computed in each round, **full** ones (every pair
+# visible) and **masked** ones (a mask built and applied; striped has one on the diagonal
+# of every block, every round), and the trace has each step's CPU time. So fit every
+# (round, rank) step's CPU time as `a * full tiles + b * masked tiles + f`, plus `r` in
+# round 0 (which on these ranks costs more than its tiles say), over all ranks, rounds and
+# layouts; then weigh each layout's tiles by the fitted costs and compute the critical
+# path again.
 
 # %%
 def tile_counts(layout):
@@ -304,109 +296,31 @@ counts = {layout: tile_counts(layout) for layout in LAYOUTS}
 for layout in LAYOUTS:
     full, masked = counts[layout]
     assert (full + masked == forward[layout].tiles_computed).all()
-assert (counts["striped"][1] == S_BIG // N_RANKS // T_BIG).all()        # m masked tiles in every block
+assert (counts["striped"][1] == S_BIG // N_RANKS // T_BIG).all()        # a masked tile per row of tiles, every block
 ROUND_0 = (np.arange(N_RANKS) == 0)[:, None] * np.ones(N_RANKS)      # (t, j): 1 in round 0
 
-
-def fitted_costs(cpu_ms):
-    """Least squares: CPU ms of each (round, rank) step = a full + b masked + f + r (round 0)."""
-    rows = np.array([np.stack([*counts[layout], np.ones((N_RANKS, N_RANKS)), ROUND_0], axis=-1).reshape(-1, 4)
-                     for layout in LAYOUTS]).reshape(-1, 4)
-    return np.linalg.lstsq(rows, np.concatenate([cpu_ms[layout].ravel() for layout in LAYOUTS]), rcond=None)[0]
-
-
-a, b, f, r = fitted_costs(measured)
-skipped = measured["contiguous"][forward["contiguous"].tiles_computed == 0]
-print(f"{forward['striped'].step}: full tile {a:.3f} ms, masked tile {b:.3f} ms (x{b / a:.2f}), fixed {f:.3f} ms "
-      f"per step, round 0 {r:+.3f} ms; a skipped block, measured: {skipped.mean():.3f} ms")
+rows = np.concatenate([np.stack([*counts[layout], np.ones((N_RANKS, N_RANKS)), ROUND_0], axis=-1).reshape(-1, 4)
+                       for layout in LAYOUTS])                        # (3 layouts x 16 steps, 4)
+a, b, f, r = np.linalg.lstsq(rows, np.concatenate([measured[layout].ravel() for layout in LAYOUTS]), rcond=None)[0]
 weighted = {layout: (a * counts[layout][0] + b * counts[layout][1] + f + r * ROUND_0).max(axis=1).sum()
             for layout in LAYOUTS}
-speedup = {layout: {"measured": crit["contiguous"] / crit[layout],
-                    "weighted": weighted["contiguous"] / weighted[layout],
-                    "tiles": cost.speedup(S_BIG, N_RANKS, layout, T_BIG)} for layout in LAYOUTS[1:]}
-for layout, s in speedup.items():
-    print(f"  {layout:<9} measured {s['measured']:.2f}   tiles weighted by the fitted costs {s['weighted']:.2f} "
-          f"({s['weighted'] / s['measured'] - 1:+.0%})   cost model, every tile alike {s['tiles']:.2f} "
-          f"({s['tiles'] / s['measured'] - 1:+.0%})")
 
-for layout in ("striped", "zigzag"):       # the busiest rank of a round against the average one
-    fitted = a * counts[layout][0] + b * counts[layout][1] + f + r * ROUND_0
-    cpu = measured[layout]
-    print(f"  {layout:<9} summed over rounds, the busiest rank: measured {cpu.max(axis=1).sum():.1f} ms, "
-          f"fitted {fitted.max(axis=1).sum():.1f}; the mean rank: measured {cpu.mean(axis=1).sum():.1f}, "
-          f"fitted {fitted.mean(axis=1).sum():.1f}")
-
-# timings on shared cores: printed, not asserted (see the text below)
-print(f"a masked tile dearer than a full one (b > a): {b > a}; round 0 dearer (r > 0): {r > 0}; "
-      f"so striped's weighted prediction below its tile count: "
-      f"{speedup['striped']['weighted'] < speedup['striped']['tiles']}")
+# timings of this run, on shared cores: printed, not asserted
+print(f"step {forward['striped'].step}, fitted CPU ms: full tile {a:.3f}, masked tile {b:.3f} (x{b / a:.2f}), "
+      f"per step {f:.3f}, round 0 {r:+.3f}\n")
+print(f"{'speed-up over contiguous':<26} {'measured':>9} {'tiles weighted by the fit':>26} {'tile count':>11}")
+for layout in LAYOUTS[1:]:
+    print(f"{layout:<26} {crit['contiguous'] / crit[layout]:>9.2f} "
+          f"{weighted['contiguous'] / weighted[layout]:>26.2f} {cost.speedup(S_BIG, N_RANKS, layout, T_BIG):>11.2f}")
 
 # %% [markdown]
-# With the default step a masked tile costs more than a full one (the fitted ratio above;
-# it moves from run to run, and so does everything measured here: four ranks share the
-# cores of this machine, and a four-number fit to 48 timings is rough). Striped pays for a
-# masked diagonal tile in every block, every round, while contiguous's critical path is
-# mostly full tiles; so weighting each tile by what it costs lowers striped's predicted
-# speed-up towards the measured one (the printed percentages compare both predictions
-# with the measurement). In every run of this notebook so far the weighted prediction came
-# within **30%** of the measured speed-up for striped and zigzag; nothing here asserts a
-# time. The margin is wide because the measurement is rough: the fitted costs say every rank with the same tiles takes the same
-# time, while on shared cores the busiest rank of a round is also the one the scheduler
-# slowed most, so the measured critical path of a balanced layout runs long (the last
-# lines printed set the busiest rank's time beside the mean rank's). Zigzag adds a bias
-# of its own: its two kinds of half block (all its queries against half the keys, or half
-# its queries against all the keys) have the same number of full tiles, and the first
-# cost about 5% more per round on this machine, which a count of tiles cannot see. In
-# the runs we recorded on this 2-core machine, under a load average of 7 to 18, the
-# weighted prediction came out between 5% below and 18% above the measured speed-up
-# with the least of two launches (up to 24% above from one launch alone), the tile count
-# up to 41% above it; the fitted masked tile cost 1.3 to 2.6 times a full one. So the
-# 30% says that the fitted costs account for a measurement of the right size, with
-# room for a busier machine, not how close they come.
-#
-# The step is versioned (`reference.steps`, chosen with `--step`): `v1` is the readable
-# formulas; `v3` makes full tiles faster with a lazy max and taller products, and masks
-# its masked tiles with extra passes (`v5`, what `auto` picks for NumPy, runs v3's tiles
-# for a group of heads at once, the ranks above included); `v4` computes masked
-# tiles in sub-tiles of 64 and skips the sub-tiles no query sees. `bench.block_shapes`
-# measures the CPU time per computed tile of each block shape, one step at a time in one
-# process, with one BLAS thread:
-#
-# ```
-# python -m bench.block_shapes --seq-len 4096 --n-devices 4 --tile-size 128 --steps v1 v3 v4 --repeats 3
-# ```
-
-# %%
-cmd = [sys.executable, "-m", "bench.block_shapes", "--seq-len", str(S_BIG), "--n-devices", str(N_RANKS),
-       "--tile-size", str(T_BIG), "--heads", "4", "--head-dim", "64", "--steps", "v1", "v3", "v4", "--repeats", "3"]
-result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=PROJECT, timeout=300)
-assert result.returncode == 0, result.stderr
-print(result.stdout)
-
-full_ms, triangle = {}, {}      # step -> forward ms per full tile; a triangular block's tile over a full one's
-lines = result.stdout.splitlines()
-for i, line in enumerate(lines):
-    if line.startswith("forward, step "):
-        name = line.split()[2].rstrip(",:")
-        full_ms[name] = float(lines[i + 1].split()[-3])                    # "full (contiguous, j > k)  0.149 ms/tile  x1.00"
-        triangle[name] = float(lines[i + 2].split()[-1].lstrip("x"))      # "triangle (striped, j > k)  0.198 ms/tile  x1.33"
-print("forward, a triangular block's tile against a full block's:",
-      ", ".join(f"{name} x{ratio:.2f} (full tile {full_ms[name]:.3f} ms)" for name, ratio in triangle.items()))
-assert set(triangle) == {"v1", "v3", "v4"}
-print(f"a full tile: v1 takes {full_ms['v1'] / full_ms['v3']:.1f} times v3's time")
-
-# %% [markdown]
-# Read the forward lines. `v3` computes a full tile much faster than `v1` (the multiple is printed), and
-# its masked tiles by less: on the ranks above, the fit found a masked tile dearer than a
-# full one (`b > a`, printed), and striped has one in every block, every round. That is
-# the shortfall above: the step's, not the ring's. Alone in one process, a triangular
-# block's tile costs the multiple of a full block's printed above, step by step; on a
-# shared machine those ratios move from run to run by a tenth or more, so they are
-# printed, not asserted. `v4`'s sub-tiles do not help at this shape: BENCHMARKS.md ("A
-# tile's cost by block shape") measured a triangular block's tile at blocks of 1024 and
-# tiles of 128 at 1.26 to 1.30 times a full one's in `v4` against 1.29 to 1.37 in `v3`
-# on an Intel Xeon, and 1.14 to 1.18 against 1.16 on an AMD EPYC; they help at tiles of
-# 256.
+# When the fit finds a masked tile dearer than a full one (`b > a`), weighing the tiles moves
+# striped's predicted speed-up down from the tile count towards what the ranks measured:
+# striped pays for a masked tile in every block, every round, and contiguous's critical path
+# is mostly full tiles. The caveat: four ranks share two cores here, so each figure in this
+# table moves from run to run by a tenth or more, and the fit is a rough four-number
+# summary of 48 timings; `python -m bench.block_shapes` measures a tile's cost by block
+# shape carefully, one step at a time in one process.
 
 # %% [markdown]
 # ## Your own script
@@ -442,6 +356,29 @@ result = subprocess.run([str(MPIEXEC), "-n", str(N_RANKS), sys.executable, "-m",
 print(result.stdout, result.stderr[-2000:])
 assert result.returncode == 0
 assert sorted(line.split(":")[0] for line in result.stdout.splitlines()) == [f"rank {r}" for r in range(N_RANKS)]
+
+# %% [markdown]
+# ## Exercises
+#
+# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
+# the answer and checks it against the project.
+#
+# 1. In the timing runs (`S = 4096` on 4 ranks, 4 heads of 64, float32), how many bytes does
+#    a rank send in each round but the last? (A block's positions are 8-byte integers, and
+#    one more 8-byte number says whose block it is.)
+# 2. Contiguous, 4 ranks: in how many of the 16 (round, rank) steps does a rank compute
+#    nothing, and how many tiles does the last rank compute over the pass?
+
+# %% jupyter={"source_hidden": true}
+# 1. K and V: 2 x 1024 tokens x 4 heads x 64 x 4 bytes = 2 MiB; positions 1024 x 8; owner 8
+answer_1 = 2 * 1024 * 4 * 64 * 4 + 1024 * 8 + 8
+assert (forward["striped"].bytes_sent[:-1] == answer_1).all()
+
+# 2. rank j holds a future block in rounds t > j: 0 + 1 + 2 + 3 = 6 idle steps; the last rank:
+#    a triangle of 8 x 9 / 2 = 36 tiles, then 3 full blocks of 64
+answer_2 = (6, 36 + 3 * 64)
+assert (forward["contiguous"].tiles_computed == 0).sum() == answer_2[0]
+assert forward["contiguous"].tiles_computed[:, -1].sum() == answer_2[1]
 
 # %% [markdown]
 # **What we have seen.** The ring of notebook 3 runs unchanged on real processes: the

@@ -393,7 +393,39 @@ assert all(r["tms"] - r["tms_tiles"] < r["tms_tiles"] - r["speedup"] for r in pa
 # measurement is the tiles' (the bound's fall from `TMS` to `TMS tiles` is larger than what
 # is left below it); at larger blocks the tiles explain less of it than whatever else the
 # paper's runs spent.
+
+# %% [markdown]
+# ## Exercises
 #
+# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
+# the answer and checks it against the project.
+#
+# 1. Striped, `S = 16` on `N = 4`: which global positions does device 2 hold, and which
+#    labels (as positions of `tokens`)?
+# 2. Is `q . k` with rotary at positions `(4, 9)` the same as at `(9, 4)`? At `(104, 109)`?
+# 3. On a single device (`N = 1`), does giving rotary the local index instead of the global
+#    position change the loss?
+
+# %% jupyter={"source_hidden": true}
+# 1. positions 2, 6, 10, 14 (2 mod 4); labels are the next tokens, positions 3, 7, 11, 15
+answer_1 = ([2, 6, 10, 14], [3, 7, 11, 15])
+two = recipe.shift_then_shard(tokens, N, "striped")[2]
+assert two.pos.tolist() == answer_1[0] and (two.y == tokens[:, answer_1[1]]).all()
+
+# 2. no: rotary sees pos_q - pos_k, -5 against +5; yes at (104, 109), the same -5
+answer_2 = (False, True)
+qr, kr = np.random.default_rng(1).standard_normal((2, 1, 1, 1, 8))
+dot = lambda pq, pk: (rot(qr, pq) * rot(kr, pk)).sum()
+assert np.isclose(dot(4, 9), dot(9, 4)) == answer_2[0] and np.isclose(dot(4, 9), dot(104, 109)) == answer_2[1]
+
+# 3. no: on one device the local index is the global position
+answer_3 = False
+one = recipe.shift_then_shard(tokens, 1, "striped")[0]
+local_loss, _ = transformer.forward(params, config, one.x, one.y, np.arange(S), attention.VirtualRing(1, "striped"),
+                                    n_labels)
+assert (abs(local_loss - dense_loss) > 1e-10) == answer_3
+
+# %% [markdown]
 # **What we have seen.** The recipe needs one permutation at the input and positions that
 # travel; with it the model on N devices is the model on one, to rounding, for every layout,
 # on virtual devices and on MPI processes, and it trains identically; trained, it copies

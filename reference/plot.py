@@ -46,6 +46,8 @@ def timeline_figure(plt, traces, title=""):
     for ax, (layout, passes) in zip(axes[:, 0], traces.items()):
         timed &= draw_rounds(ax, list(passes.items()))
         ax.set_ylabel(layout)
+    right = max(ax.dataLim.x1 for ax in axes[:, 0])     # a bar's sticky edge would clip the last bar
+    axes[0, 0].set_xlim(0, 1.02 * right)
     axes[-1, 0].set_xlabel("seconds since the ring began" if timed else
                            "seconds (per device: compute, then wait, round after round)")
     axes[0, 0].set_title(title)

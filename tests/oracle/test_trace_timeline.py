@@ -51,7 +51,10 @@ def test_the_timeline_draws_what_the_trace_holds(timed):
     ax = fig.axes[0]
     red = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb(NOT_SENT) and p.get_width()]
     labels = [text.get_text() for text in ax.texts]
+    left, right = ax.get_xlim()
+    ends = [p.get_x() + p.get_width() for p in ax.patches]
     plt.close(fig)
+    assert left <= 0 and max(ends) < right                             # the last bar is not clipped
     assert labels == [str(t) for j in range(3) for t in range(3)]        # every step, its round written in it
     if timed:
         assert [(p.get_x(), p.get_width()) for p in red] == [pytest.approx((0.1, 0.2))]
