@@ -386,7 +386,8 @@ assert forward["contiguous"].tiles_computed[:, -1].sum() == answer_2[1]
 # round (checked against the virtual devices and the cost model), and a timeline that
 # shows contiguous's ranks ending far apart while striped's keep pace, and tells a wait for
 # a block not yet sent from a wait for a transfer still arriving. Where striped falls short
-# of the tile count's prediction, the trace says why: a masked tile costs more than a full
-# one in the faster steps, and striped has masked tiles in every round. From here: `README.md`
+# of the tile count's prediction, the trace lets us weigh its tiles: when a masked tile costs
+# more than a full one (as the fit of each run says, or not), striped pays for one in every
+# round. From here: `README.md`
 # for the command lines, `bench/` for careful measurements, `gpu_impl` for the same ring on
 # GPUs, and `07_the_whole_model` for a transformer trained over the striped ring.
