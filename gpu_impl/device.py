@@ -135,6 +135,10 @@ class CupyDevice:
         ev.record(stream)
         return ev
 
+    def done(self, event):
+        """Whether `event` has completed, asked without waiting (cudaEventQuery)."""
+        return event.done
+
     def wait(self, stream, event):
         """Work queued on `stream` from now on starts after `event` completes (the host does not wait)."""
         stream.wait_event(event)

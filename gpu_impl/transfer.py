@@ -37,11 +37,15 @@ send buffers and the device buffers arrivals are uploaded into:
   this object uploaded itself is already in copy-stream order;
 - MPI reads a pinned send buffer once Isend is posted, and writes a pinned
   receive buffer that an earlier upload may still be reading: ``outgoing``
-  waits (on the host) for the copy stream. That stream holds copies and their
-  waits, so in the forward the host may wait for the step before last (which
-  the last upload waited for), never for the step just queued. A pinned send
-  buffer still read by an earlier send is RingComm's to wait for (before it
-  hands the set out again).
+  records an event on the copy stream after its downloads (every earlier
+  upload is before it: one stream), and RingComm posts the shift's Isend and
+  Irecv only once ``ready`` finds that event complete. It asks without
+  waiting (an event query), from ``progress`` and while ``finish_shift``
+  waits, so the host never waits for a step before queueing the next: in the
+  backward, the dK, dV that round t's step writes are downloaded after an
+  event of that step and sent when the download is done, while round t+1's
+  step is already queued. A pinned send buffer still read by an earlier send
+  is RingComm's to wait for (before it hands the set out again).
 
 ``transfer="auto"`` asks the MPI library (`mpi_cuda_support`: MPICH and Open
 MPI export ``MPIX_Query_cuda_support``) and sends device buffers only where
@@ -137,9 +141,12 @@ class DeviceBuffers:
         # Hazard: MPI knows nothing of CUDA streams. It reads `arrays` once Isend
         # is posted, and writes a receive buffer that the previous round's step
         # may still be reading (or that CuPy's pool took back from one): the
-        # kernels queued so far must be done.
-        self.device.compute.synchronize()
+        # kernels queued so far must be done, which `ready` asks of this event.
+        buffers.ready = self.device.event(self.device.compute)
         return arrays
+
+    def ready(self, buffers):
+        return self.device.done(buffers.ready)
 
     def arrived(self, buffers):
         return buffers.receive
@@ -184,8 +191,13 @@ class StagedBuffers:
                 waited = True
             dev.download(a, pinned, dev.copy)
             sent.append(pinned)
-        dev.copy.synchronize()          # MPI reads the copies; pinned receives are free again
+        # MPI reads the copies, and writes pinned receives that earlier uploads read: after this event
+        buffers.ready = dev.event(dev.copy) if any(p is not None for p in buffers.staged) else None
         return tuple(sent)
+
+    def ready(self, buffers):
+        """Whether the downloads `outgoing` queued, and every upload before them, are done (asked, not waited for)."""
+        return buffers.ready is None or self.device.done(buffers.ready)
 
     def arrived(self, buffers):
         """Upload the pinned arrivals into the set's device buffers; the compute

@@ -46,6 +46,12 @@ object stages what MPI sends. Hazards, and what handles each:
 Where the bytes live is the `memory` object's business (`mpi_impl.memory`:
 the host's arrays by default, device buffers in `gpu_impl.transfer`); one may
 carry a `clock` for the ring's RoundLog (CUDA events), exposed as ``RingComm.clock``.
+A shift's Irecv and Isend are posted once the memory object says it is
+``ready`` (host memory: at once; a GPU's: once the copies or kernels MPI
+waits for are done, asked without waiting), by `start_shift`, by `progress`,
+or while `finish_shift` waits: it posts every shift as it becomes ready, since
+a neighbour may be waiting for that send, and waits without asking only once
+all are posted.
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
         from mpi_impl.comm import RingComm; \\
@@ -91,6 +97,8 @@ class Shift:
     sent: tuple
     receives: list = field(default_factory=list)   # [(array index, Irecv)] not yet complete
     sends: list = field(default_factory=list)      # [(array index, Isend)] not yet complete
+    arrays: tuple = ()              # the caller's arrays, kept alive while copies of them may be queued
+    posted: bool = False            # Irecv and Isend posted (once the memory object is ready)
     posted_at: float = 0.0          # time.perf_counter() when posted
     arrived_at: float = None        # when every receive was seen complete
     finished: bool = False
@@ -169,10 +177,25 @@ class RingComm:
                                   f"{lane.in_flight.what} of round {lane.in_flight.round} is still in flight; "
                                   f"finish_shift it before starting the next shift with tag {tag}")
         buffers = self._take_set(lane, arrays, tag)
-        outgoing = self.memory.outgoing(arrays, buffers)     # what MPI reads: ready, on the host or device
-        shift = Shift(self, tag, lane.started, buffers, outgoing, posted_at=time.perf_counter())
-        for i, (out, into) in enumerate(zip(outgoing, buffers.receive)):
-            mpi_tag, out_bytes, into_bytes = tag * TAG_STRIDE + i, byte_view(out), byte_view(into)
+        outgoing = self.memory.outgoing(arrays, buffers)     # what MPI reads, once the memory object is ready
+        shift = Shift(self, tag, lane.started, buffers, outgoing, arrays=arrays)
+        lane.started += 1
+        lane.in_flight = shift
+        self._active.append(shift)
+        self._post_ready()
+        return shift
+
+    def _post_ready(self):
+        """Post the shifts whose memory object is ready (on the host: at once;
+        on a GPU: once the copies or kernels MPI waits for are done, asked
+        without waiting), in the order they were started."""
+        for shift in self._active:
+            if not shift.posted and self.memory.ready(shift.buffers):
+                self._post(shift)
+
+    def _post(self, shift):
+        for i, (out, into) in enumerate(zip(shift.sent, shift.buffers.receive)):
+            mpi_tag, out_bytes, into_bytes = shift.tag * TAG_STRIDE + i, byte_view(out), byte_view(into)
             # receive first, so a matching send never waits in an unexpected-message queue;
             # uint8 views carry their MPI type (bytes) themselves, so this module needs
             # no mpi4py import and runs on the tests' stand-in communicators too
@@ -180,10 +203,7 @@ class RingComm:
                 shift.receives.append((i, self.comm.Irecv(into_bytes, source=self.prev, tag=mpi_tag)))
             with self._naming_failure(shift, i, receiving=False):
                 shift.sends.append((i, self.comm.Isend(out_bytes, dest=self.next, tag=mpi_tag)))
-        lane.started += 1
-        lane.in_flight = shift
-        self._active.append(shift)
-        return shift
+        shift.posted, shift.posted_at = True, time.perf_counter()
 
     def progress(self):
         """Let MPI move the transfers in flight: test each request not yet
@@ -197,19 +217,31 @@ class RingComm:
         if now - self._tested_at < self.progress_interval_s:
             return
         self._tested_at = now
+        self._post_ready()
         for shift in list(self._active):
-            self._test(shift)
+            if shift.posted:
+                self._test(shift)
 
     def all_arrived(self):
         """True when every receive in flight has completed, as last tested
         (by `progress`): the next `finish_shift` will not wait."""
-        return not any(shift.receives for shift in self._active)
+        return not any(shift.receives or not shift.posted for shift in self._active)
 
     def finish_shift(self, shift):
         """Wait for the shift's receives; return the arrays that arrived. They
         stay valid until the second `start_shift` after this one with the same
         tag. The shift's sends may still be in flight."""
         lane = self._check_finish(shift)
+        # While a shift is not yet posted (its memory not ready), poll: post each
+        # as it becomes ready, for a neighbour may be waiting for its send
+        self._post_ready()
+        while any(not s.posted for s in self._active):
+            if shift.posted:
+                self._test(shift)
+                if not shift.receives:
+                    break
+            time.sleep(0)
+            self._post_ready()
         self._test(shift)                   # arrived already? (its time is the trace's)
         # One request at a time, so that a failure is pinned on its transfer.
         while shift.receives:
@@ -354,6 +386,8 @@ class RingComm:
         self._settled(shift)
 
     def _settled(self, shift):
+        if not shift.posted:
+            return
         if not shift.receives and shift.arrived_at is None:
             shift.arrived_at = time.perf_counter()
         if not shift.receives and not shift.sends and shift in self._active:

@@ -1,10 +1,12 @@
 """Where a ring's bytes live: the memory objects `mpi_impl.comm.RingComm` takes, and the host's.
 
-A memory object has three verbs (`HostMemory` below is the default; `gpu_impl.transfer`
+A memory object has four verbs (`HostMemory` below is the default; `gpu_impl.transfer`
 adds device buffers ordered with CUDA events, and staging through pinned host memory):
 
     buffer_set(like) -> BufferSet  for arrays shaped like `like` (called in start_shift)
-    outgoing(arrays, buffers) -> what MPI sends (ready: on the host, or a device after its stream)
+    outgoing(arrays, buffers) -> what MPI sends (once `ready`)
+    ready(buffers) -> True once MPI may read what `outgoing` gave and write `buffers.receive`
+                      (asked without waiting: RingComm posts the transfer then)
     arrived(buffers) -> what `finish_shift` hands the caller
 """
 
@@ -20,15 +22,17 @@ class BufferSet:
     handed: tuple       # what finish_shift hands the caller: `receive` itself, or device copies of it
     staged: tuple       # where the memory object stages what MPI sends (None: MPI reads the caller's array)
     mark: object = None     # the memory object's own: e.g. an event when the set was taken
+    ready: object = None    # the memory object's own: e.g. an event after the copies MPI will read
 
 
 class HostMemory:
     """MPI reads and writes the arrays themselves: receive buffers are new
-    arrays of each array's own module. The three verbs a memory object has:
+    arrays of each array's own module. The four verbs a memory object has:
 
         buffer_set(like) -> BufferSet  for arrays shaped like `like` (called
                                        in start_shift, before the step runs)
         outgoing(arrays, buffers) -> what MPI sends (the same arrays here, made ready)
+        ready(buffers) -> whether MPI may use the buffers now (here always)
         arrived(buffers) -> what `finish_shift` hands the caller
     """
     clock = None
@@ -40,6 +44,9 @@ class HostMemory:
     def outgoing(self, arrays, buffers):
         ready_for_mpi(arrays)
         return arrays
+
+    def ready(self, buffers):
+        return True
 
     def arrived(self, buffers):
         return buffers.receive

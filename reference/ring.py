@@ -103,8 +103,9 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         log.record(t, counts, block, sent=(block if more else (), dkv),
                    received=(block if more else (), dkv * ((t > 0) + (t == n - 1))),
                    held=(block, block) if more else block)
-        # receive the next K, V first, while the step's kernels run: sending dK, dV
-        # below waits for them (they write dK, dV), and K, V would wait behind it
+        # receive the next K, V first, while the step's kernels run: on a GPU the
+        # dK, dV sent below leave only once the step that writes them has run (the
+        # communication object posts that send later, without the host waiting)
         if in_flight is not None:
             with log.waiting(t):
                 block = KVBlock(*comm.finish_shift(in_flight))

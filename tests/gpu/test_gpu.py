@@ -444,6 +444,47 @@ def test_transfers_overlap_the_step(transfer, fake_mpi):
         assert (log.compute_s > 0).all() and log.clock is None          # device times; the log pickles
 
 
+@pytest.mark.parametrize("transfer", TRANSFER_PATHS)
+def test_no_host_wait_in_the_rounds(transfer, fake_mpi):
+    """Neither pass waits on the host for a stream (no synchronize) between
+    its first shift and its end: a send whose data a kernel or a copy still
+    has to write is posted once the memory object's event is reached, asked
+    without waiting. In the backward's first round, when the shift that sends
+    dK, dV returns, the kernel that wrote them is still queued, so the host goes
+    on to queue the next round's step. (In later rounds the host has waited for
+    K, V over MPI first, and the fake GPU, asked meanwhile, ran the step, as a
+    real one would.) The results are still the virtual ring's."""
+    case = Case(layout="striped", n_devices=3, B=1, S=24, Hq=2, Hkv=1, D=4, tile_size=4, causal=True,
+                scale=None, dtype=np.float32, kind="gaussian", seed=3)
+    q, k, v, dout = case.inputs()
+    pos = positions(case.S, 3, case.layout)
+    kw = dict(mask=CAUSAL, scale=case.D ** -0.5, tile_size=4)
+
+    def device(j, ring_comm, gpu):
+        start, pending_at_dkv = ring_comm.start_shift, []
+
+        def watched_start(arrays, tag):
+            shift = start(arrays, tag)
+            if tag == ring.DKV:
+                pending_at_dkv.append(gpu.kernels_pending)
+            return shift
+        ring_comm.start_shift = watched_start
+        qj, kj, vj, dj = (gpu.asarray(shard(x, 3, case.layout)[j]) for x in (q, k, v, dout))
+        out, lse, _ = ring.ring_forward(qj, kj, vj, pos[j], pos[j], ring_comm, step=QueuedStep(gpu), **kw)
+        grads = ring.ring_backward(qj, kj, vj, out, lse, dj, pos[j], pos[j], ring_comm, step=QueuedStep(gpu), **kw)
+        syncs = list(gpu.host_syncs)
+        return syncs, pending_at_dkv, tuple(x.get() for x in (out, lse) + grads[:3])
+
+    got = run_ring(3, transfer, "copies-early", device)
+    for rank, (syncs, pending, _) in enumerate(got):
+        assert syncs == [], f"rank {rank} waited on the host for the {syncs} stream"
+        assert len(pending) == 3 and pending[0] >= 1, \
+            f"rank {rank}: the step writing dK, dV had run when their send was started ({pending} kernels queued)"
+    for i, (name, want) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), virtual_ring_results(case))):
+        axis = 2 if name == "lse" else 1
+        np.testing.assert_array_equal(unshard([r[i] for *_, r in got], case.layout, axis=axis), want, err_msg=name)
+
+
 def test_public_functions_end_to_end_on_a_queued_gpu(monkeypatch, fake_mpi):
     """gpu_impl.ring_attention and ring_attention_backward, everything but the
     GPU: the collective checks, the transfer choice (auto asks MPI, here

@@ -36,7 +36,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conftest import Case, assert_close, cases
-from mpi_impl.comm import RingComm, RingError, ShiftOrderError
+from mpi_impl.comm import TAG_STRIDE, RingComm, RingError, ShiftOrderError
+from mpi_impl.memory import HostMemory
 from mpi_impl.notices import FROM_NEXT, FROM_PREV
 from reference import attention, attention_backward, positions, ring, shard, steps, unshard
 from reference.masks import as_mask
@@ -339,6 +340,63 @@ def test_progress_moves_transfers_during_the_step():
     assert shift.arrived_at is not None and not shift.receives and not shift.sends
     ring_comm.finish_shift(shift)
     assert ring_comm.transfers[0].arrived <= ring_comm.transfers[0].handed
+
+
+class LateMemory(HostMemory):
+    """Host memory whose transfers may begin only once `ready` has been asked
+    `opens_at[i]` times in all, for the i-th buffer set made (a GPU still
+    copying what MPI will read)."""
+
+    def __init__(self, *opens_at):
+        self.asked, self.opens_at, self.sets = 0, opens_at, []
+
+    def buffer_set(self, like):
+        self.sets.append(super().buffer_set(like))
+        return self.sets[-1]
+
+    def ready(self, buffers):
+        self.asked += 1
+        return self.asked >= self.opens_at[self.sets.index(buffers)]
+
+
+def posted(mpi):
+    return [entry for entry in mpi.log if entry.startswith("post") and int(entry.split()[-1]) >= TAG_STRIDE]
+
+
+def test_a_shift_is_posted_once_its_memory_is_ready():
+    """start_shift posts nothing while the memory object is not ready, and
+    returns; progress asks again (without waiting) and posts it once ready."""
+    memory, mpi = LateMemory(3), ScriptedMPI(waits_complete_sends=False)
+    ring_comm = RingComm(mpi, memory)
+    shift = ring_comm.start_shift(block(0), 1)                  # asked once
+    assert not shift.posted and posted(mpi) == [] and not ring_comm.all_arrived()
+    ring_comm.progress()                                        # twice
+    assert not shift.posted and posted(mpi) == []
+    ring_comm._tested_at = float("-inf")
+    ring_comm.progress()                                        # ready: posted
+    assert shift.posted and posted(mpi) == ["post receive 16", "post send 16", "post receive 17", "post send 17"]
+    mpi.deliver(1, block(1))
+    assert all(np.array_equal(a, b) for a, b in zip(ring_comm.finish_shift(shift), block(1)))
+    mpi.take()
+    ring_comm.close()
+
+
+def test_finish_posts_every_shift_as_it_becomes_ready():
+    """finish_shift waits for one shift's receives, but a neighbour may be
+    waiting for another shift's send: while it waits, it posts every shift
+    as its memory becomes ready, and only then waits without asking."""
+    memory, mpi = LateMemory(3, 9), ScriptedMPI(waits_complete_sends=False)   # K, V ready first
+    ring_comm = RingComm(mpi, memory)
+    kv, grads = ring_comm.start_shift(block(0), ring.KV), ring_comm.start_shift(block(7), ring.DKV)
+    assert posted(mpi) == []
+    mpi.deliver_later(ring.KV, block(1))                        # lands when its receive is waited for
+    arrived = ring_comm.finish_shift(kv)
+    assert kv.posted and grads.posted and memory.asked >= 9
+    assert all(np.array_equal(a, b) for a, b in zip(arrived, block(1)))
+    mpi.deliver(ring.DKV, block(8))
+    ring_comm.finish_shift(grads)
+    mpi.take()
+    ring_comm.close()
 
 
 def test_all_arrived_says_whether_finish_would_wait():
