@@ -11,7 +11,7 @@ every mask of `reference.masks` (windows, documents, padding) from positions.
 Like every version it is checked against the readable step before it is timed:
 without a GPU by running the same source on the CPU
 (tests/support/gpu/emulate_cuda.cpp, tests/gpu/test_fused_v2.py), on a GPU by
-`scripts/gpu_check.py` (`bench.gpu_kernel`).
+`scripts/gpu_check.py` (`bench.gpu_kernel_check`).
 
     gpu_impl.ring_attention(q, k, v, comm=comm, step="fused_v2")     # float16 CuPy arrays
     reference.steps.get("fused_v2").forward(acc, queries, block, mask=mask, tile_size=None)
@@ -27,7 +27,14 @@ tile (16, 32, 64 or 128) and tq queries, so tq * G rows (at most 128).
 
 The tiles the kernel visits are the host's plan (`reference.tiles.classify` at
 (tq, BN) queries x keys), so the counts the trace records are the work done.
-Version 2 has no backward (the readable step's serves) and no dropout.
+
+The backward is two more kernels of the same source (FlashAttention-2's
+dataflow: `attend_block_v2_dkdv`, a CTA per key tile accumulating the block's
+dK, dV in float32 over the rounds; `attend_block_v2_dq`, a CTA per query tile
+accumulating dQ), at `BACKWARD_CONFIG`'s tile unless `tile_size` says
+otherwise. They take finite inputs only: a block or query rows holding NaN or
+inf (the owner's flag and `BackwardRows.finite`, on the host) go to the
+readable step, on K and V as float32. No dropout, either way.
 """
 
 import functools
@@ -37,8 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
+from reference.layouts import array_module
 from reference.masks import any_visible, count_visible_pairs
-from reference.step import Step, StepCounts
+from reference.nonfinite import all_finite, block_finite
+from reference.step import ForwardAcc, ReadableStep, Step, StepCounts
 from reference.steps import register
 from reference.tiles import SKIP, classify, tile_shape
 
@@ -50,6 +59,7 @@ HEAD_DIMS = (64, 128)
 KEY_TILES = (16, 32, 64, 128)          # BN: keys per tile
 MAX_WARPS = 8                          # 16 rows each: at most 128 rows per CTA
 DEFAULT_CONFIG = {64: (8, 64), 128: (8, 64)}      # head dim -> (warps, BN)
+BACKWARD_CONFIG = {64: (4, 64), 128: (4, 64)}     # the backward's: 64 rows x 64 keys
 MAX_SHARED_BYTES = 227 * 1024          # dynamic shared memory of one CTA, opted in (sm_90)
 INT32_MAX = 2 ** 31 - 1
 
@@ -79,21 +89,32 @@ class Config:
         """Q, K and V tiles of 16-bit values, the K tile's positions and documents, V's row flags."""
         return (self.rows + 2 * self.bn) * self.head_dim * 2 + self.bn * 12
 
+    @property
+    def backward_shared_bytes(self):
+        """The backward kernels': Q, dO, K and V tiles, the keys' positions and
+        documents, and per row lse, delta and the keys it may see."""
+        return (2 * self.rows + 2 * self.bn) * self.head_dim * 2 + self.bn * 8 + self.rows * 20
+
+    @property
+    def kv_threads(self):
+        """Threads of the dK, dV kernel: a warp per 16 keys."""
+        return 2 * self.bn
+
     def options(self):
         """The -D options that size the kernel; the same for nvcc, NVRTC and the CPU emulation."""
         return ("-std=c++17", f"-DHEAD_DIM={self.head_dim}", f"-DWARPS={self.warps}", f"-DBN={self.bn}",
                 f"-DKV_BF16={int(self.bf16)}")
 
 
-def kernel_config(tile_size, head_dim, group, kv_format="float16"):
-    """The Config for a call, or a ValueError saying what fits."""
+def kernel_config(tile_size, head_dim, group, kv_format="float16", backward=False):
+    """The Config for a call (its forward, or its `backward`), or a ValueError saying what fits."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"step 'fused_v2' takes head dims {HEAD_DIMS}, got {head_dim}; use step='v1'")
     if group > 16 * MAX_WARPS:
         raise ValueError(f"step 'fused_v2' holds at most {16 * MAX_WARPS} query heads per key/value head, "
                          f"got {group}; use step='v1'")
     if tile_size is None:
-        warps, bn = DEFAULT_CONFIG[head_dim]
+        warps, bn = (BACKWARD_CONFIG if backward else DEFAULT_CONFIG)[head_dim]
         warps = max(warps, math.ceil(group / 16))
     else:
         tq, bn = tile_shape(tile_size)
@@ -103,7 +124,7 @@ def kernel_config(tile_size, head_dim, group, kv_format="float16"):
                              f"key/value head: keys per tile in {KEY_TILES}, queries x heads <= "
                              f"{16 * MAX_WARPS}; or tile_size=None")
     config = Config(head_dim, warps, bn, kv_format == "bfloat16")
-    assert config.shared_bytes <= MAX_SHARED_BYTES
+    assert max(config.shared_bytes, config.backward_shared_bytes) <= MAX_SHARED_BYTES
     return config
 
 
@@ -163,12 +184,13 @@ def plan_launch(queries, block, mask, config, kinds):
 
 
 class TensorCoreStep(Step):
-    """The forward of one block as one launch of attend_block_v2 (forward only).
+    """The forward of one block as one launch of attend_block_v2, the backward
+    as one launch of each of its two backward kernels.
     `kv_format`: None reads it from the K/V dtype; "bfloat16" also takes uint16
     arrays as bfloat16 bits (CuPy has no bfloat16 dtype)."""
     name = "fused_v2"
     array_modules = ("cupy",)
-    has_backward = False
+    has_backward = True
     takes_masks = True
     reads_float16 = True        # reference.ring hands it float16 blocks as they travel
     dtypes = ("float16",)       # the inputs it is validated for, in the ring ("auto"; reference.steps)
@@ -212,8 +234,32 @@ class TensorCoreStep(Step):
         return StepCounts(tiles_computed=computed, tiles_skipped=int(kinds.size) - computed,
                           pairs=count_visible_pairs(queries.pos, block.pos, mask))
 
+    def backward(self, grads, queries, rows, block, *, tile_size, mask=None, causal=None, progress=None):
+        """Plan the tiles at the backward kernels' tile, then launch both over
+        the whole block: dK, dV of the block and dQ added to `grads`. A block
+        or query rows that hold NaN or inf take the readable step (module docstring)."""
+        queries, block, mask = self._with_mask(queries, block, mask, causal)
+        kv_format = self.kv_format or kv_format_of(block.k.dtype)
+        check_backward_launch(grads, queries, rows, block, kv_format)
+        B, Hkv, c, G, D = queries.q.shape
+        config = kernel_config(tile_size, D, G, kv_format, backward=True)
+        tile = (config.queries(G), config.bn)
+        kinds = classify(queries.pos, block.pos, tile, mask)
+        computed = int((kinds != SKIP).sum())
+        if computed:
+            if finite_inputs(queries, rows, block, kv_format):
+                self.launch_backward(grads, queries, rows, block, plan_launch(queries, block, mask, config, kinds))
+            else:
+                ReadableStep().backward(grads, queries, rows, float32_block(block, kv_format), mask=mask,
+                                        tile_size=tile)
+        return StepCounts(tiles_computed=computed, tiles_skipped=int(kinds.size) - computed,
+                          pairs=count_visible_pairs(queries.pos, block.pos, mask))
+
     def launch(self, acc, queries, block, plan):
         launch_kernel(acc, queries, block, plan)
+
+    def launch_backward(self, grads, queries, rows, block, plan):
+        launch_backward_kernels(grads, queries, rows, block, plan)
 
     @property
     def label(self):
@@ -234,12 +280,70 @@ def check_launch(acc, queries, block, kv_format):
                              f"got {name} {x.dtype}")
 
 
+def check_backward_launch(grads, queries, rows, block, kv_format):
+    """A ValueError unless the arrays are what the backward kernels index: q, k,
+    v and positions as the forward's (`check_launch`, with dQ as the output),
+    dO as q, lse and delta as its rows, dK and dV as k; float32, C-contiguous."""
+    check_launch(ForwardAcc(grads.dq, rows.lse, rows.delta, None), queries, block, kv_format)
+    q, k = queries.q, block.k
+    for name, x, shape in (("rows.do", rows.do, q.shape), ("grads.dq", grads.dq, q.shape),
+                           ("rows.lse", rows.lse, q.shape[:-1]), ("rows.delta", rows.delta, q.shape[:-1]),
+                           ("grads.dk", grads.dk, k.shape), ("grads.dv", grads.dv, k.shape)):
+        if tuple(x.shape) != tuple(shape) or x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError(f"step 'fused_v2' needs C-contiguous float32 {name} of shape {tuple(shape)}, "
+                             f"got {x.dtype} {tuple(x.shape)}")
+
+
+def finite_inputs(queries, rows, block, kv_format):
+    """Whether the backward kernels may take the block: no NaN or inf in q, dO,
+    delta (`BackwardRows.finite`, found once) or K, V (the owner's flag). K, V
+    as bfloat16 bits (uint16) are looked at here: integers are always "finite"
+    to the owner's test (a wait for the GPU, on that path only)."""
+    xp = array_module(queries.q)
+    if rows.finite is None:
+        rows.finite = all_finite(xp, queries.q, rows.do, rows.delta)
+    if not rows.finite:
+        return False
+    if block.k.dtype == np.uint16:
+        return not any(bool(((x & 0x7F80) == 0x7F80).any()) for x in (block.k, block.v))
+    return block_finite(xp, block)
+
+
+def float32_block(block, kv_format):
+    """The block with K and V as float32 (from bfloat16 bits where they are uint16)."""
+    def widen(x):
+        if x.dtype == np.uint16:
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        return x.astype(np.float32)
+    return block._replace(k=widen(block.k), v=widen(block.v))
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(config):
+def _kernel(config, name=f"attend_block_v{VERSION}"):
     import cupy
-    kernel = cupy.RawKernel(SOURCE.read_text(), f"attend_block_v{VERSION}", options=config.options())
-    kernel.max_dynamic_shared_size_bytes = config.shared_bytes     # above 48 KiB only when opted in
+    kernel = cupy.RawKernel(SOURCE.read_text(), name, options=config.options())
+    # above 48 KiB only when opted in
+    kernel.max_dynamic_shared_size_bytes = config.shared_bytes if name == f"attend_block_v{VERSION}" \
+        else config.backward_shared_bytes
     return kernel
+
+
+def launch_backward_kernels(grads, queries, rows, block, plan):
+    """The backward's two launches: dK, dV (grid (key tiles, B * Hkv), 2 * BN
+    threads), then dQ (grid (query tiles, B * Hkv), 32 * WARPS threads), on the
+    current stream, with the plan's arrays as the forward's."""
+    import cupy
+    q = queries.q
+    B, Hkv, c, G, D = q.shape
+    kept = fused.positions_for(cupy, q.device.id)
+    arrays = [kept.get(cupy, x) for x in (plan.k_pos, plan.q_lo, plan.q_hi, plan.q_doc, plan.k_doc, plan.kinds)]
+    scalars = plan.scalars(c, block.k.shape[2], G)
+    inputs = (q, rows.do, rows.lse, rows.delta, block.k, block.v, *arrays)
+    config, shared = plan.config, plan.config.backward_shared_bytes
+    _kernel(config, "attend_block_v2_dkdv")((plan.kinds.shape[1], plan.grid[1]), (config.kv_threads,),
+                                            (*inputs, grads.dk, grads.dv, *scalars), shared_mem=shared)
+    _kernel(config, "attend_block_v2_dq")(plan.grid, (config.threads,), (*inputs, grads.dq, *scalars),
+                                          shared_mem=shared)
 
 
 def launch_kernel(acc, queries, block, plan):

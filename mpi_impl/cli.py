@@ -266,8 +266,10 @@ def make_steps(args, backend, n_ranks):
     """(forward Step, backward Step) for --step and --threads, as
     `reference.steps.check_step` finds them for this call (its ValueError
     where the step cannot take it): "auto" from what the call is (float16 on
-    CuPy: the tensor-core kernel where it takes the call); a step without a
-    backward (the fused kernels) leaves the backward to "auto"."""
+    CuPy: the tensor-core kernel where it takes the call); the backward is the
+    forward's step where it takes the backward's call (its tile: --backward-tile-size),
+    else "auto"'s (a step without a backward, version 1 of the fused kernel, or
+    "auto" whose first choice does not fit the backward's tile)."""
     xp = backend.array_module
     call = steps.Call(args.dtype, args.head_dim, args.heads // (args.kv_heads or args.heads), args.tile_size)
     masks = [layout_mask(args.seq_len, n_ranks, layout, causal=args.causal, **mask_options(args))
@@ -277,8 +279,14 @@ def make_steps(args, backend, n_ranks):
     if args.threads and args.threads > 1 and forward.takes_workers:
         forward = steps.get(forward.name, workers=args.threads)
     rules["call"] = call._replace(tile_size=backward_tile(args))
-    backward = forward if forward.has_backward else steps.check_step("auto", xp, backward=True, **rules)
-    return forward, backward
+    backward = None
+    if forward.has_backward:
+        try:
+            backward = steps.check_step(forward, xp, backward=True, **rules)
+        except ValueError:
+            if args.step != "auto":
+                raise                               # the step asked for cannot take the backward's tile
+    return forward, backward or steps.check_step("auto", xp, backward=True, **rules)
 
 
 def backward_tile(args):

@@ -60,22 +60,19 @@ all are posted.
 """
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from reference import ring
-from reference.layouts import array_module
 
 from .cores import crowded, wait_any
-from .memory import BufferSet, HostMemory, byte_view, overlap, span
-from .notices import DONE, KEPT, NeighbourLeft, Notices, quietly
-from .ranks import RingError, rank_name
+from .memory import BufferSet, HostMemory, Lane, byte_view, overlaps_any
+from .notices import DONE, KEPT, Notices, quietly
+from .ranks import RingError, naming_failure, rank_name
 
 TAG_STRIDE = 16     # MPI tag = ring tag * TAG_STRIDE + index of the array in the tuple
-N_BUFFER_SETS = 2   # buffer sets per tag: one arriving, one held by the caller
 # what each ring tag carries, for error messages; ring tag 0 carries the notices below
 TRANSFERS = {ring.KV: "K/V block", ring.DKV: "dK/dV block"}
 
@@ -117,16 +114,6 @@ class Transfer(NamedTuple):
     handed: float       # finish_shift returned the arrays
 
 
-@dataclass
-class _Lane:
-    """One tag: its buffer sets (used in turn), shifts started, the one in flight."""
-    signature: tuple = None
-    sets: list = field(default_factory=list)
-    turn: int = 0
-    started: int = 0
-    in_flight: Shift = None
-
-
 class RingComm:
     """This rank's end of the ring over an mpi4py communicator."""
     progress_interval_s = 0.0005        # progress() tests the requests at most this often
@@ -137,7 +124,7 @@ class RingComm:
         self.clock = getattr(self.memory, "clock", None)
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self._lanes = {}            # tag -> _Lane
+        self._lanes = {}            # tag -> Lane
         self._active = []           # shifts with requests not yet complete
         self.buffer_sets_allocated = 0
         self.transfers = []         # a Transfer per shift finished: its times, for the trace
@@ -171,7 +158,7 @@ class RingComm:
                              f"the neighbours' notices), got {tag!r}")
         for a in arrays:
             byte_view(a)                    # C-contiguous, or a clear error before anything is posted
-        lane = self._lanes.setdefault(tag, _Lane())
+        lane = self._lanes.setdefault(tag, Lane())
         if lane.in_flight is not None:
             raise ShiftOrderError(f"{rank_name(self.comm)}: start_shift called twice: the "
                                   f"{lane.in_flight.what} of round {lane.in_flight.round} is still in flight; "
@@ -343,24 +330,17 @@ class RingComm:
     def _take_set(self, lane, arrays, tag):
         """This tag's next buffer set shaped like `arrays` (allocated at first
         use), once no send reads it any more (see the module's hazards)."""
-        signature = tuple((a.shape, str(a.dtype), array_module(a).__name__) for a in arrays)
-        if signature != lane.signature:
-            lane.signature, lane.sets, lane.turn = signature, [], 0
-        if len(lane.sets) < N_BUFFER_SETS:
-            lane.sets.append(self.memory.buffer_set(arrays))
-            self.buffer_sets_allocated += 1
-        buffers = lane.sets[lane.turn]
-        lane.turn = (lane.turn + 1) % N_BUFFER_SETS
-        handed = [span(h) for h in buffers.handed]
+        buffers, new = lane.next_set(arrays, self.memory)
+        self.buffer_sets_allocated += new
         for i, a in enumerate(arrays):
-            if any(overlap(span(a), h) for h in handed):
+            if overlaps_any(a, buffers.handed):
                 raise ShiftOrderError(
                     f"{rank_name(self.comm)}: start_shift: array {i} to send lies in the buffers the next "
                     f"{TRANSFERS.get(tag, f'tag {tag} message')} arrives in: a block finish_shift returned "
                     "is valid only until the second start_shift after it with the same tag")
-        touched = [span(b) for b in buffers.receive + buffers.staged if b is not None]
+        touched = buffers.receive + buffers.staged
         for shift in list(self._active):
-            self._wait_sends(shift, lambda array: any(overlap(span(array), s) for s in touched))
+            self._wait_sends(shift, lambda array: overlaps_any(array, touched))
         return buffers
 
     # -- requests ----------------------------------------------------------------------
@@ -410,25 +390,9 @@ class RingComm:
                                   f"of round {shift.round} was finished already")
         return self._lanes[shift.tag]
 
-    @contextmanager
     def _naming_failure(self, shift, array, *, receiving):
-        """Turn an error of the transfer of `array` of `shift` into a RingError
-        that says who failed to move what, in which round, and why."""
-        try:
-            yield
-        except Exception as e:      # noqa: BLE001 - mpi4py.MPI.Exception, re-raised with names
-            peer = self.prev if receiving else self.next
-            if isinstance(e, NeighbourLeft):
-                why = f"{rank_name(self.comm, peer)} left the ring ({e})"
-            else:
-                kind = "MPI error" if type(e).__module__.startswith("mpi4py") else type(e).__name__
-                why = f"{kind}: {e}"
-                said = self._notices.reason(peer) if self._notices is not None else None
-                if said is not None:
-                    why = f"{rank_name(self.comm, peer)} left the ring ({said}); {why}"
-            raise RingError(
-                f"{rank_name(self.comm)}: round {shift.round}: "
-                f"{'receiving' if receiving else 'sending'} the {shift.what} (array {array} of {len(shift.sent)}) "
-                f"{'from' if receiving else 'to'} {rank_name(self.comm, peer)} failed: {why}") from e
-
-
+        """A RingError for a failed transfer of `array` of `shift` (`mpi_impl.ranks`)."""
+        doing = (f"round {shift.round}: {'receiving' if receiving else 'sending'} the {shift.what} "
+                 f"(array {array} of {len(shift.sent)}) {'from' if receiving else 'to'}")
+        return naming_failure(self.comm, self.prev if receiving else self.next, doing,
+                              said=self._notices.reason if self._notices is not None else None)

@@ -8,9 +8,11 @@ adds device buffers ordered with CUDA events, and staging through pinned host me
     ready(buffers) -> True once MPI may read what `outgoing` gave and write `buffers.receive`
                       (asked without waiting: RingComm posts the transfer then)
     arrived(buffers) -> what `finish_shift` hands the caller
+
+A ring tag's `Lane` holds its buffer sets, used in turn (double buffering).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reference.layouts import array_module
 
@@ -23,6 +25,32 @@ class BufferSet:
     staged: tuple       # where the memory object stages what MPI sends (None: MPI reads the caller's array)
     mark: object = None     # the memory object's own: e.g. an event when the set was taken
     ready: object = None    # the memory object's own: e.g. an event after the copies MPI will read
+
+
+N_BUFFER_SETS = 2   # buffer sets per tag: one arriving, one held by the caller
+
+
+@dataclass
+class Lane:
+    """One ring tag: its buffer sets (used in turn), shifts started, the one in flight."""
+    signature: tuple = None
+    sets: list = field(default_factory=list)
+    turn: int = 0
+    started: int = 0
+    in_flight: object = None
+
+    def next_set(self, arrays, memory):
+        """(the next buffer set shaped like `arrays`, whether it is new): a set
+        is allocated at first use; the sets start again when the shapes change."""
+        signature = tuple((a.shape, str(a.dtype), array_module(a).__name__) for a in arrays)
+        if signature != self.signature:
+            self.signature, self.sets, self.turn = signature, [], 0
+        new = len(self.sets) < N_BUFFER_SETS
+        if new:
+            self.sets.append(memory.buffer_set(arrays))
+        buffers = self.sets[self.turn]
+        self.turn = (self.turn + 1) % N_BUFFER_SETS
+        return buffers, new
 
 
 class HostMemory:
@@ -63,6 +91,11 @@ def span(a):
 
 def overlap(a, b):
     return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def overlaps_any(a, arrays):
+    """Whether array `a` shares a byte with any of `arrays` (None entries skipped)."""
+    return any(overlap(span(a), span(b)) for b in arrays if b is not None)
 
 
 def byte_view(a):

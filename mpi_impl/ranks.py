@@ -70,6 +70,27 @@ def named_rank(mpi_comm):
         raise
 
 
+@contextmanager
+def naming_failure(mpi_comm, peer, doing, said=None):
+    """Turn an error of one transfer with neighbour `peer` into a RingError
+    that says who failed to move what (`doing`: "round 2: receiving the K/V
+    block (array 0 of 2) from"), and why; `said(peer)`: why that neighbour
+    left, if it said."""
+    from .notices import NeighbourLeft
+    try:
+        yield
+    except Exception as e:      # noqa: BLE001 - mpi4py.MPI.Exception, re-raised with names
+        if isinstance(e, NeighbourLeft):
+            why = f"{rank_name(mpi_comm, peer)} left the ring ({e})"
+        else:
+            kind = "MPI error" if type(e).__module__.startswith("mpi4py") else type(e).__name__
+            why = f"{kind}: {e}"
+            reason = said(peer) if said is not None else None
+            if reason is not None:
+                why = f"{rank_name(mpi_comm, peer)} left the ring ({reason}); {why}"
+        raise RingError(f"{rank_name(mpi_comm)}: {doing} {rank_name(mpi_comm, peer)} failed: {why}") from e
+
+
 def abort_job(comm):
     """End every rank because this one failed, saying which rank and why. Run
     without ``-m mpi4py``, the other ranks would otherwise wait for it forever."""

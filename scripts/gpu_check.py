@@ -22,7 +22,7 @@ run stopped part-way leaves what it measured:
  4. fused kernel    against the readable step at D = 64 and 128, GQA, float16 and float32;
  5. tensor cores    fused v2 against the readable step (D = 64 and 128, float16 and
                     bfloat16, GQA, masks), then timed beside v1 and torch's flash
-                    attention on one block (bench.gpu_kernel.gpu_check);
+                    attention on one block (bench.gpu_kernel_check.gpu_check);
  6. checked run     S = 65,536, Hq = 8 (where the GPU lags the host most), Hkv = 2,
                     D = 128, float16, forward and backward on 4 ranks, against
                     float64 attention and gradients computed on the GPU itself;

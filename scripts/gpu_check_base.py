@@ -37,14 +37,14 @@ class Sizes:
     checked: dict           # the checked run: seq_len, heads, kv_heads, head_dim, tile (striped, float16)
 
 
-GPU_SIZES = Sizes(          # the forward at tiles fused_v2 takes (auto picks it), the backward at 1024
+GPU_SIZES = Sizes(          # forward and backward at tiles fused_v2 takes (auto picks it both ways)
     realistic=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
-               "--layout", "striped", "--backward", "--check", "--tile-size", "64x64", "--backward-tile-size", "1024",
+               "--layout", "striped", "--backward", "--check", "--tile-size", "64x64", "--backward-tile-size", "32x64",
                "--no-warmup"),
     traced=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
-            "--layout", "all", "--backward", "--tile-size", "32x64", "--backward-tile-size", "1024", "--repeat", "2"),
+            "--layout", "all", "--backward", "--tile-size", "32x64", "--backward-tile-size", "16x64", "--repeat", "2"),
     fused_seq=4096, fused_dims=(64, 128), rate_block=4096,
-    checked=dict(seq_len=65536, heads=8, kv_heads=2, head_dim=128, tile=(32, 64), backward_tile=1024))
+    checked=dict(seq_len=65536, heads=8, kv_heads=2, head_dim=128, tile=(32, 64), backward_tile=(16, 64)))
 FAKE_SIZES = Sizes(
     realistic=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
                "--layout", "striped", "--backward", "--check", "--tile-size", "32", "--no-warmup"),

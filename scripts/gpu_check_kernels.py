@@ -142,9 +142,9 @@ def fused_against_readable(ctx):
 # -- 5. the tensor-core kernel -------------------------------------------------------------
 
 def tensor_cores(ctx):
-    """fused v2 checked against the readable step on the GPU, then timed (bench.gpu_kernel)."""
-    from bench import gpu_kernel
-    ok, text = gpu_kernel.gpu_check(dry=ctx.dry, small=ctx.fake)
+    """fused v2 checked against the readable step on the GPU, then timed (bench.gpu_kernel_check)."""
+    from bench import gpu_kernel_check
+    ok, text = gpu_kernel_check.gpu_check(dry=ctx.dry, small=ctx.fake)
     return Result(ok, text)
 
 
@@ -167,7 +167,7 @@ def one_fused_launch():
         acc = ForwardAcc.zeros(queries.q)
         block = ring.as_dtype(ring.own_block(k, v, np.arange(96) * 2, 0), np.float32, step)
         step.forward(acc, queries, block, causal=True, tile_size=None)
-    from bench.gpu_kernel import sanitizer_launches
+    from bench.gpu_kernel_check import sanitizer_launches
     finite_where_it_should_be = sanitizer_launches(cupy)            # fused_v2: D = 128, float16 and bfloat16
     cupy.cuda.Device().synchronize()
     print("one fused launch per dtype: done")

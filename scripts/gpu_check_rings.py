@@ -57,12 +57,12 @@ def checked_run_worker(path, cfg):
     def inputs(pos):
         return [make_shard(CHECK_SEED, i, shape, pos, np.float16) for i, shape in enumerate(shapes)]
     q, k, v, dout = (cupy.asarray(x) for x in inputs(positions(S, n, "striped")[rank]))
-    tile = tuple(cfg["tile"]) if isinstance(cfg["tile"], list) else cfg["tile"]
+    tile, backward_tile = (tuple(cfg[t]) if isinstance(cfg[t], list) else cfg[t] for t in ("tile", "backward_tile"))
     comm.Barrier()
     start = time.perf_counter()
     out, lse = gpu_impl.ring_attention(q, k, v, comm=comm, layout="striped", tile_size=tile)
     dq, dk, dv = gpu_impl.ring_attention_backward(q, k, v, out, lse, dout, comm=comm, layout="striped",
-                                                  tile_size=cfg["backward_tile"])
+                                                  tile_size=backward_tile)
     cupy.cuda.Device().synchronize()
     ring_s = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     got = {name: comm.gather(cupy.asnumpy(x)) for name, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}

@@ -542,3 +542,392 @@ attend_block_v2(const float* __restrict__ q, const kv_t* __restrict__ k, const k
         }
     }
 }
+
+// ===================================================================================
+// The backward: FlashAttention-2's dataflow on the tensor cores, in two kernels.
+//
+// The contract of reference/step.py's backward, per tile, with delta =
+// rowsum(dO * out) and lse computed once by the ring (reference.step.BackwardRows):
+//   P  = exp(S - lse)                  (S = Q K^T * scale, masked: -inf, so P = 0)
+//   dV += P^T dO,   dP = dO V^T,   dS = P (dP - delta)
+//   dQ += dS K,     dK += dS^T Q * scale   (Q pre-scaled in the compute layout)
+// dK and dV are the block's, accumulated over the ring's rounds in float32
+// (each launch adds to them); dQ is this device's, unscaled (the ring
+// multiplies by the scale at the end).
+//
+// attend_block_v2_dkdv: one CTA per key tile of BN keys, BN / 16 warps, warp w
+// holding keys 16 w .. 16 w + 15 and their dK, dV in registers; it visits the
+// query tiles of its column of the plan, 32 rows at a time:
+//   S^T = K Q^T (A: K through ldmatrix; B: Q rows, as K is read in the forward)
+//   P^T = exp(S^T * scale - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta)
+//   dV += P^T dO, dK += dS^T Q: P^T and dS^T are A operands from the registers
+//   of S^T and dP^T (the accumulator layout is the A layout, as P in the
+//   forward), dO and Q through ldmatrix.trans (as V in the forward).
+// attend_block_v2_dq: one CTA per query tile of 16 * WARPS rows, as the forward,
+// visiting the key tiles of its row of the plan:
+//   S = Q K^T, P = exp(S * scale - lse), dP = dO V^T (A: dO through ldmatrix;
+//   B: V rows), dS = P (dP - delta), dQ += dS K (A: dS from registers; B: K
+//   through ldmatrix.trans).
+// Two kernels instead of FlashAttention-2's one with atomic adds to dQ: S and
+// dP are computed twice (7 products per tile instead of 5), and no two CTAs
+// write the same value, so every run gives the same bits.
+//
+// Precision. Q and dO are rounded to the 16-bit type (Q after its scale is
+// taken off: a float16 or bfloat16 input comes back exactly, and so does dO,
+// which the ring holds as float32 copies of the 16-bit dout), P and dS are
+// rounded to it as operands of dV, dK and dQ; everything else is float32.
+//
+// NaN and inf: these kernels are launched only for blocks and rows that hold
+// none (the owner's flag and BackwardRows.finite say so on the host);
+// gpu_impl/fused_v2.py hands any other block to the readable step.
+//
+// Shared memory, both kernels: (2 * BM + 2 * BN) * HEAD_DIM * 2 + BN * 8 + BM * 20
+// bytes: Q, dO, K, V tiles, the keys' positions and documents, and per row
+// (dkdv) lse, delta and what the row may see.
+
+#define BM_ROWS (16 * WARPS)                  // rows of a query tile
+#define KV_WARPS (BN / 16)                    // dkdv: a warp per 16 keys
+#define KV_THREADS (32 * KV_WARPS)
+#define RC (BM_ROWS % 32 == 0 ? 32 : 16)      // dkdv: rows of a query tile taken at a time
+
+// Rows r0 .. r0 + BM_ROWS - 1 of q (float32, pre-scaled) and dO (float32) as
+// 16-bit tiles, q unscaled; rows past `rows` (or past c * G) are zeros.
+__device__ __forceinline__ void load_rows(uint4* Qs, uint4* dOs, const float* q_bh, const float* do_bh,
+                                          long long row0, int rows, long long all_rows, float unscale,
+                                          int tid, int threads)
+{
+    for (int i = tid; i < BM_ROWS * CHUNKS; i += threads) {
+        const int r = i / CHUNKS, chunk = i % CHUNKS;
+        float x[8] = {0, 0, 0, 0, 0, 0, 0, 0}, y[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (r < rows && row0 + r < all_rows) {
+            const float4* qs = reinterpret_cast<const float4*>(q_bh + (row0 + r) * HEAD_DIM + chunk * 8);
+            const float4* ds = reinterpret_cast<const float4*>(do_bh + (row0 + r) * HEAD_DIM + chunk * 8);
+            const float4 a = qs[0], b = qs[1], e = ds[0], f = ds[1];
+            x[0] = a.x * unscale; x[1] = a.y * unscale; x[2] = a.z * unscale; x[3] = a.w * unscale;
+            x[4] = b.x * unscale; x[5] = b.y * unscale; x[6] = b.z * unscale; x[7] = b.w * unscale;
+            y[0] = e.x; y[1] = e.y; y[2] = e.z; y[3] = e.w;
+            y[4] = f.x; y[5] = f.y; y[6] = f.z; y[7] = f.w;
+        }
+        Qs[swizzle(r, chunk)] = make_uint4(pack_16x2(x[0], x[1]), pack_16x2(x[2], x[3]),
+                                           pack_16x2(x[4], x[5]), pack_16x2(x[6], x[7]));
+        dOs[swizzle(r, chunk)] = make_uint4(pack_16x2(y[0], y[1]), pack_16x2(y[2], y[3]),
+                                            pack_16x2(y[4], y[5]), pack_16x2(y[6], y[7]));
+    }
+}
+
+// K or V rows k0 .. k0 + BN - 1 into a swizzled tile, `threads` threads; rows at or past ck are zeros.
+__device__ __forceinline__ void load_kv_by(uint4* tile, const kv_t* src, int k0, int ck, int tid, int threads)
+{
+    for (int i = tid; i < BN * CHUNKS; i += threads) {
+        const int t = i / CHUNKS, chunk = i % CHUNKS;
+        const bool valid = k0 + t < ck;
+        cp_async_16(&tile[swizzle(t, chunk)], src + (long long)(valid ? k0 + t : 0) * HEAD_DIM + chunk * 8, valid);
+    }
+}
+
+__device__ __forceinline__ void load_positions_by(int* kpos, int* kdoc, const int* k_pos, const int* k_doc,
+                                                  int has_docs, int k0, int ck, int tid, int threads)
+{
+    for (int t = tid; t < BN; t += threads) {
+        const bool valid = k0 + t < ck;
+        cp_async_4(&kpos[t], k_pos + (valid ? k0 + t : 0), valid);
+        if (has_docs)
+            cp_async_4(&kdoc[t], k_doc + (valid ? k0 + t : 0), valid);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS)
+attend_block_v2_dkdv(const float* __restrict__ q, const float* __restrict__ d_o, const float* __restrict__ lse,
+                     const float* __restrict__ delta, const kv_t* __restrict__ k, const kv_t* __restrict__ v,
+                     const int* __restrict__ k_pos, const int* __restrict__ q_lo, const int* __restrict__ q_hi,
+                     const int* __restrict__ q_doc, const int* __restrict__ k_doc,
+                     const signed char* __restrict__ kinds, float* __restrict__ dk, float* __restrict__ dv,
+                     int c, int ck, int G, int tq, int has_docs, float unscale, float rescale)
+{
+#ifdef DYNAMIC_SHARED
+    DYNAMIC_SHARED(uint4, smem);
+#else
+    extern __shared__ uint4 smem[];
+#endif
+    uint4* Qs = smem;                                   // (BM_ROWS, HEAD_DIM) 16-bit, swizzled
+    uint4* dOs = Qs + BM_ROWS * CHUNKS;                 // (BM_ROWS, HEAD_DIM)
+    uint4* Ks = dOs + BM_ROWS * CHUNKS;                 // (BN, HEAD_DIM)
+    uint4* Vs = Ks + BN * CHUNKS;                       // (BN, HEAD_DIM)
+    int* kpos = reinterpret_cast<int*>(Vs + BN * CHUNKS);   // (BN,)
+    int* kdoc = kpos + BN;                              // (BN,)
+    float* row_lse = reinterpret_cast<float*>(kdoc + BN);   // (BM_ROWS,) per row of the query tile
+    float* row_delta = row_lse + BM_ROWS;
+    int* row_lo = reinterpret_cast<int*>(row_delta + BM_ROWS);
+    int* row_hi = row_lo + BM_ROWS;
+    int* row_doc = row_hi + BM_ROWS;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, quad = lane % 4;
+    const long long bh = blockIdx.y, all_rows = (long long)c * G;
+    const int n = blockIdx.x, k0 = n * BN, nk = min(BN, ck - k0);
+    const int k_tiles = (ck + BN - 1) / BN, q_tiles = (c + tq - 1) / tq, rows = tq * G;
+
+    int x = 0;
+    while (x < q_tiles && kinds[(long long)x * k_tiles + n] == TILE_SKIP)
+        ++x;
+    if (x == q_tiles)
+        return;                                         // no query sees a key of this tile
+
+    load_kv_by(Ks, k + bh * ck * HEAD_DIM, k0, ck, tid, KV_THREADS);
+    load_kv_by(Vs, v + bh * ck * HEAD_DIM, k0, ck, tid, KV_THREADS);
+    load_positions_by(kpos, kdoc, k_pos, k_doc, has_docs, k0, ck, tid, KV_THREADS);
+    cp_async_commit();
+
+    float dk_acc[HEAD_DIM / 8][4], dv_acc[HEAD_DIM / 8][4];
+    #pragma unroll
+    for (int dt = 0; dt < HEAD_DIM / 8; ++dt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e)
+            dk_acc[dt][e] = dv_acc[dt][e] = 0.0f;
+
+    // ldmatrix rows of this lane, as in the forward: B operands of 16 rows (k_base,
+    // K in the forward), B operands transposed (v_base, V in the forward)
+    const int k_row = (lane / 16) * 8 + lane % 8, v_row = ((lane / 8) % 2) * 8 + lane % 8;
+    const int k_base = k_row * CHUNKS + (((lane / 8) % 2) ^ (lane % 8));
+    const int v_base = v_row * CHUNKS + ((lane / 16) ^ (lane % 8));
+    const int key0 = warp * 16;                         // this warp's keys in the tile
+
+    while (x < q_tiles) {
+        const bool masked = kinds[(long long)x * k_tiles + n] == TILE_MASKED || nk < BN ||
+                            rows < BM_ROWS || (long long)(x + 1) * rows > all_rows;
+        const long long row0 = (long long)x * rows;
+        __syncthreads();                                // every warp is done with the last query tile
+        load_rows(Qs, dOs, q + bh * all_rows * HEAD_DIM, d_o + bh * all_rows * HEAD_DIM, row0, rows,
+                  all_rows, unscale, tid, KV_THREADS);
+        for (int r = tid; r < BM_ROWS; r += KV_THREADS) {
+            const long long row = row0 + r;
+            const bool active = r < rows && row < all_rows;
+            const long long query = row / G;
+            row_lse[r] = active ? lse[bh * all_rows + row] : 0.0f;
+            row_delta[r] = active ? delta[bh * all_rows + row] : 0.0f;
+            row_lo[r] = active ? q_lo[query] : 1;       // an idle row sees nothing
+            row_hi[r] = active ? q_hi[query] : 0;
+            row_doc[r] = active && has_docs ? q_doc[query] : 0;
+        }
+        cp_async_wait<0>();                             // K, V and their positions (the first time)
+        __syncthreads();
+
+        for (int rc = 0; rc < rows; rc += RC) {
+            // S^T = K Q^T and dP^T = V dO^T: 16 keys x RC rows per warp
+            float s[RC / 8][4], dp[RC / 8][4];
+            #pragma unroll
+            for (int nt = 0; nt < RC / 8; ++nt)
+                #pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[nt][e] = dp[nt][e] = 0.0f;
+            #pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                unsigned ka[4], va[4];
+                ldmatrix_x4(ka, &Ks[swizzle(key0 + lane % 16, 2 * kk + lane / 16)]);
+                ldmatrix_x4(va, &Vs[swizzle(key0 + lane % 16, 2 * kk + lane / 16)]);
+                #pragma unroll
+                for (int np = 0; np < RC / 16; ++np) {
+                    unsigned b[4];
+                    ldmatrix_x4(b, &Qs[(rc + np * 16) * CHUNKS + (k_base ^ (2 * kk))]);
+                    mma_m16n8k16(s[2 * np], ka, b);
+                    mma_m16n8k16(s[2 * np + 1], ka, b + 2);
+                    ldmatrix_x4(b, &dOs[(rc + np * 16) * CHUNKS + (k_base ^ (2 * kk))]);
+                    mma_m16n8k16(dp[2 * np], va, b);
+                    mma_m16n8k16(dp[2 * np + 1], va, b + 2);
+                }
+            }
+            // P^T = exp(S^T * scale - lse) (0 where masked), dS^T = P^T (dP^T - delta);
+            // this lane holds keys key0 + g (e < 2), + 8 (e >= 2), rows rc + 8 nt + 2 quad (+1)
+            #pragma unroll
+            for (int nt = 0; nt < RC / 8; ++nt) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = rc + nt * 8 + 2 * quad + e % 2, t = key0 + g + 8 * (e / 2);
+                    const bool hidden = masked && (t >= nk || !(kpos[t] >= row_lo[r] && kpos[t] <= row_hi[r] &&
+                                                                (!has_docs || kdoc[t] == row_doc[r])));
+                    const float p = hidden ? 0.0f : exp2f(fmaf(s[nt][e] * rescale, LOG2E, -row_lse[r] * LOG2E));
+                    s[nt][e] = p;
+                    dp[nt][e] = p * (dp[nt][e] - row_delta[r]);
+                }
+            }
+            // dV += P^T dO and dK += dS^T Q: A from the registers, B through ldmatrix.trans
+            #pragma unroll
+            for (int ks = 0; ks < RC / 16; ++ks) {
+                const unsigned pa[4] = {pack_16x2(s[2 * ks][0], s[2 * ks][1]), pack_16x2(s[2 * ks][2], s[2 * ks][3]),
+                                        pack_16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                        pack_16x2(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+                const unsigned da[4] = {pack_16x2(dp[2 * ks][0], dp[2 * ks][1]),
+                                        pack_16x2(dp[2 * ks][2], dp[2 * ks][3]),
+                                        pack_16x2(dp[2 * ks + 1][0], dp[2 * ks + 1][1]),
+                                        pack_16x2(dp[2 * ks + 1][2], dp[2 * ks + 1][3])};
+                #pragma unroll
+                for (int dq2 = 0; dq2 < HEAD_DIM / 16; ++dq2) {
+                    unsigned b[4];
+                    ldmatrix_x4_trans(b, &dOs[(rc + ks * 16) * CHUNKS + (v_base ^ (2 * dq2))]);
+                    mma_m16n8k16(dv_acc[2 * dq2], pa, b);
+                    mma_m16n8k16(dv_acc[2 * dq2 + 1], pa, b + 2);
+                    ldmatrix_x4_trans(b, &Qs[(rc + ks * 16) * CHUNKS + (v_base ^ (2 * dq2))]);
+                    mma_m16n8k16(dk_acc[2 * dq2], da, b);
+                    mma_m16n8k16(dk_acc[2 * dq2 + 1], da, b + 2);
+                }
+            }
+        }
+        ++x;
+        while (x < q_tiles && kinds[(long long)x * k_tiles + n] == TILE_SKIP)
+            ++x;
+    }
+
+    // this lane's keys: add to the block's dK (the scale Q carried) and dV
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int t = key0 + g + 8 * h;
+        if (t >= nk)
+            continue;
+        const long long key = bh * ck + k0 + t;
+        #pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            float2* kd = reinterpret_cast<float2*>(dk + key * HEAD_DIM + dt * 8 + 2 * quad);
+            float2* vd = reinterpret_cast<float2*>(dv + key * HEAD_DIM + dt * 8 + 2 * quad);
+            const float2 a = *kd, b = *vd;
+            *kd = make_float2(a.x + dk_acc[dt][2 * h] * rescale, a.y + dk_acc[dt][2 * h + 1] * rescale);
+            *vd = make_float2(b.x + dv_acc[dt][2 * h], b.y + dv_acc[dt][2 * h + 1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+attend_block_v2_dq(const float* __restrict__ q, const float* __restrict__ d_o, const float* __restrict__ lse,
+                   const float* __restrict__ delta, const kv_t* __restrict__ k, const kv_t* __restrict__ v,
+                   const int* __restrict__ k_pos, const int* __restrict__ q_lo, const int* __restrict__ q_hi,
+                   const int* __restrict__ q_doc, const int* __restrict__ k_doc,
+                   const signed char* __restrict__ kinds, float* __restrict__ dq,
+                   int c, int ck, int G, int tq, int has_docs, float unscale, float rescale)
+{
+#ifdef DYNAMIC_SHARED
+    DYNAMIC_SHARED(uint4, smem);
+#else
+    extern __shared__ uint4 smem[];
+#endif
+    uint4* Qs = smem;                                   // the same layout as attend_block_v2_dkdv
+    uint4* dOs = Qs + BM_ROWS * CHUNKS;
+    uint4* Ks = dOs + BM_ROWS * CHUNKS;
+    uint4* Vs = Ks + BN * CHUNKS;
+    int* kpos = reinterpret_cast<int*>(Vs + BN * CHUNKS);
+    int* kdoc = kpos + BN;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, quad = lane % 4;
+    const long long bh = blockIdx.y, all_rows = (long long)c * G;
+    const int rows = tq * G;
+    const long long row0 = (long long)blockIdx.x * rows;
+    const int k_tiles = (ck + BN - 1) / BN;
+    const signed char* plan = kinds + (long long)blockIdx.x * k_tiles;
+    const kv_t* k_bh = k + bh * ck * HEAD_DIM;
+    const kv_t* v_bh = v + bh * ck * HEAD_DIM;
+
+    int n = next_tile(plan, 0, k_tiles);
+    if (n == k_tiles)
+        return;
+
+    load_rows(Qs, dOs, q + bh * all_rows * HEAD_DIM, d_o + bh * all_rows * HEAD_DIM, row0, rows, all_rows,
+              unscale, tid, THREADS);
+    RowMask mask[2];
+    float row_lse[2], row_delta[2], acc[HEAD_DIM / 8][4];
+    bool active[2];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + g + 8 * h;
+        const long long row = row0 + r, query = row / G;
+        active[h] = r < rows && row < all_rows;
+        mask[h] = active[h] ? RowMask{q_lo[query], q_hi[query], has_docs ? q_doc[query] : 0} : RowMask{1, 0, 0};
+        row_lse[h] = active[h] ? lse[bh * all_rows + row] : 0.0f;
+        row_delta[h] = active[h] ? delta[bh * all_rows + row] : 0.0f;
+    }
+    #pragma unroll
+    for (int dt = 0; dt < HEAD_DIM / 8; ++dt)
+        acc[dt][0] = acc[dt][1] = acc[dt][2] = acc[dt][3] = 0.0f;
+    __syncthreads();                                    // Q and dO are in shared memory
+
+    unsigned qa[HEAD_DIM / 16][4];                      // Q as A operands, for the whole block
+    #pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        ldmatrix_x4(qa[kk], &Qs[swizzle(warp * 16 + lane % 16, 2 * kk + lane / 16)]);
+
+    const int k_row = (lane / 16) * 8 + lane % 8, v_row = ((lane / 8) % 2) * 8 + lane % 8;
+    const int k_base = k_row * CHUNKS + (((lane / 8) % 2) ^ (lane % 8));
+    const int v_base = v_row * CHUNKS + ((lane / 16) ^ (lane % 8));
+
+    while (n < k_tiles) {
+        const int k0 = n * BN, nk = min(BN, ck - k0);
+        const bool masked = plan[n] == TILE_MASKED || nk < BN;
+        __syncthreads();                                // every warp is done with the last K, V tile
+        load_kv_by(Ks, k_bh, k0, ck, tid, THREADS);
+        load_kv_by(Vs, v_bh, k0, ck, tid, THREADS);
+        load_positions_by(kpos, kdoc, k_pos, k_doc, has_docs, k0, ck, tid, THREADS);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // S = Q K^T and dP = dO V^T: 16 rows x BN keys per warp
+        float s[BN / 8][4], dp[BN / 8][4];
+        #pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[nt][e] = dp[nt][e] = 0.0f;
+        #pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            unsigned da[4];
+            ldmatrix_x4(da, &dOs[swizzle(warp * 16 + lane % 16, 2 * kk + lane / 16)]);
+            #pragma unroll
+            for (int np = 0; np < BN / 16; ++np) {
+                unsigned b[4];
+                ldmatrix_x4(b, &Ks[np * 16 * CHUNKS + (k_base ^ (2 * kk))]);
+                mma_m16n8k16(s[2 * np], qa[kk], b);
+                mma_m16n8k16(s[2 * np + 1], qa[kk], b + 2);
+                ldmatrix_x4(b, &Vs[np * 16 * CHUNKS + (k_base ^ (2 * kk))]);
+                mma_m16n8k16(dp[2 * np], da, b);
+                mma_m16n8k16(dp[2 * np + 1], da, b + 2);
+            }
+        }
+        // P = exp(S * scale - lse) (0 where masked), dS = P (dP - delta)
+        #pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = nt * 8 + 2 * quad + e % 2, h = e / 2;
+                const bool hidden = masked && (t >= nk || !sees(mask[h], kpos[t], kdoc[t], has_docs));
+                const float p = hidden ? 0.0f : exp2f(fmaf(s[nt][e] * rescale, LOG2E, -row_lse[h] * LOG2E));
+                dp[nt][e] = p * (dp[nt][e] - row_delta[h]);
+            }
+        }
+        // dQ += dS K: dS from the registers, K through ldmatrix.trans
+        #pragma unroll
+        for (int ks = 0; ks < BN / 16; ++ks) {
+            const unsigned da[4] = {pack_16x2(dp[2 * ks][0], dp[2 * ks][1]), pack_16x2(dp[2 * ks][2], dp[2 * ks][3]),
+                                    pack_16x2(dp[2 * ks + 1][0], dp[2 * ks + 1][1]),
+                                    pack_16x2(dp[2 * ks + 1][2], dp[2 * ks + 1][3])};
+            #pragma unroll
+            for (int dq2 = 0; dq2 < HEAD_DIM / 16; ++dq2) {
+                unsigned b[4];
+                ldmatrix_x4_trans(b, &Ks[ks * 16 * CHUNKS + (v_base ^ (2 * dq2))]);
+                mma_m16n8k16(acc[2 * dq2], da, b);
+                mma_m16n8k16(acc[2 * dq2 + 1], da, b + 2);
+            }
+        }
+        n = next_tile(plan, n + 1, k_tiles);
+    }
+
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (!active[h])
+            continue;
+        const long long row = bh * all_rows + row0 + warp * 16 + g + 8 * h;
+        #pragma unroll
+        for (int dt = 0; dt < HEAD_DIM / 8; ++dt) {
+            float2* d = reinterpret_cast<float2*>(dq + row * HEAD_DIM + dt * 8 + 2 * quad);
+            const float2 a = *d;
+            *d = make_float2(a.x + acc[dt][2 * h], a.y + acc[dt][2 * h + 1]);
+        }
+    }
+}

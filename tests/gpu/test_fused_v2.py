@@ -42,7 +42,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench import gpu_kernel
+from bench import gpu_kernel, gpu_kernel_check
 from conftest import BFLOAT16, Case, assert_close, cases
 from gpu_impl import fused_v2
 from gpu_impl.fused_v2 import Config
@@ -61,25 +61,16 @@ pytestmark = pytest.mark.skipif(emulator.GXX is None, reason="g++ not found")
 # warp and BN = 16 at D = 128) and the default tiles of each head dim.
 SMALL = [Config(64, 2, 32, False), Config(64, 2, 32, True), Config(128, 1, 16, True), Config(128, 2, 32, False)]
 DEFAULTS = [Config(d, *fused_v2.DEFAULT_CONFIG[d], bf16) for d in fused_v2.HEAD_DIMS for bf16 in (False, True)]
-CONFIGS = SMALL + DEFAULTS
+BACKWARD_DEFAULTS = [Config(d, *fused_v2.BACKWARD_CONFIG[d], bf16) for d in fused_v2.HEAD_DIMS
+                     for bf16 in (False, True)]
+CONFIGS = SMALL + DEFAULTS + BACKWARD_DEFAULTS
 KV_DTYPES = {False: np.float16, True: BFLOAT16}
 
 
 @pytest.fixture(scope="session")
 def libraries():
     """{Config: emulator library}: compiled two at a time, or found from an earlier session."""
-    results, pending = {}, list(CONFIGS)
-    while pending:
-        batch, pending = pending[:2], pending[2:]
-        threads = [threading.Thread(target=lambda c=c: results.__setitem__(
-            c, emulator.build(fused_v2.SOURCE, c.options(), 2))) for c in batch]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    missing = [c for c in CONFIGS if c not in results]
-    assert not missing, f"builds failed: {missing}"
-    return results
+    return emulator.build_v2(CONFIGS)
 
 
 def emulated(libraries, config):
@@ -338,9 +329,11 @@ def test_v2_flushes_subnormals_as_cupy_kernels_do(libraries):
 # (name, what is replaced, by what): each must make the checks above fail
 PLANTS = [
     ("fragment index off by one",                # ldmatrix rows of K: row 8 lanes of each matrix shifted
-     "np * 16 * CHUNKS + (k_base ^ (2 * kk))", "np * 16 * CHUNKS + ((k_base + CHUNKS) ^ (2 * kk))"),
+     "(b[2..3])\n                ldmatrix_x4(b, &Ks[np * 16 * CHUNKS + (k_base ^ (2 * kk))]);",
+     "(b[2..3])\n                ldmatrix_x4(b, &Ks[np * 16 * CHUNKS + ((k_base + CHUNKS) ^ (2 * kk))]);"),
     ("P's halves swapped in the A operand",      # columns 2t and 2t+1 of rows g+8 exchanged
-     "pack_16x2(s[2 * ks][2], s[2 * ks][3]),", "pack_16x2(s[2 * ks][3], s[2 * ks][2]),"),
+     "\n            const unsigned pa[4] = {pack_16x2(s[2 * ks][0], s[2 * ks][1]), pack_16x2(s[2 * ks][2], s[2 * ks][3]),",
+     "\n            const unsigned pa[4] = {pack_16x2(s[2 * ks][0], s[2 * ks][1]), pack_16x2(s[2 * ks][3], s[2 * ks][2]),"),
     ("the accumulator's column index off",      # the mask applied to the neighbouring column
      "const int t = nt * 8 + 2 * quad + e % 2;", "const int t = nt * 8 + 2 * quad + 1 - e % 2;"),
     ("a cp.async wait missing",                  # V read before it landed
@@ -471,21 +464,23 @@ def test_ring_attention_with_the_emulated_kernel_matches_the_oracle(libraries):
     assert_close(lse, want_lse, np.float32, "lse")
 
 
-def test_v2_is_a_registered_forward_only_step():
+def test_v2_is_a_registered_step_with_a_backward():
     step = steps.get("fused_v2")
-    assert isinstance(step, fused_v2.TensorCoreStep) and not step.has_backward and step.takes_masks
+    assert isinstance(step, fused_v2.TensorCoreStep) and step.has_backward and step.takes_masks
+    assert not step.has_dropout
     with pytest.raises(ValueError, match="computes with cupy"):
         steps.check_step("fused_v2", np)
 
 
 def test_auto_picks_v2_for_float16_on_cupy():
-    """"auto" on CuPy: the tensor-core kernel where it takes the call (float16,
-    D = 64 or 128, a tile it has, forward, no dropout), else the readable step."""
+    """"auto" on CuPy: the tensor-core kernels where they take the call (float16,
+    D = 64 or 128, a tile they have, no dropout), forward and backward, else the readable step."""
     cupy = types.ModuleType("cupy")                     # only its name is read
     f16 = steps.Call("float16", 64, 4, None)
     assert steps.check_step("auto", cupy, call=f16).name == "fused_v2"
+    assert steps.check_step("auto", cupy, call=f16, backward=True).name == "fused_v2"
     assert steps.check_step("auto", cupy, call=f16._replace(head_dim=128, tile_size=(32, 64))).name == "fused_v2"
-    for call, options in ((f16._replace(dtype="float32"), {}), (f16, dict(backward=True)), (f16, dict(dropout=True)),
+    for call, options in ((f16._replace(dtype="float32"), {}), (f16, dict(dropout=True)),
                           (f16._replace(head_dim=96), {}), (f16._replace(tile_size=1024), {}), (None, {})):
         assert steps.check_step("auto", cupy, call=call, **options).name == "v1", (call, options)
     assert steps.get("auto", xp=cupy).name == "v1"       # nothing known of the call
@@ -530,16 +525,20 @@ class NumpyAsCupy:
 
 
 def test_gpu_check_step_runs_on_the_cpu(libraries):
-    """bench.gpu_kernel's step of make gpu-check with the emulated kernel and
+    """bench.gpu_kernel_check's step of make gpu-check with the emulated kernel and
     NumPy as the GPU, at small sizes: its Python has run, and passes, before a
     GPU's time is spent on it."""
     def make(kv_format):
-        return emulator.EmulatedTensorCoreStep({c: libraries[c] for c in DEFAULTS}, kv_format=kv_format)
-    ok, text = gpu_kernel.check_against_readable(NumpyAsCupy, seq=256, make_v2=make)
+        return emulator.EmulatedTensorCoreStep({c: libraries[c] for c in DEFAULTS + BACKWARD_DEFAULTS},
+                                               kv_format=kv_format)
+    ok, text = gpu_kernel_check.check_against_readable(NumpyAsCupy, seq=256, make_v2=make)
     assert ok and text.count("| ok |") == 8, text
-    table = gpu_kernel.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1)
+    ok, text = gpu_kernel_check.backward_against_readable(NumpyAsCupy, seq=256, make_v2=make)
+    assert ok and text.count("| ok |") == 8, text
+    table = gpu_kernel_check.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1)
     assert table.count("fused v2 (tensor cores)") == 4 and table.count("the kernel alone") == 4, table
-    assert gpu_kernel.gpu_check(dry=True)[0]
+    assert table.count("fused v2 backward (two kernels)") == 4, table
+    assert gpu_kernel_check.gpu_check(dry=True)[0]
 
 
 def test_the_sanitizers_v2_launches_run_on_the_cpu(libraries):
@@ -548,8 +547,9 @@ def test_the_sanitizers_v2_launches_run_on_the_cpu(libraries):
     with the emulated kernel, the NaN reaches exactly the rows whose window
     holds its key."""
     def make(kv_format):
-        return emulator.EmulatedTensorCoreStep({c: libraries[c] for c in DEFAULTS}, kv_format=kv_format)
-    assert gpu_kernel.sanitizer_launches(NumpyAsCupy, make_v2=make)
+        return emulator.EmulatedTensorCoreStep({c: libraries[c] for c in DEFAULTS + BACKWARD_DEFAULTS},
+                                               kv_format=kv_format)
+    assert gpu_kernel_check.sanitizer_launches(NumpyAsCupy, make_v2=make)
 
 
 # -- compiled for sm_90 ----------------------------------------------------------------------
@@ -559,18 +559,28 @@ NVCC = shutil.which("nvcc")
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("config", DEFAULTS, ids=str)
+@pytest.mark.parametrize("config", DEFAULTS + BACKWARD_DEFAULTS[:1] + BACKWARD_DEFAULTS[2:3], ids=str)
 def test_v2_compiles_for_sm90_on_the_tensor_cores(config):
-    """nvcc for sm_90: no spill at the default tiles; with cuobjdump, the SASS
-    holds HMMA (the tensor cores), LDSM (ldmatrix) and LDGSTS (cp.async)."""
+    """nvcc for sm_90, each kernel of the source (the forward, and the
+    backward's dK, dV and dQ kernels): no spill at the default tiles; with
+    cuobjdump, the SASS of each holds HMMA (the tensor cores), at least its
+    products per tile, and LDSM (ldmatrix) and LDGSTS (cp.async)."""
     cubin, report = emulator.nvcc_cubin(fused_v2.SOURCE, config.options())
-    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
+    entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
+                         report, re.S)
+    assert sorted(name for name, *_ in entries) == ["attend_block_v2", "attend_block_v2_dkdv", "attend_block_v2_dq"]
+    assert all(stores == loads == "0" for _, stores, loads in entries), report
     tool, disassembler = gpu_kernel.tool("cuobjdump"), gpu_kernel.tool("nvdisasm")
     if tool is None or disassembler is None:
         pytest.skip("cuobjdump or nvdisasm not found (the test extra installs them)")
     sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, NVDISASM_PATH=disassembler))
     assert sass.returncode == 0, sass.stderr
-    mma_per_tile = 2 * (config.bn // 8) * (config.head_dim // 16)       # S = Q K^T and O += P V
-    assert sass.stdout.count("HMMA.16816.F32") >= mma_per_tile, "no tensor-core instruction"
-    assert "LDSM" in sass.stdout and "LDGSTS" in sass.stdout
+    functions = dict(re.findall(r"Function : (\w+)\n(.*?)(?=Function : |\Z)", sass.stdout, re.S))
+    d, bn = config.head_dim, config.bn
+    products = {"attend_block_v2": 2 * (bn // 8) * (d // 16),               # S = Q K^T, O += P V
+                "attend_block_v2_dkdv": 4 * (32 // 8) * (d // 16),          # S^T, dP^T, dV, dK: 32 rows at a time
+                "attend_block_v2_dq": 3 * (bn // 8) * (d // 16)}            # S, dP, dQ
+    for name, count in products.items():
+        assert functions[name].count("HMMA.16816.F32") >= count, f"{name}: fewer tensor-core products than a tile's"
+        assert "LDSM" in functions[name] and "LDGSTS" in functions[name], name

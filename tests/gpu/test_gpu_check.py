@@ -170,7 +170,7 @@ def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
         assert "FAILED: tests were skipped although a GPU is present" in part
     assert section(text, "fused kernel").count("| ok |") == 4
     tensor = section(text, "tensor cores")         # fused v2 checked (the readable step standing in), then timed
-    assert tensor.count("| ok |") == 8 and tensor.count("fused v2, the kernel alone") == 4, tensor
+    assert tensor.count("| ok |") == 16 and tensor.count("fused v2, the kernel alone") == 4, tensor
     assert section(text, "checked run").count("| ok |") == 5                  # out, lse, dq, dk, dv
     cli = section(text, "command line")
     rows = [line.split() for line in cli.splitlines() if line.startswith("striped ")]
@@ -333,9 +333,9 @@ def test_the_check_venv_finds_the_machine_packages_as_cupy_looks_for_them(tmp_pa
 
 
 def test_the_checks_ring_runs_forward_through_the_tensor_core_kernel():
-    """The checked run, the command line and the trace run a float16 forward at
-    a tile fused_v2 takes, so that "auto" picks it on CuPy (where it is the
-    default) and a lent GPU runs it inside a ring; the backward at its own tile."""
+    """The checked run, the command line and the trace run a float16 forward and
+    backward at tiles fused_v2 takes, so that "auto" picks it both ways on CuPy
+    (where it is the default) and a lent GPU runs it inside a ring."""
     import types
 
     from mpi_impl import cli
@@ -349,8 +349,12 @@ def test_the_checks_ring_runs_forward_through_the_tensor_core_kernel():
         args = cli.build_parser().parse_args(list(argv))
         call = steps.Call(args.dtype, args.head_dim, args.heads // args.kv_heads, args.tile_size)
         assert steps.check_step("auto", cupy, call=call).name == "fused_v2", argv
-        assert args.backward and args.backward_tile_size == 1024
+        assert args.backward
+        backward = call._replace(tile_size=args.backward_tile_size)
+        assert steps.check_step("auto", cupy, call=backward, backward=True).name == "fused_v2", argv
     c = sizes.checked
     call = steps.Call("float16", c["head_dim"], c["heads"] // c["kv_heads"], tuple(c["tile"]))
     assert steps.check_step("auto", cupy, call=call).name == "fused_v2"
+    backward = call._replace(tile_size=tuple(c["backward_tile"]))
+    assert steps.check_step("auto", cupy, call=backward, backward=True).name == "fused_v2"
     assert steps.check_step("auto", cupy, call=call._replace(tile_size=1024)).name == "v1"     # as it ran before

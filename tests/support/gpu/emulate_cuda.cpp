@@ -660,5 +660,30 @@ int launch_attend_block_v2(int gx, int gy, int smem_bytes, const float* q, const
                         unscale, rescale);
     });
 }
+
+// The backward's two kernels: dK, dV on a (key tiles, B * Hkv) grid of 2 * BN
+// threads per block; dQ on a (query tiles, B * Hkv) grid of 32 * WARPS.
+int launch_attend_block_v2_dkdv(int gx, int gy, int smem_bytes, const float* q, const float* d_o, const float* lse,
+                                const float* delta, const kv_t* k, const kv_t* v, const int* k_pos, const int* q_lo,
+                                const int* q_hi, const int* q_doc, const int* k_doc, const signed char* kinds,
+                                float* dk, float* dv, int c, int ck, int G, int tq, int has_docs, float unscale,
+                                float rescale)
+{
+    return emu::launch({unsigned(gx), unsigned(gy), 1}, KV_THREADS, size_t(smem_bytes), [=] {
+        attend_block_v2_dkdv(q, d_o, lse, delta, k, v, k_pos, q_lo, q_hi, q_doc, k_doc, kinds, dk, dv, c, ck, G,
+                             tq, has_docs, unscale, rescale);
+    });
+}
+
+int launch_attend_block_v2_dq(int gx, int gy, int smem_bytes, const float* q, const float* d_o, const float* lse,
+                              const float* delta, const kv_t* k, const kv_t* v, const int* k_pos, const int* q_lo,
+                              const int* q_hi, const int* q_doc, const int* k_doc, const signed char* kinds,
+                              float* dq, int c, int ck, int G, int tq, int has_docs, float unscale, float rescale)
+{
+    return emu::launch({unsigned(gx), unsigned(gy), 1}, THREADS, size_t(smem_bytes), [=] {
+        attend_block_v2_dq(q, d_o, lse, delta, k, v, k_pos, q_lo, q_hi, q_doc, k_doc, kinds, dq, c, ck, G, tq,
+                           has_docs, unscale, rescale);
+    });
+}
 #endif
 }

@@ -74,6 +74,24 @@ def build(source, options, version, *, text=None):
                  compile_to)
 
 
+def build_v2(configs):
+    """{Config: emulator library of fused_v2 with that config}, compiled two
+    at a time (the machine's cores), or found from an earlier session."""
+    import threading
+    results, pending = {}, list(configs)
+    while pending:
+        batch, pending = pending[:2], pending[2:]
+        threads = [threading.Thread(target=lambda c=c: results.__setitem__(
+            c, build(fused_v2.SOURCE, c.options(), 2))) for c in batch]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    missing = [c for c in configs if c not in results]
+    assert not missing, f"builds failed: {missing}"
+    return results
+
+
 def nvcc_cubin(source, options):
     """(cubin path, ptxas -v report) of the kernel compiled by nvcc for sm_90, kept like the builds."""
     from bench.gpu_kernel import nvcc_command, tool
@@ -130,4 +148,23 @@ class EmulatedTensorCoreStep(fused_v2.TensorCoreStep):
                                         ctypes.c_int(plan.config.shared_bytes), *args)
         if rc != 0:
             raise EmulatorError(lib.emu_last_error().decode())
+
+    def launch_backward(self, grads, queries, rows, block, plan):
+        """fused_v2's two backward launches, as `fused_v2.launch_backward_kernels` makes them."""
+        lib = self.libraries.get(plan.config)
+        if lib is None:
+            raise KeyError(f"no emulator build for {plan.config}")
+        B, Hkv, c, G, D = queries.q.shape
+        inputs = [_pointer(x) for x in (queries.q, rows.do, rows.lse, rows.delta, block.k, block.v, plan.k_pos,
+                                        plan.q_lo, plan.q_hi, plan.q_doc, plan.k_doc, plan.kinds)]
+        scalars = plan.scalars(c, block.k.shape[2], G)
+        scalars = [ctypes.c_int(int(x)) for x in scalars[:5]] + [ctypes.c_float(float(x)) for x in scalars[5:]]
+        shared = ctypes.c_int(plan.config.backward_shared_bytes)
+        for rc in (lib.launch_attend_block_v2_dkdv(ctypes.c_int(plan.kinds.shape[1]), ctypes.c_int(plan.grid[1]),
+                                                   shared, *inputs, _pointer(grads.dk), _pointer(grads.dv),
+                                                   *scalars),
+                   lib.launch_attend_block_v2_dq(ctypes.c_int(plan.grid[0]), ctypes.c_int(plan.grid[1]), shared,
+                                                 *inputs, _pointer(grads.dq), *scalars)):
+            if rc != 0:
+                raise EmulatorError(lib.emu_last_error().decode())
 

@@ -43,7 +43,7 @@ the host as it is, every CuPy call of it a kernel, and counts its host reads.
 Run as a script, it runs a module or a script on such a GPU, one per process
 (`install_for_process`: even local ranks copies early, odd ones kernels early;
 gpu_impl takes it for CupyDevice, and the readable step stands in for the fused
-kernel, since CUDA cannot run on NumPy):
+kernels, forward and backward, since CUDA cannot run on NumPy):
 
     mpiexec -n 3 python -m mpi4py tests/support/gpu/queued_device.py -m gpu_impl --seq-len 48 --check
     python tests/support/gpu/queued_device.py scripts/gpu_check.py --one-fused-launch
@@ -548,6 +548,15 @@ def stand_in_for_the_v2_kernel(acc, queries, block, plan):
     ReadableStep().forward(acc, queries, block, mask=queries.mask, tile_size=tile)
 
 
+def stand_in_for_the_v2_backward(grads, queries, rows, block, plan):
+    """gpu_impl.fused_v2.launch_backward_kernels on NumPy: the readable step at
+    the kernels' tile, on K and V as float32."""
+    from gpu_impl.fused_v2 import float32_block
+    from reference.step import ReadableStep
+    tile = (plan.config.queries(queries.q.shape[3]), plan.config.bn)
+    ReadableStep().backward(grads, queries, rows, float32_block(block, None), mask=queries.mask, tile_size=tile)
+
+
 def install_for_process(policy=None):
     """This process's GPU is a QueuedDevice from now on (policy by local rank
     unless given): `import cupy` gives the fake, gpu_impl's CupyDevice is this
@@ -560,6 +569,7 @@ def install_for_process(policy=None):
     api.CupyDevice = device.CupyDevice = lambda cupy, index: gpu
     fused.launch_kernel = stand_in_for_the_kernel
     fused_v2.launch_kernel = stand_in_for_the_v2_kernel
+    fused_v2.launch_backward_kernels = stand_in_for_the_v2_backward
     return gpu
 
 
