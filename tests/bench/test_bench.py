@@ -480,3 +480,39 @@ def test_waits_section_passes_each_row_its_library_and_waits(monkeypatch, tmp_pa
     assert [cmd[0] for cmd, _ in openmpi] == [str(tmp_path / "bin" / "mpiexec")] * 2
     assert [cmd[3] for cmd, _ in openmpi] == [str(tmp_path / "bin" / "python")] * 2
     assert all(env["PRTE_MCA_rmaps_default_mapping_policy"] == ":oversubscribe" for _, env in openmpi)
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0020*/                   HMMA.16816.F32 R8, R12, R16, R8 ;
+        /*0030*/               @P0 BRA 0x60 ;
+        /*0040*/                   FSEL R8, R8, -INF , P1 ;
+        /*0050*/                   FSEL R9, R9, -INF , P1 ;
+        /*0060*/                   MUFU.EX2 R8, R8 ;
+        /*0070*/               @P3 BRA 0xc0 ;
+        /*0080*/              @!P1 BRA 0xa0 ;
+        /*0090*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
+        /*00a0*/                   HMMA.16816.F32 R8, R12, R16, R8 ;
+        /*00b0*/                   FADD R8, R8, R9 ;
+        /*00c0*/               @P2 BRA 0x10 ;
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_the_product_loops_pass_is_its_shortest_path_through_every_product():
+    """bench.gpu_kernel reads what a warp issues per key tile from the SASS:
+    the loop holding the HMMAs (12 instructions), and its shortest pass
+    through both HMMAs (skipping the mask and the next tile's load, not the
+    second HMMA: 9); a full tile's two loads put the load back (10); a pass
+    that must hold two exponentials where the loop has one does not exist."""
+    from bench.gpu_kernel import instructions, issue_ceiling, product_loop
+    code = instructions(SASS)
+    assert [op for _, op, _, _ in code][:3] == ["MOV", "LDGSTS", "HMMA"] and code[3][2:] == (0x60, True)
+    assert product_loop(code) == (12, 9)
+    assert product_loop(code, {"LDGSTS": 2}) == (12, 10)
+    assert product_loop(code, {"MUFU": 2}) == (12, None)
+    assert product_loop(code[:2]) is None                   # no HMMA, no loop
+    # 4 schedulers per SM issue one instruction a clock each: a pass of 8 for 512 pairs
+    assert issue_ceiling(256, [(8, 512)]) == pytest.approx(256 * 512 / 8 * 4 * 132 * 1.98e9 / 1e12)
+    assert issue_ceiling(256, [(None, 512)]) is None

@@ -564,7 +564,8 @@ def test_v2_compiles_for_sm90_on_the_tensor_cores(config):
     """nvcc for sm_90, each kernel of the source (the forward, and the
     backward's dK, dV and dQ kernels): no spill at the default tiles; with
     cuobjdump, the SASS of each holds HMMA (the tensor cores), at least its
-    products per tile, and LDSM (ldmatrix) and LDGSTS (cp.async)."""
+    products per tile, and LDSM (ldmatrix) and LDGSTS (cp.async), all on
+    one pass of the loop that holds them (what bench.gpu_kernel counts)."""
     cubin, report = emulator.nvcc_cubin(fused_v2.SOURCE, config.options())
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
                          report, re.S)
@@ -584,3 +585,7 @@ def test_v2_compiles_for_sm90_on_the_tensor_cores(config):
     for name, count in products.items():
         assert functions[name].count("HMMA.16816.F32") >= count, f"{name}: fewer tensor-core products than a tile's"
         assert "LDSM" in functions[name] and "LDGSTS" in functions[name], name
+        # one pass of the loop holding the products issues them all, and a full tile's exponentials
+        needs = {"MUFU": 16} if name.endswith("dkdv") else gpu_kernel.full_tile(config, config.threads)
+        total, issued = gpu_kernel.product_loop(gpu_kernel.instructions(functions[name]), needs)
+        assert issued is not None and count <= issued <= total, (name, issued, total)

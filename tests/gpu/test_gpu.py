@@ -1092,6 +1092,22 @@ def test_fused_step_matches_plain_step_at_model_shapes(head_dim, dtype):
     assert_close(cupy.asnumpy(l1), cupy.asnumpy(l0), np.float32, f"lse, D={head_dim}, {dtype.__name__}")
 
 
+@needs_gpu
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq=st.integers(130, 700), n=st.integers(1, 4), group=st.sampled_from([1, 2, 4, 8]))
+def test_tensor_core_step_matches_readable_step(seq, n, group):
+    """fused_v2, the default step for float16 on GPUs, forward and backward
+    against the readable step on the GPU at the head dims it takes (64 and
+    128), float16 and bfloat16, causal and a window over documents: sequence
+    lengths that are no multiple of any tile, 1 to 4 striped blocks, GQA."""
+    import cupy
+    from bench import gpu_kernel_check
+    seq -= seq % max(n, 1)
+    for check in (gpu_kernel_check.check_against_readable, gpu_kernel_check.backward_against_readable):
+        ok, table = check(cupy, seq=seq, n=n, hq=2 * group, hkv=2)
+        assert ok, table
+
+
 SPIN_SOURCE = r"""
 extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();

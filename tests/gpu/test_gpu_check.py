@@ -137,7 +137,7 @@ def test_gpu_wheels_install_into_a_fresh_venv_and_every_step_starts(tmp_path):
     assert f"| python | {version}" in env and f"{check_venv}/bin/python" in env
     assert f"| mpiexec | {check_venv}/bin/mpiexec" in env and "| MPI library | MPICH" in env
     assert "test_gpu_ring_matches_reference[4-staged]" in text          # 4 ranks sharing the GPU
-    assert "2 GPU tests collected" in text and "15 GPU tests collected" in text
+    assert "2 GPU tests collected" in text and "16 GPU tests collected" in text
     assert "--seq-len 65536 --head-dim 128 --dtype float16" in text and "--backward --check" in text
 
 
@@ -164,7 +164,7 @@ def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
                               ("command line", "ok"), ("trace", "ok"),
                               ("sanitizer", "skipped: compute-sanitizer not found"), ("rates", "ok")], text
     assert "| GPU | 1 x QueuedDevice (NumPy)" in section(text, "environment")
-    for name, count in (("race probe", 2), ("GPU tests", 15)):
+    for name, count in (("race probe", 2), ("GPU tests", 16)):
         part = section(text, name)
         assert f"{count} skipped" in part and "needs a GPU" in part, part     # pytest ran them
         assert "FAILED: tests were skipped although a GPU is present" in part
