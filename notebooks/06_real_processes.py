@@ -73,16 +73,18 @@ def launch(*options):
 # ## The communication object
 #
 # The per-device loop is `reference.ring.ring_forward` of notebook 3, unchanged. What is
-# new is the object behind its verbs: `mpi_impl.RingComm.start_shift` posts a
+# new is the object behind its verbs: `mpi_impl.RingComm.start_shift` posts (in `_post`) a
 # non-blocking receive from the previous rank and a non-blocking send to the next one, for
-# every array of the block, and `finish_shift` waits for the receives (a send completes
-# later, and is waited for only before its buffer is used again). A third verb,
-# `progress`, tests the transfers in flight: MPI moves a large message only inside MPI
-# calls, so a transfer moves while both ranks compute only if something calls into MPI
-# meanwhile. We come back to it with the timeline below.
+# every array of the block, as soon as its memory object says the buffers are ready (host
+# arrays at once; on a GPU, once the copies MPI reads are done), and `finish_shift` waits
+# for the receives (a send completes later, and is waited for only before its buffer is
+# used again). A third verb, `progress`, tests the transfers in flight: MPI moves a large
+# message only inside MPI calls, so a transfer moves while both ranks compute only if
+# something calls into MPI meanwhile. We come back to it with the timeline below.
 
 # %%
 print(inspect.getsource(RingComm.start_shift))
+print(inspect.getsource(RingComm._post))
 print(inspect.getsource(RingComm.finish_shift))
 print(inspect.getsource(RingComm.progress))
 
