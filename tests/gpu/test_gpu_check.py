@@ -11,6 +11,8 @@
   and fails those two steps, as it must on a GPU;
 - the results file is written after every step; a step starts only while time
   is left, and its commands are killed, process group and all, when it is up;
+- the check's venv finds the machine's NVRTC and cuBLAS as CuPy 14 looks for
+  them (cuda-pathfinder, over site.getsitepackages());
 - no GPU: status 2, nothing checked; no mpiexec: status 1, said.
 
     .venv/bin/python -m pytest tests/gpu/test_gpu_check.py -q
@@ -19,6 +21,7 @@
 import importlib.util
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -303,25 +306,28 @@ def test_checked_runs_reference_is_the_dense_reference():
         np.testing.assert_allclose(got[name], w, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def bare_venv(path):
+    """A venv without pip at path: its python and its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    python = path / "bin" / "python"
+    site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    return python, Path(site_dir)
+
+
 def test_the_check_venv_finds_the_machine_packages_as_cupy_looks_for_them(tmp_path):
     """A machine venv (holding a package, and a .pth pointing at another folder)
     and the check's venv made from it as scripts/gpu_check.sh makes it: in the
     check's venv, site.getsitepackages() lists the machine's site-packages (where
     CuPy's cuda-pathfinder looks for NVRTC and cuBLAS), and the machine's .pth
     files are read. With the .pth of plain paths it wrote before, neither held."""
-    def venv(path):
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
-        python = path / "bin" / "python"
-        site_dir = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                                  capture_output=True, text=True, check=True).stdout.strip()
-        return python, Path(site_dir)
-    machine, machine_site = venv(tmp_path / "machine")
+    machine, machine_site = bare_venv(tmp_path / "machine")
     (machine_site / "machine_lib.py").write_text("X = 1\n")
     extra = tmp_path / "extra"
     extra.mkdir()
     (extra / "pth_lib.py").write_text("Y = 2\n")
     (machine_site / "extra.pth").write_text(f"{extra}\n")
-    check, check_site = venv(tmp_path / "check")
+    check, check_site = bare_venv(tmp_path / "check")
     subprocess.run([str(machine), str(ROOT / "scripts" / "machine_pth.py"), str(check_site)], check=True, timeout=60)
     probe = ("import site, machine_lib, pth_lib; "
              f"print({str(machine_site)!r} in site.getsitepackages(), site.getsitepackages()[0])")
@@ -330,6 +336,29 @@ def test_the_check_venv_finds_the_machine_packages_as_cupy_looks_for_them(tmp_pa
     found, first = out.stdout.split()
     assert found == "True", out.stdout
     assert Path(first) == check_site, "the check venv's own packages must come first"
+
+
+def test_cupys_library_lookup_finds_nvrtc_and_cublas_from_the_check_venv(tmp_path):
+    """The GPU machine's case without a GPU: its interpreter holds cuda-pathfinder
+    (what CuPy 14 finds NVRTC and cuBLAS with) and the CUDA wheels' libraries under
+    nvidia/cu13/lib (here any loadable shared object under those names); from the
+    check's venv, made as scripts/gpu_check.sh makes it, the lookup finds them in the
+    machine's site-packages. With a .pth of plain paths it raised DynamicLibNotFoundError."""
+    import cuda.pathfinder
+    machine, machine_site = bare_venv(tmp_path / "machine")
+    shutil.copytree(Path(cuda.pathfinder.__file__).parent, machine_site / "cuda" / "pathfinder")
+    libs = machine_site / "nvidia" / "cu13" / "lib"
+    libs.mkdir(parents=True)
+    loadable = min(Path(np.__file__).parent.rglob("*.so"), key=lambda p: p.stat().st_size)
+    for name in ("libnvrtc.so.13", "libcublas.so.13", "libcublasLt.so.13"):
+        shutil.copy(loadable, libs / name)
+    check, check_site = bare_venv(tmp_path / "check")
+    subprocess.run([str(machine), str(ROOT / "scripts" / "machine_pth.py"), str(check_site)], check=True, timeout=60)
+    probe = ("from cuda.pathfinder import load_nvidia_dynamic_lib as load; "
+             "print(*(load(name).abs_path for name in ('nvrtc', 'cublas')))")
+    out = subprocess.run([str(check), "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(libs / "libnvrtc.so.13"), str(libs / "libcublas.so.13")], out.stdout
 
 
 def test_the_checks_ring_runs_forward_through_the_tensor_core_kernel():
