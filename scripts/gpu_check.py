@@ -30,7 +30,7 @@ run stopped part-way leaves what it measured:
                     checks on the CPU in float64, so 2 query heads);
  8. trace           per round and rank: the step's GPU time and the GPU's idle
                     time before the next step, at 8 query heads: do transfers overlap?;
- 9. sanitizer       compute-sanitizer racecheck and memcheck on one small fused launch;
+ 9. sanitizer       compute-sanitizer racecheck, synccheck and memcheck on one small fused launch;
 10. rates           plain and fused steps against torch's flash attention, one block.
 
 --fake-gpu runs the same steps, at small sizes, on tests/support/gpu/queued_device.py

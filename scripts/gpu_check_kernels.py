@@ -189,7 +189,7 @@ def sanitizer(ctx):
         return Result(rc == 0, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH); "
                                "the launch alone:\n\n" + fenced(out, 20), skipped="compute-sanitizer not found")
     parts, ok = [], True
-    for name in ("racecheck", "memcheck"):
+    for name in ("racecheck", "synccheck", "memcheck"):
         rc, out = run(ctx, [tool, "--tool", name, "--error-exitcode", "99", *me], 60)
         good = rc == 0
         ok &= good

@@ -81,7 +81,7 @@
 // flushes likewise.)
 //
 // Compile-time sizes (nvcc -D or NVRTC options): HEAD_DIM (64 or 128), WARPS
-// (1 to 8), BN (keys per tile: 16, 32, 64 or 128), KV_BF16. Shared memory is
+// (1 to 8), BN (keys per tile: 16, 32, 64 or 128), KV_BF16. The forward's shared memory is
 // dynamic: (16 * WARPS + 2 * BN) * HEAD_DIM * 2 + BN * 12 bytes
 // (gpu_impl/fused_v2.py sizes the launch).
 // Check: nvcc -arch=sm_90 -cubin -Xptxas -v -DHEAD_DIM=64 gpu_impl/kernels/attend_block_v2.cu
