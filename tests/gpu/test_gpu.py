@@ -21,7 +21,7 @@ Without a GPU (CI):
   its library is installed), float32 and float16 blocks, and a syntax error
   fails that check;
 - the fused kernel's logic: the same source compiled for the CPU
-  (tests/support/gpu/emulate_cuda.cpp: a thread per CUDA thread, a barrier per block)
+  (tests/support/gpu/emulate_cuda.cpp: a fiber per CUDA thread, run up to each barrier)
   against the plain step, for random cases, at D = 64 and 128, float16 blocks,
   NaN and inf where the NaN rule decides; its argument checks;
 With a GPU (`make gpu-check`): forward and backward against the dense
@@ -70,7 +70,6 @@ WORKER = Path(__file__).resolve().parents[1] / "support" / "gpu" / "batch_worker
 MPIEXEC = find_mpiexec()
 NVCC = shutil.which("nvcc")
 GXX = shutil.which("g++")
-EMULATOR = Path(__file__).resolve().parents[1] / "support" / "gpu" / "emulate_cuda.cpp"
 LAUNCH_TIMEOUT_S = 180
 CASES_PER_LAUNCH = 8
 
@@ -714,33 +713,29 @@ def test_fused_kernel_compiles_with_nvrtc():
 
 
 # The kernel's logic without a GPU: the same .cu source compiled for the CPU by
-# tests/support/gpu/emulate_cuda.cpp (a std::thread per CUDA thread, a std::barrier per
-# block), against the plain step. (D, tile, K/V dtype): small square tiles, the
-# default tile with an odd head dim, odd rectangular tiles, float16 blocks read
-# as they travel, and the head dims of real models, 64 and 128.
+# tests/support/gpu/emulate_cuda.cpp (a fiber per CUDA thread, each run up to its
+# next barrier), against the plain step. (D, tile, K/V dtype): small square tiles,
+# the default tile with an odd head dim, odd rectangular tiles, float16 blocks
+# read as they travel, and the head dims of real models, 64 and 128.
 EMULATED = [(16, (8, 4), np.float32), (5, fused.DEFAULT_TILE, np.float32), (8, (3, 7), np.float16),
             (64, (16, 8), np.float32), (64, fused.DEFAULT_TILE, np.float16), (128, (8, 4), np.float16),
             (128, fused.DEFAULT_TILE, np.float32)]
 
 
 @pytest.fixture(scope="module")
-def emulated_kernels(tmp_path_factory):
+def emulated_kernels():
     """{(D, tile, dtype): the fused kernel's launch function, compiled for the CPU}."""
     import ctypes
+
+    import emulator
     if GXX is None:
         pytest.skip("g++ not found")
-    builds = {}
-    for head_dim, (tq, tk), dtype in EMULATED:            # compiled side by side
-        half = int(dtype == np.float16)
-        lib = tmp_path_factory.mktemp("emulated") / f"attend_d{head_dim}_{tq}x{tk}_h{half}.so"
-        cmd = [GXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas", f"-I{ROOT}",
-               f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}", f"-DKV_HALF={half}",
-               f'-DKERNEL="{fused.SOURCE}"', "-o", str(lib), str(EMULATOR)]
-        builds[head_dim, (tq, tk), dtype] = lib, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    libraries = emulator.build_all({
+        (head_dim, (tq, tk), dtype): (fused.SOURCE, [f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}",
+                                                     f"-DKV_HALF={int(dtype == np.float16)}"], 1)
+        for head_dim, (tq, tk), dtype in EMULATED})
     kernels = {}
-    for key, (lib, proc) in builds.items():
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
+    for key, lib in libraries.items():
         library = ctypes.CDLL(str(lib))
         kernels[key] = library.launch_attend_block_v1
         kernels[key].library = library                  # emu_last_error, emu_flush_to_zero
