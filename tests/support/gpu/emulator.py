@@ -62,12 +62,16 @@ def _kept(name, parts, produce):
     return kept
 
 
+def _flags(optimize):
+    return [*FLAGS, "-O1" if optimize else "-O0"]
+
+
 def standard_headers(optimize):
     """The header holding emulate_cuda.cpp's standard includes, precompiled
     beside it (header.gch) for these flags. Should g++ not take the .gch, it
     reads the header itself: slower, the same build."""
     includes = [line for line in EMULATOR.read_text().splitlines() if line.startswith("#include <")]
-    flags = [*FLAGS, "-O1" if optimize else "-O0"]
+    flags = _flags(optimize)
 
     def compile_to(out):
         out.mkdir()
@@ -81,7 +85,7 @@ def standard_headers(optimize):
 
 def build_command(source, options, version, out, optimize=True):
     defines = [o for o in options if o.startswith("-D")]
-    return [GXX, *FLAGS, "-O1" if optimize else "-O0", "-shared", "-include", str(standard_headers(optimize)),
+    return [GXX, *_flags(optimize), "-shared", "-include", str(standard_headers(optimize)),
             f"-DKERNEL_VERSION={version}", *defines, f'-DKERNEL="{Path(source).resolve()}"',
             "-o", str(out), str(EMULATOR)]
 
@@ -100,27 +104,18 @@ def build(source, options, version, *, text=None):
                               text=True, timeout=COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"the emulator does not compile:\n{proc.stderr[-4000:]}")
-    return _kept(f"v{version}.so", [EMULATOR.read_text(), text, *options, str(version), *FLAGS, str(optimize),
+    return _kept(f"v{version}.so", [EMULATOR.read_text(), text, *options, str(version), *_flags(optimize),
                                     _version(GXX)], compile_to)
 
 
 def build_all(builds):
     """{key: library} for {key: (source, options, version)}, compiled two at a
-    time (the machine's cores), or found from an earlier session."""
-    import threading
+    time (the machine's cores), or found from an earlier session; a build that
+    fails raises with the compiler's message."""
+    from concurrent.futures import ThreadPoolExecutor
     standard_headers(True)                  # once, before the builds that include it
-    results, pending = {}, list(builds)
-    while pending:
-        batch, pending = pending[:2], pending[2:]
-        threads = [threading.Thread(target=lambda key=key: results.__setitem__(key, build(*builds[key])))
-                   for key in batch]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    missing = [key for key in builds if key not in results]
-    assert not missing, f"builds failed: {missing}"
-    return results
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(builds, pool.map(lambda key: build(*builds[key]), builds)))
 
 
 def build_v2(configs):
