@@ -46,7 +46,7 @@ import numpy as np
 
 from reference.layouts import array_module
 from reference.masks import any_visible, count_visible_pairs
-from reference.nonfinite import all_finite, block_finite
+from reference.nonfinite import all_finite, block_finite, converted
 from reference.step import ForwardAcc, ReadableStep, Step, StepCounts
 from reference.steps import register
 from reference.tiles import SKIP, classify, tile_shape
@@ -296,26 +296,22 @@ def check_backward_launch(grads, queries, rows, block, kv_format):
 
 def finite_inputs(queries, rows, block, kv_format):
     """Whether the backward kernels may take the block: no NaN or inf in q, dO,
-    delta (`BackwardRows.finite`, found once) or K, V (the owner's flag). K, V
-    as bfloat16 bits (uint16) are looked at here: integers are always "finite"
-    to the owner's test (a wait for the GPU, on that path only)."""
+    delta (`BackwardRows.finite`, found once) or K, V (the owner's flag, found
+    on the values, bfloat16 bits included: `reference.nonfinite.finite`)."""
     xp = array_module(queries.q)
     if rows.finite is None:
         rows.finite = all_finite(xp, queries.q, rows.do, rows.delta)
-    if not rows.finite:
-        return False
-    if block.k.dtype == np.uint16:
-        return not any(bool(((x & 0x7F80) == 0x7F80).any()) for x in (block.k, block.v))
-    return block_finite(xp, block)
+    return rows.finite and block_finite(xp, block)
 
 
 def float32_block(block, kv_format):
-    """The block with K and V as float32 (from bfloat16 bits where they are uint16)."""
+    """The block with K and V as float32 (from bfloat16 bits where they are
+    uint16), its finiteness flag found again on the float32 values."""
     def widen(x):
         if x.dtype == np.uint16:
             return (x.astype(np.uint32) << 16).view(np.float32)
         return x.astype(np.float32)
-    return block._replace(k=widen(block.k), v=widen(block.v))
+    return converted(block, widen(block.k), widen(block.v), widened=False)
 
 
 @functools.lru_cache(maxsize=None)

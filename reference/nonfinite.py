@@ -26,10 +26,19 @@ def mask_rows(mask, R, xp):
     return xp.asarray(np.repeat(mask, R // mask.shape[0], axis=0))
 
 
+def finite(xp, x):
+    """Elementwise: x is neither NaN nor inf. bfloat16 held as its bits (uint16:
+    CuPy has no bfloat16) is finite where its 8 exponent bits are not all ones;
+    `isfinite` would call every integer finite."""
+    if x.dtype == np.uint16:
+        return (x & 0x7F80) != 0x7F80
+    return xp.isfinite(x)
+
+
 def all_finite(xp, *arrays):
     """True when no array holds a NaN or inf: one pass per array (a block, not a tile),
     read on the host (on a GPU, a wait for the kernels queued so far)."""
-    return all(bool(xp.isfinite(x).all()) for x in arrays)
+    return all(bool(finite(xp, x).all()) for x in arrays)
 
 
 def block_finite(xp, block):
@@ -38,6 +47,18 @@ def block_finite(xp, block):
     for a block made without one, a look at K and V (`all_finite`)."""
     source = to_host(block.source)
     return bool(source[1]) if source.size > 1 else all_finite(xp, block.k, block.v)
+
+
+def converted(block, k, v, *, widened):
+    """`block` (a `reference.step.KVBlock`) with K, V in another form, and its
+    finiteness flag right for them: carried over where the conversion
+    `widened` a float (every value kept: NaN and inf stay, nothing new
+    overflows), found again otherwise (bits read as another type, a narrowing;
+    a wait for a device)."""
+    if widened or to_host(block.source).size < 2:
+        return block._replace(k=k, v=v)
+    flag = int(all_finite(array_module(k), k, v))
+    return block._replace(k=k, v=v, source=np.array([int(to_host(block.source)[0]), flag], dtype=np.int32))
 
 
 def masked_product(w, x, vis):

@@ -40,7 +40,7 @@ import numpy as np
 
 from .heads import kv_from_heads, kv_to_heads, q_from_heads, rows_from_heads
 from .layouts import array_module
-from .nonfinite import all_finite
+from .nonfinite import all_finite, converted
 from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward
 from .trace import RoundLog
 
@@ -150,7 +150,9 @@ def as_dtype(block, dtype, step=None):
     (``step.reads_float16``, the fused kernel)."""
     if step is not None and step.reads_float16 and block.k.dtype == np.float16:
         return block
-    return block._replace(k=block.k.astype(dtype, copy=False), v=block.v.astype(dtype, copy=False))
+    widened = block.k.dtype.kind == "f" or block.k.dtype.name == "bfloat16"     # not bits (uint16)
+    widened = widened and np.dtype(dtype).itemsize >= block.k.dtype.itemsize
+    return converted(block, block.k.astype(dtype, copy=False), block.v.astype(dtype, copy=False), widened=widened)
 
 
 def new_kv_grads(block, dtype):

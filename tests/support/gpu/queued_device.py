@@ -537,15 +537,11 @@ def stand_in_for_the_kernel(acc, queries, block, tile, causal):
 
 def stand_in_for_the_v2_kernel(acc, queries, block, plan):
     """gpu_impl.fused_v2.launch_kernel on NumPy: the readable step at the
-    kernel's tile, on K and V as float32 (bfloat16 travels as its bits, whose
-    finiteness the owner's flag cannot say: the readable step looks itself)."""
+    kernel's tile, on K and V as float32 (from bfloat16's bits where they are uint16)."""
+    from gpu_impl.fused_v2 import float32_block
     from reference.step import ReadableStep
-
-    def as_float32(x):
-        return (x.astype(np.uint32) << 16).view(np.float32) if plan.config.bf16 else x.astype(np.float32)
     tile = (plan.config.queries(queries.q.shape[3]), plan.config.bn)
-    block = block._replace(k=as_float32(block.k), v=as_float32(block.v), source=block.source[:1])
-    ReadableStep().forward(acc, queries, block, mask=queries.mask, tile_size=tile)
+    ReadableStep().forward(acc, queries, float32_block(block, None), mask=queries.mask, tile_size=tile)
 
 
 def stand_in_for_the_v2_backward(grads, queries, rows, block, plan):
