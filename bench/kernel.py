@@ -1,6 +1,6 @@
 """Kernel efficiency and memory of one device: the step versions against a plain matmul.
 
-DESIGN.md's speed target for the per-device step (`reference/step.py`): at S = 8192,
+docs/design.md's speed target for the per-device step (`reference/step.py`): at S = 8192,
 Hq = 8, D = 64, causal, float32, one device holding the whole sequence as one block
 (q_pos = k_pos = 0 .. S-1), the forward and the backward each reach 70% of the same
 machine's float32 matmul rate on useful FLOPs:
@@ -51,8 +51,8 @@ from .kernel_timing import CHECK_ROWS, HEADS, TARGET_D, TARGET_S, kernel_point, 
 from .machine import (KERNEL_ENV, MATMUL_N, blas_limit_note, blas_name, cpu_name, kernels_note,
                       matmul_rate, rerun_with_machine_kernels)
 
-FORWARD_TARGET, BACKWARD_TARGET = 0.70, 0.70     # DESIGN.md
-RING_TARGET, RING_SIZES = 0.60, (1024, 2048)      # DESIGN.md: blocks of the sizes a ring computes
+FORWARD_TARGET, BACKWARD_TARGET = 0.70, 0.70     # docs/design.md
+RING_TARGET, RING_SIZES = 0.60, (1024, 2048)      # docs/design.md: blocks of the sizes a ring computes
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Each measurement is one launch of the command line,
     OPENBLAS_NUM_THREADS=1 mpiexec -n N python -m mpi4py -m mpi_impl --layout all \\
         --seq-len S --heads 4 --head-dim 64 --dtype float32 --tile-size 256 [--backward] --trace-out F.json
 
-and this module reads its trace file. Four questions (DESIGN.md, "How fast"):
+and this module reads its trace file. Four questions (docs/design.md, "How fast"):
 
 1. N = 2 on 2 cores, one BLAS thread each: wall-clock speed-up over contiguous,
    forward and forward+backward, against `reference.cost.speedup` (tiles mode,

@@ -20,7 +20,7 @@ Two figures per run, forward pass (the K/V transfers), and the backward's plain
 wait / compute beside them (its waits mix the K/V and the dK/dV transfers):
 - avoidable wait: time a rank spent in finish_shift after its block could have
   arrived (a wait on a block already sent), over its compute time; the largest
-  over ranks. Goal (DESIGN.md): at most 5% when each rank holds c >= 2048
+  over ranks. Goal (docs/design.md): at most 5% when each rank holds c >= 2048
   tokens, with any neighbour slower;
 - hidden: the share of the transfers' time alone that did not show as
   avoidable wait (1: every transfer hid behind compute).

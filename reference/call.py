@@ -2,9 +2,9 @@
 
 Every entry point of the ring (`reference.virtual`, `reference.lockstep`,
 `mpi_impl`, `gpu_impl`) hands its arguments to `check_call` before any work or
-communication (DESIGN.md, bad input), and hands the loops of `reference.ring`
+communication (docs/design.md, bad input), and hands the loops of `reference.ring`
 what it returns, resolved: the scale, the `Step`, the `Mask` and every device's
-positions. Nothing inside the ring checks or resolves them again (STYLE.md 18).
+positions. Nothing inside the ring checks or resolves them again (docs/style.md, rule 18).
 
     call = check_call(q, k, v, n_devices=4, layout="striped", step="auto")      # whole sequences
     call = check_call(q_j, k_j, v_j, n_devices=comm.size, layout="zigzag",      # one rank's shard

@@ -1,5 +1,5 @@
 """Input checks shared by every entry point: bad input gets a clear error that
-names the argument, before any work or communication (DESIGN.md)."""
+names the argument, before any work or communication (docs/design.md)."""
 
 import math
 

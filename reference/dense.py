@@ -14,7 +14,7 @@ Given positions, it is the attention of any shard to any block: the
 per-device oracle of a ring. `merge` combines two such partial results over
 disjoint key sets, as the online softmax does block by block.
 
-Rows (DESIGN.md): a row with no visible key gets out = 0 and lse = -inf; a
+Rows (docs/design.md): a row with no visible key gets out = 0 and lse = -inf; a
 row whose visible scores are all -inf follows the formula (0 / 0: NaN). Every
 product over (query, key) pairs is a masked sum over the visible pairs only,
 so a masked pair contributes nothing, even when one of its values is NaN or

@@ -1,6 +1,6 @@
 """Masks: which keys each query sees, decided from global positions alone.
 
-DESIGN.md: masks are derived from positions, never from device indices. A
+docs/design.md: masks are derived from positions, never from device indices. A
 `Mask` is the whole rule, small and the same on every device, so nothing but
 positions has to travel with the tokens (document ids are looked up from the
 positions, in the mask every device holds):

@@ -1,7 +1,7 @@
 """NaN and inf at masked pairs: the hazard every step guards against, written once.
 
 A masked pair contributes nothing, even where one of its values is NaN or inf
-(DESIGN.md). But 0 x NaN = NaN, and 0 x inf too: in a product ``w @ x`` whose
+(docs/design.md). But 0 x NaN = NaN, and 0 x inf too: in a product ``w @ x`` whose
 weights ``w`` are 0 at the masked pairs, a NaN in row t of ``x`` still reaches
 every row of ``w``, also those that cannot see t. So whether a block's
 inputs are finite is found once (`all_finite`: by the block's owner, who sends

@@ -37,7 +37,7 @@ Faster versions sit beside this one in the workshop (`reference.steps`: `v2` .. 
 built from the pieces of `steps.parts` and `steps.units`; `gpu_impl.fused`), each checked
 against it (tests/steps/test_step.py).
 
-Rows without a visible key and NaN (DESIGN.md):
+Rows without a visible key and NaN (docs/design.md):
 - a row with no visible key at all ends with out = 0 and lse = -inf;
 - a row whose visible scores are all -inf follows the formula: out = lse = NaN;
 - a NaN reaches the rows that can see it and no other. A masked pair

@@ -68,7 +68,7 @@ def linear_flops_per_token(d_model, d_ff, n_vocab, n_layer):
 def attention_flops(pairs, head_dim, *, backward=False):
     """Useful attention FLOPs of `pairs` visible (query, key) pairs of one head:
     4 D each forward (S = Q K^T, P V), 10 D backward (S, dV, dP, dQ, dK): the
-    count every measured rate divides by (DESIGN.md, how fast)."""
+    count every measured rate divides by (docs/design.md, how fast)."""
     return (10 if backward else 4) * head_dim * pairs
 
 

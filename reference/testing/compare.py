@@ -107,7 +107,7 @@ class Tolerance:
 
 
 # One backend against another, both accumulating in the same precision
-# (DESIGN.md): they differ only by summation order (measured: float64 1e-15,
+# (docs/design.md): they differ only by summation order (measured: float64 1e-15,
 # float32 1e-6); float16 results are rounded to float16 at the end, so one unit
 # in the last place (2**-10) may differ.
 TOL = {
@@ -145,7 +145,7 @@ def assert_close(actual, expected, dtype, what="", factor=1):
 
 
 def assert_finite(*arrays, names=None):
-    """No NaN and no inf anywhere (DESIGN.md, online softmax)."""
+    """No NaN and no inf anywhere (docs/design.md, online softmax)."""
     for i, x in enumerate(arrays):
         name = names[i] if names else f"array {i}"
         assert np.isfinite(np.asarray(x, np.float64)).all(), f"{name} has NaN or inf"

@@ -99,7 +99,7 @@ def unit_roundoff(dtype):
 
 
 def accumulation(dtype):
-    """The dtype sums run in by default: float64 for float64 inputs, else float32 (DESIGN.md)."""
+    """The dtype sums run in by default: float64 for float64 inputs, else float32 (docs/design.md)."""
     return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 

@@ -583,7 +583,7 @@ def test_the_line_is_the_tolerance_itself():
 @settings(max_examples=10, deadline=None)
 @given(cases(max_devices=4, poison=True, poison_values=("nan",)))
 def test_nan_reaches_the_rows_it_should(case):
-    """An injected NaN: the virtual ring follows the oracle's NaN pattern (DESIGN.md)."""
+    """An injected NaN: the virtual ring follows the oracle's NaN pattern (docs/design.md)."""
     check_ring_attention(VirtualRingAdapter(), case)
 
 

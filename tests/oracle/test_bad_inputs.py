@@ -2,7 +2,7 @@
 (without a GPU: a stand-in `cupy` module, as in tests/gpu/test_gpu.py, and a
 one-rank stand-in communicator): each must raise the named exception type with
 a message that names the argument; and the caller's arrays are never modified
-(DESIGN.md, "How it behaves with bad input").
+(docs/design.md, "How it behaves with bad input").
 
     .venv/bin/python -m pytest tests/oracle/test_bad_inputs.py -q
 """

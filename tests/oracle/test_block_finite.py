@@ -1,7 +1,7 @@
 """Whether a block's K and V are finite is its flag where it has one, and a
 look at K and V where it has none, whatever device it started on
 (`reference.nonfinite.block_finite`): a NaN in a key that a query cannot see
-reaches only the rows that see it (DESIGN.md), however the block was made.
+reaches only the rows that see it (docs/design.md), however the block was made.
 
     .venv/bin/python -m pytest tests/oracle/test_block_finite.py -q
 """

@@ -1,5 +1,5 @@
 """Bad input gets a clear ValueError or TypeError naming the argument, raised
-before any work (DESIGN.md, "How it behaves with bad input"); and the command
+before any work (docs/design.md, "How it behaves with bad input"); and the command
 line answers --help.
 
 "Before any work" is checked by replacing the functions that start work

@@ -1,5 +1,5 @@
 """Layouts: each is a permutation of positions 0..S-1 into N shards of c = S // N,
-as DESIGN.md defines it; `shard` deals tokens by it and `unshard` undoes it.
+as docs/design.md defines it; `shard` deals tokens by it and `unshard` undoes it.
 
     .venv/bin/python -m pytest tests/oracle/test_layouts.py -q
 """
@@ -22,7 +22,7 @@ def layout_sizes(draw):
 
 
 def by_definition(layout, S, N):
-    """DESIGN.md's words, written as loops."""
+    """docs/design.md's words, written as loops."""
     c = S // N
     if layout == "contiguous":      # device r holds r*c .. (r+1)*c - 1
         return [[r * c + i for i in range(c)] for r in range(N)]

@@ -1,7 +1,7 @@
 """Padding rows as mpi_impl and gpu_impl return them: a sequence of any
 length is padded to the layout's multiple (`reference.shard`), and the shards
 the ranks return still hold the padding. A padding query sees no key, so by
-the rule for such rows (DESIGN.md) its out is 0 and its lse -inf, and a
+the rule for such rows (docs/design.md) its out is 0 and its lse -inf, and a
 padding key takes no gradient: dq, dk, dv 0 there. Other tests drop the
 padding before comparing; here it is what is compared. Ranks are threads
 (tests/gpu/test_gpu.py's ThreadComm), gpu_impl's GPU is NumPy whose streams run

@@ -1,4 +1,4 @@
-"""The rooms of the code stay rooms (STYLE.md 17, 18), read from the source with `ast`, nothing run:
+"""The rooms of the code stay rooms (docs/style.md, rules 17 and 18), read from the source with `ast`, nothing run:
 
 - the reference imports no backend, names none in a string, and imports its own
   modules at the top of the file, never inside a function;

@@ -190,7 +190,7 @@ def test_scale_is_applied_once(case, scale):
 
 # -- NaN reaches the rows it should, and only those --------------------------
 #
-# DESIGN.md: "NaN in the inputs gives NaN in the rows it reaches, not elsewhere."
+# docs/design.md: "NaN in the inputs gives NaN in the rows it reaches, not elsewhere."
 # Every result row is a sum over (query, key) pairs with the key visible to the
 # query (pos_k <= pos_q, causal; every pair otherwise), and a masked pair is no
 # term of it: it contributes nothing, even when one of its values is NaN or inf
