@@ -47,13 +47,14 @@ from .trace import RoundLog
 KV, DKV = 1, 2            # tags of the two kinds of message in flight
 
 
-def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
+def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask, heads=None):
     """Forward on this device. Returns (out (B,c,Hq,D), lse (B,Hq,c), RoundLog).
     `step` (a `reference.step.Step`) and `mask` (a `reference.masks.Mask`) as
-    the entry point checked them (`reference.call.check_call`)."""
+    the entry point checked them (`reference.call.check_call`); `heads`: the
+    global numbers of q's query heads (`reference.step.Queries`; None: all)."""
     n = comm.size
     log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
-    queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
+    queries = Queries.prepare(q, k.shape[2], q_pos, scale, heads)       # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
     acc = ForwardAcc.zeros(queries.q)                                  # Out_j
     for t in range(n):                         # "for i = 0 to N-1", this device being j
@@ -77,14 +78,14 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
     return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
 
 
-def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step, mask):
+def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step, mask, heads=None):
     """Backward on this device. K, V and their gradients dK, dV travel the ring;
     dQ stays home. After the last round one more hop brings every dK, dV back
     to the device that owns those keys. Returns (dq, dk, dv) in the user
     layout, and a RoundLog. `step` (with a backward) and `mask` as for `ring_forward`."""
     n = comm.size
     log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
-    queries = Queries.prepare(q, k.shape[2], q_pos, scale)              # Q_j, pre-scaled
+    queries = Queries.prepare(q, k.shape[2], q_pos, scale, heads)       # Q_j, pre-scaled
     acc = queries.q.dtype
     rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)        # dO_j, lse_j, delta_j
     rows.finite = all_finite(array_module(q), queries.q, rows.do, rows.delta)   # once: no step reads it

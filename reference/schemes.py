@@ -126,8 +126,9 @@ def forward(q, k, v, group_pos, comms, *, scheme, scale, tile_size, step, mask):
         return gather_forward(q, k, v, group_pos, comms.ring, **opts)
     if scheme.u == 1:
         return ring_forward(q, k, v, group_pos, group_pos, comms.ring, **opts)
+    heads = held_heads(comms.ulysses, q.shape[2])
     (q, k, v), sent, received = to_heads(comms.ulysses, (q, k, v))
-    out, lse, log = ring_forward(q, k, v, group_pos, group_pos, comms.ring, **opts)
+    out, lse, log = ring_forward(q, k, v, group_pos, group_pos, comms.ring, heads=heads, **opts)
     log.moved(0, sent=sent, received=received)
     (out,), sent, received = to_tokens(comms.ulysses, (out,))
     (lse,), sent_lse, received_lse = to_tokens(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
@@ -142,9 +143,10 @@ def backward(q, k, v, out, lse, dout, group_pos, comms, *, scheme, scale, tile_s
         return gather_backward(q, k, v, out, lse, dout, group_pos, comms.ring, **opts)
     if scheme.u == 1:
         return ring_backward(q, k, v, out, lse, dout, group_pos, group_pos, comms.ring, **opts)
+    heads = held_heads(comms.ulysses, q.shape[2])
     (q, k, v, out, dout), sent, received = to_heads(comms.ulysses, (q, k, v, out, dout))
     (lse,), sent_lse, received_lse = to_heads(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
-    dq, dk, dv, log = ring_backward(q, k, v, out, lse, dout, group_pos, group_pos, comms.ring, **opts)
+    dq, dk, dv, log = ring_backward(q, k, v, out, lse, dout, group_pos, group_pos, comms.ring, heads=heads, **opts)
     log.moved(0, sent=sent + sent_lse, received=received + received_lse)
     (dq, dk, dv), sent, received = to_tokens(comms.ulysses, (dq, dk, dv))
     log.moved(len(log.bytes_sent) - 1, sent=sent, received=received)
@@ -166,6 +168,11 @@ def to_heads(a2a, arrays, *, seq_axis=1, head_axis=2):
         sent += _others(mine, a2a.rank)
         received += _others(got, a2a.rank)
     return out, sent, received
+
+
+def held_heads(a2a, n_heads):
+    """The global numbers of the query heads `to_heads` leaves on this device (piece a2a.rank)."""
+    return np.array_split(np.arange(n_heads), a2a.size)[a2a.rank]
 
 
 def to_tokens(a2a, arrays, *, seq_axis=1, head_axis=2):

@@ -79,15 +79,17 @@ class Queries:
     mask: object = CAUSAL
     scale: object = None  # the scale q carries (None: not known); a kernel that rounds q
                           # to 16 bits takes it off first (gpu_impl.fused_v2)
+    heads: object = None  # (Hq,) int: the global number of each query head held (None: 0..Hq-1);
+                          # dropout keys on it, so a device holding some heads (Ulysses) drops as all do
 
     @classmethod
-    def prepare(cls, q, n_kv_heads, q_pos, scale):
-        """From the user layout (B, c, Hq, D)."""
+    def prepare(cls, q, n_kv_heads, q_pos, scale, heads=None):
+        """From the user layout (B, c, Hq, D); `heads` as the field."""
         acc = accumulate_dtype(q.dtype)
         # Hazard: q_to_heads returns a view of the caller's q when no transpose or
         # cast is needed, so scale into a new array, never in place.
         return cls(q=q_to_heads(q, n_kv_heads, dtype=acc) * acc(scale), pos=np.asarray(q_pos),
-                   scale=float(scale))
+                   scale=float(scale), heads=None if heads is None else np.asarray(heads))
 
 
 class KVBlock(NamedTuple):
@@ -292,7 +294,8 @@ def dropout_rows(queries, block, qs, ks):
     h = kv head * G + g), or None without dropout."""
     B, Hkv, _, G, _ = queries.q.shape
     xp = array_module(queries.q)
-    z = keep_weights(queries.mask, np.arange(B), np.arange(Hkv * G), queries.pos[qs], block.pos[ks],
+    heads = np.arange(Hkv * G) if queries.heads is None else queries.heads
+    z = keep_weights(queries.mask, np.arange(B), heads, queries.pos[qs], block.pos[ks],
                      xp, queries.q.dtype.type)                  # (B, Hq, tq, tk)
     if z is None:
         return None

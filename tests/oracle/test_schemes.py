@@ -298,3 +298,23 @@ def test_a_scheme_is_chosen_only_if_both_its_passes_fit_in_memory():
     assert choose(costs, 1e9, 1e9, memory_bytes=500) is slow
     with pytest.raises(ValueError, match="fit in 50 bytes"):
         choose(costs, 1e9, 1e9, memory_bytes=50)
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag"])
+@pytest.mark.parametrize("scheme, u", [("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2)])
+def test_dropout_drops_the_same_pairs_under_every_scheme(scheme, u, layout):
+    """Dropout keys on global heads and positions: each scheme, whichever heads
+    and tokens a device holds, gives the dense oracle's output and gradients
+    (with the keep mask keyed on a device's own head numbers, Ulysses is off by about 2)."""
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 32, 8, 8))
+    k, v = (rng.standard_normal((2, 32, 4, 8)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    opts = dict(dropout=0.3, seed=5, window=12)
+    want = reference.attention(q, k, v, **opts)
+    want_grads = reference.attention_backward(q, k, v, *want, dout, **opts)
+    got = ring_attention(q, k, v, n_devices=4, layout=layout, scheme=scheme, ulysses_degree=u, tile_size=4, **opts)
+    got_grads = ring_attention_backward(q, k, v, *want, dout, n_devices=4, layout=layout, scheme=scheme,
+                                        ulysses_degree=u, tile_size=4, **opts)
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got + got_grads, want + want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10, err_msg=f"{name} of {scheme} with dropout")
