@@ -4,7 +4,7 @@ it at anyone's ring, against the float64 oracle on every layout, mask, dtype
 and GQA shape it draws; the kit catching a planted Ulysses bug (heads dealt in
 the wrong order after the all-to-all) and a planted USP bug (ring groups and
 Ulysses groups swapped) with the smallest case; and bad input refused before
-any work. MPI ranks run the same schemes in tests/test_mpi_schemes.py.
+any work. MPI ranks run the same schemes in tests/mpi/test_backends.py.
 
     .venv/bin/python -m pytest tests/oracle/test_schemes.py -q
 """
