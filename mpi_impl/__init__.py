@@ -1,17 +1,29 @@
 """Striped Attention on real processes: one MPI rank per device, K/V blocks on a real ring.
 
 The per-device loop is `reference.ring` (written once, shared with the virtual
-devices and the GPUs); this package adds the communication object (`RingComm`:
-non-blocking buffer sends and receives of raw bytes, double-buffered, a tag per
-message kind), the collective agreement check, and a command line.
+devices and the GPUs); this package adds the communication object, the
+collective agreement check and a command line (the guide: docs/mpi.md).
 
     mpiexec -n 4 python -m mpi4py -m mpi_impl --layout all --check
 
     from mpi_impl import ring_attention, ring_attention_backward
     out, lse = ring_attention(q, k, v, comm=MPI.COMM_WORLD, layout="striped")   # this rank's shard
 
-Modules: `comm` (the three verbs over MPI), `attention` (the public functions),
-`cli` (the command line, reusable by other backends), `launch` (finding mpiexec).
+Modules, in reading order:
+
+    attention     the public functions: this rank's shard in, its shard out; `agree`
+    comm          `RingComm`: the ring's three verbs over MPI, double-buffered
+    memory        where the ring's bytes live: the host's arrays, or a backend's buffers
+    ranks         how errors name ranks, and `RingError`
+    notices       the end of a call between neighbours: "done", or why a rank left
+    groups        a scheme's communicators, split once per call
+    cores         each rank's share of its machine's cores, and waiting without spinning
+    launch        finding the `mpiexec` that starts the ranks
+    cli           the command line: every layout on MPI ranks, and what it cost
+    scheme_args   the command line's --scheme and --ulysses-degree
+    check         --check: the results against the float64 reference, on rank 0
+    table         the command line's output: the table, --trace-out, --plot
+    __main__      `python -m mpi_impl`: the command line
 """
 
 from .attention import agree, gather_trace, ring_attention, ring_attention_backward

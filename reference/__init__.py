@@ -3,17 +3,34 @@ in a ring, and a cost model of their work.
 
     from reference import attention, ring_attention
     out, lse = ring_attention(q, k, v, n_devices=4, layout="striped")
+    python -m reference                  # the per-device work of each layout
 
-Modules, in reading order: `dense` (the formula, and `merge`), `layouts` (who
-holds which token), `masks` (which keys a query sees: causal, windows, packed
-documents, padding, dropout), `tiles` (which tiles to skip), `heads` (the compute
-layout), `step` (one device, one block: the readable version 1 and the
-contract), `call` (a ring call checked once, at the door), `ring` (one
-device's rounds, shared by every backend), `virtual` (N
-devices as threads), `lockstep` (the same rounds in one loop), `steps` (the
-numbered step versions, the workshop: `steps.v2` .. `steps.v5`), `trace` (and its files), `plot`,
-`inputs` (random shards a device makes alone), `cost`, `tms`.
-``python -m reference`` prints the per-device work of each layout.
+Modules, in reading order:
+
+    dense         attention straight from the formula, its gradients, and `merge`
+    layouts       who holds which token: contiguous, striped, zigzag
+    masks         which keys a query sees: causal, windows, documents, padding, dropout
+    tiles         a (query shard, key block) pair cut into tiles, and which to skip
+    heads         the compute layout: heads first, a query group's heads as rows
+    nonfinite     NaN and inf at masked pairs, the hazard every step guards against
+    step          one device, one block: the readable version 1, and the contract
+    steps/        the workshop: step versions v2 .. v5, and how a caller picks one
+    checks        the input checks every entry point shares
+    call          a ring call checked once, at the door
+    ring          one device's rounds (Algorithm 1), shared by every backend
+    virtual       N devices as threads: `ring_attention` and its backward
+    lockstep      the same rounds with every device in one loop, for a debugger
+    schemes       the all-gather, Ulysses and USP around the ring's loop
+    cores         how the devices' threads share the machine's cores
+    trace         what each device did in each round, and its files
+    plot          pictures of traces
+    inputs        random shards that each device makes alone
+    predict       a pass's tiles and pairs counted for any dealing of positions
+    cost          the cost model: each device's work per round, without attention
+    scheme_cost   each scheme's tiles, bytes and memory per device and round
+    tms           the paper's Theoretical Maximum Speedup, recomputed
+    testing/      the conformance kit: the oracle pointed at anyone's ring
+    __main__      `python -m reference`: the work tables
 """
 
 from . import lockstep, masks, schemes, steps

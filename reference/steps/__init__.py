@@ -2,26 +2,31 @@
 
 Every version keeps the contract of `reference.step` and is checked against
 version 1, the readable one, by one parametrised test body (tests/steps/test_step.py).
-Adding a version adds one line to `STEPS`.
+What each adds and its measured share of the matmul rate: README.md, "Step versions".
 
     step = steps.get("v3", workers=2)      # a name, with the version's options
     steps.get("auto", xp=np)               # the fastest validated step for NumPy
     steps.check_step("auto", cupy, call=steps.call_of(q, k, None))   # float16 on CuPy: fused_v2
     reference.ring_attention(q, k, v, n_devices=4, step="v2")
 
-The versions, each with what it adds and its measured share of the matmul
-rate: README.md, "Step versions" (the one table of them).
-
 Writing one: subclass `reference.step.Step`, implement ``forward_tiles`` (and
 ``backward_tiles``), calling the ``progress`` it is given between tiles, and
 add one line to `STEPS`. Each NumPy version stands alone beside version 1,
-built from the functions of `parts` (with its units and threads, `units`,
-and how it masks a block, `tile_masks`); each file opens with what it changes
-from the version before, and why.
+opens with what it changes from the version before and why, and is built
+from the modules of functions below. A backend adds its own versions with
+`register` when it is imported (the GPU package its CUDA kernels, ``fused``
+and ``fused_v2``), and "auto" takes them first for its arrays. The reference
+never imports a backend.
 
-A backend adds its own versions with `register` when it is imported: the GPU
-package registers its CUDA kernels (``fused``, ``fused_v2``) beside these, and
-"auto" takes them first for its arrays. The reference never imports a backend.
+Modules, in reading order:
+
+    parts         the pieces the tuned NumPy steps are built from
+    units         a step's work cut into units, run on worker threads
+    tile_masks    a block's mask made once for all heads, on its masked rows only
+    v2            version 1's arithmetic arranged for a CPU: base 2, folded columns
+    v3            v2 with a lazy max, taller products and worker threads
+    v4            v3 with masked tiles computed in sub-tiles
+    v5            v3 with all heads of a key tile in one batched product
 """
 
 from typing import NamedTuple

@@ -2,7 +2,8 @@
 
 A user brings a ring / striped / zigzag attention (NumPy, PyTorch, JAX, CUDA)
 behind a small adapter and gets, from hypothesis, the smallest problem on
-which it is not exact attention, with the first bad element named:
+which it is not exact attention, with the first bad element named
+(the guide: docs/kit.md):
 
     from hypothesis import given
     from reference.testing import Adapter, cases, check_ring_attention
@@ -16,31 +17,18 @@ which it is not exact attention, with the first bad element named:
     def test_mine(case):
         check_ring_attention(Mine(), case)
 
-One room per job, in reading order:
-
-    cases.py     `Case` (one problem: shapes, dtype (bfloat16 too), the mask: causal or
-                 full, a window, packed documents, padding), its inputs (`INPUT_KINDS`:
-                 scores in the hundreds, constant rows, values exact in float16, injected
-                 NaN / inf) and the hypothesis strategy `cases()` (its shapes drawn from
-                 a small pool, `shape_pool`, for rings that compile once per shape)
-    oracle.py    `oracle(case)`: float64 out, lse, dq, dk, dv, and each element's error
-                 budget (`ErrorModel`, `tolerances`; `flushed`, for arithmetic that flushes
-                 subnormals to zero)
-    compare.py   `attention_mismatch` / `assert_attention_close` (the message naming the
-                 first bad element), and the project's same-precision table (`TOL`,
-                 `assert_close`) for one backend against another
-    adapter.py   the `Adapter` protocol, `check_ring_attention`, `VirtualRingAdapter`
-    group.py     `ProcessGroup`: a multi-process implementation served one example at a time
-    harness/     rings written in a framework: `harness.jax` (N CPU devices, shard_map),
-                 `harness.torch` (a gloo world per world size); each imports its framework
-                 only when used
-    check.py     `python -m reference.testing check MODULE:ADAPTER`: hypothesis draws,
-                 shrinks, and prints the smallest disagreement with a command that replays it
-    measure.py   how much of the line correct implementations use (`python -m
-                 reference.testing measure`)
-
 Only NumPy is needed to import the kit; hypothesis is imported by the
-strategies when they are called.
+strategies when they are called. Modules, in reading order:
+
+    cases         `Case`, one problem (shapes, dtype, mask), its inputs, the strategy `cases()`
+    oracle        float64 out, lse, dq, dk, dv, and each element's error budget (`ErrorModel`)
+    compare       `assert_attention_close`, naming the first bad element; `TOL`, backend against backend
+    adapter       the `Adapter` protocol, `check_ring_attention`, `VirtualRingAdapter`
+    group         `ProcessGroup`: a multi-process implementation served one example at a time
+    harness/      rings written in PyTorch or JAX, each importing its framework only when used
+    check         `python -m reference.testing check MODULE:ADAPTER`: draw, shrink, print a repro
+    measure       how much of the error budget correct implementations use
+    __main__      the kit's command line: `check` and `measure`
 """
 
 from .adapter import Adapter, Shards, Unsupported, VirtualRingAdapter, check_ring_attention, make_shards
