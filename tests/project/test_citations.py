@@ -88,7 +88,7 @@ def missing(files, root=ROOT):
 
 
 def test_no_file_cites_a_file_the_repository_lacks():
-    bad = missing(tracked())
+    bad = missing([p for p in tracked() if p != Path(__file__).resolve()])     # not this file's examples
     assert not bad, "citations of files the repository lacks:\n" + "\n".join(bad)
 
 
