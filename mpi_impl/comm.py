@@ -1,57 +1,23 @@
 """The ring's communication object on MPI: one rank's three verbs, start_shift, progress and finish_shift.
 
-`reference.ring` runs one device's rounds against a communication object with
-``rank``, ``size``, ``start_shift(arrays, tag) -> handle`` (send a tuple of
-arrays to rank+1, receive a same-shaped tuple from rank-1), ``progress()``
-(called by the step between tiles) and ``finish_shift(handle) -> arrays``.
-`RingComm` implements them with mpi4py's buffer methods: the upper-case
-``Isend`` / ``Irecv`` on the raw bytes of C-contiguous arrays, so nothing is
-pickled on the hot path (paper, Algorithm 1: "send K_k, V_k to the next device
-while computing").
+`reference.ring` runs one device's rounds against an object with ``rank``,
+``size``, ``start_shift(arrays, tag) -> handle`` (send a tuple of arrays to
+rank+1, receive a same-shaped tuple from rank-1), ``progress()`` (called by the
+step between tiles) and ``finish_shift(handle) -> arrays``. `RingComm`
+implements them with mpi4py's ``Isend`` / ``Irecv`` on the raw bytes of
+C-contiguous arrays, so nothing is pickled on the hot path (paper, Algorithm 1:
+"send K_k, V_k to the next device while computing"). MPI moves a large message
+only inside MPI calls, so `progress` tests every request in flight, and
+`finish_shift` waits only for the receives it hands back, never for the sends.
 
-While computing. MPI moves a large (rendezvous) message only inside MPI calls,
-unless the library runs an asynchronous progress thread. So the step calls
-`progress()` between its tiles, which tests every request in flight: a block
-moves while both neighbours compute, and `finish_shift` waits only for what is
-still missing. `finish_shift` waits for the receives it hands back, never for
-the sends: a send completes during later progress, and is waited for only
-before its buffer is reused (below) or when the ring ends (`close`).
-
-One receive-buffer scheme, for host and device memory. Each tag has two
-buffer sets, allocated the first time they are needed and then used in turn
-(double buffering): shift k of a tag receives into set k mod 2. A set is a
-`BufferSet`: where MPI writes what arrives, what `finish_shift` hands the
-caller (the same arrays, or device copies of them), and where the memory
-object stages what MPI sends. Hazards, and what handles each:
-- a send buffer must stay untouched, and alive, until its send completes: the
-  shift keeps a reference, and before a set is reused every send still
-  reading any of its buffers is waited for;
-- the arrays `finish_shift` returned are the block the caller holds, so they
-  are not received into again until the second `start_shift` after it with
-  the same tag; which holds because a tag has one shift in flight at a time
-  (`start_shift` twice raises `ShiftOrderError`) and two sets;
-- the caller sending arrays that lie in the set about to receive (a block
-  kept past its second `start_shift`) raises `ShiftOrderError`, as does
-  finishing a shift twice, or one this object never started;
-- messages of different kinds (K/V blocks and dK/dV accumulators) are in flight
-  at once: each array of a shift has its own MPI tag, ``tag * TAG_STRIDE + index``,
-  on a communicator of its own (`RingComm.on` duplicates the caller's), so it
-  never matches another kind's or the application's messages;
-- a transfer that fails (a message larger than its buffer, a neighbour that
-  exited) raises `RingError` naming this rank, the neighbour, the round and
-  the transfer, instead of MPI's bare error code (`mpi_impl.ranks`);
-- every rank ends its ring call with one notice to each neighbour (ring tag 0),
-  "done" or why it left: `mpi_impl.notices`, the failure protocol.
-
-Where the bytes live is the `memory` object's business (`mpi_impl.memory`:
-the host's arrays by default, device buffers in `gpu_impl.transfer`); one may
-carry a `clock` for the ring's RoundLog (CUDA events), exposed as ``RingComm.clock``.
-A shift's Irecv and Isend are posted once the memory object says it is
-``ready`` (host memory: at once; a GPU's: once the copies or kernels MPI
-waits for are done, asked without waiting), by `start_shift`, by `progress`,
-or while `finish_shift` waits: it posts every shift as it becomes ready, since
-a neighbour may be waiting for that send, and waits without asking only once
-all are posted.
+Each tag has two sets of receive buffers, used in turn, so the block a caller
+holds is not received into before the second `start_shift` after it. Misuse
+(a shift started twice, finished twice, or sending arrays about to receive)
+raises `ShiftOrderError`; a transfer that fails raises `RingError` naming the
+rank, the neighbour, the round and the transfer (`mpi_impl.ranks`). Where the
+bytes live is the `memory` object's (`mpi_impl.memory`); how a call ends, one
+notice each way, is `mpi_impl.notices`. The buffers, each hazard and what
+handles it: docs/mpi.md, "How the blocks move".
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
         from mpi_impl.comm import RingComm; \\

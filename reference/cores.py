@@ -1,46 +1,26 @@
 """How the ring's threads share the machine's cores: BLAS threads per product, workers per device.
 
 Every virtual device is a thread (`reference.virtual`), every device's step
-calls BLAS, and OpenBLAS starts one thread per core for each product unless
-told otherwise; step v3 adds its own worker threads. Threads that add up to
-more than the cores take turns, and OpenBLAS's idle threads spin while they
-wait, so an unplanned ring of 8 devices on 2 cores ran 4 to 7 times slower
-than the same ring holding BLAS to one thread. So the ring decides, once,
-before its devices start:
+calls BLAS, and OpenBLAS starts a thread per core for each product unless
+told otherwise: unplanned, a ring of 8 devices on 2 cores ran 4 to 7 times
+slower than with BLAS held to one thread. So the ring decides, once, before
+its devices start:
 
 - a device's share of the cores: ``cores // N`` (at least 1);
 - BLAS threads per product: the share (1 with more devices than cores);
 - worker threads of a step that takes them (v3, v4, v5): the share, and then
-  one BLAS thread per product (two levels of threads on the same cores
-  oversubscribe them), so a device never uses more than its share;
-- devices computing at once: as many as the cores hold (``cores // (workers
-  x BLAS threads)``, at least 1). With more devices than that, a device waits
-  for its turn before each step (`reference.virtual`), so the ones computing
-  keep their core and its caches instead of taking turns with the others
-  every few milliseconds: 8 devices on 2 cores, striped, took 0.75 times the
-  time (BENCHMARKS.md, "Devices that take turns at the cores").
+  one BLAS thread per product (two levels of threads oversubscribe the cores);
+- devices computing at once: as many as the cores hold; the others wait for
+  their turn before each step (`reference.virtual`).
 
-Arguments choose otherwise (``threads=``, ``blas_threads=``; ``--threads``
-and ``--blas-threads`` on the command lines), within the caller's budget,
-and the trace says what ran (``Trace.threads``).
-
-One rule for nested limits: a limit set inside another never raises the
-thread count. A call's budget (`budget`) is the share held around it (a
-ring's devices, an MPI rank: `Share.held`), else this process's cores capped
-by BLAS's thread count now (OPENBLAS_NUM_THREADS=1, or a threadpoolctl limit
-of the caller's, is an outer limit of one core). `share` deals that budget,
-never more: a device's workers x BLAS threads fit in it, and
-`blas_limit(n)` holds BLAS to ``min(n, its count now)``. BLAS is held with
-threadpoolctl, around the call only: no environment variable is written.
-
-OpenBLAS (built with pthreads, as NumPy's wheels are) has one thread pool for
-the whole process, so threadpoolctl lets one thread at a time hold it: the
-first to hold it, until its hold ends; holds made meanwhile by other threads
-do nothing. The ring holds it around its devices, so the share it holds
-already counts v3's workers: with more than one worker per device, one BLAS
-thread per product. A step called on its own (a benchmark, an MPI rank) holds
-BLAS to one thread around its workers itself (`steps.units.run_units`), and
-runs at most as many workers as its budget.
+Arguments choose otherwise (``threads=``, ``blas_threads=``; ``--threads`` and
+``--blas-threads`` on the command lines) within the caller's budget, and the
+trace says what ran (``Trace.threads``). A limit set inside another never
+raises the thread count (docs/design.md, "Threads and cores"): `budget` is the
+share held around the call (`Share.held`), else this process's cores capped by
+BLAS's thread count now; `share` deals it; `blas_limit(n)` holds BLAS to
+``min(n, its count now)`` with threadpoolctl, around the call only. Why one
+hold at a time, and what taking turns bought: docs/mpi.md, "Threads and cores".
 
     step, share = cores.for_devices(step, n_devices=8)   # Share(cores=2, devices=8, workers=1, blas=1)
     with share.held():

@@ -19,19 +19,15 @@ A buffer passed to `start_shift` must not be written until `finish_shift`
 returns; the loops below never write a block after sending it.
 `reference.lockstep` is the same algorithm with all devices in one loop.
 
-On a GPU the step only queues kernels, and the loop must not wait for them
-before the next transfer starts (paper, section 1: communication overlaps
-computation). So nothing here reads device memory on the host: a block's
-positions and owner stay on the host (NumPy) beside its device K, V, and a
-communication object with a ``clock`` (CUDA events, `gpu_impl.transfer`)
-times the step on the device instead of the host's clocks.
+On a GPU the step only queues kernels, and nothing here reads device memory
+on the host, so the next transfer starts without waiting for them (paper,
+section 1): a block's positions and owner stay on the host beside its device
+K, V, and a ``clock`` of the communication object times the step on the device.
 
 Shapes are the user layout (flash-attn): q (B, c, Hq, D), k, v (B, c, Hkv, D),
 lse (B, Hq, c), with ``c`` this device's tokens and ``q_pos``, ``k_pos`` their
-global positions (NumPy int64, shape (c,)). `mask` (`reference.masks.Mask`)
-says which keys each query sees, from positions alone, so it is the same
-object on every device; it and the `step` come checked from the entry point
-(`reference.call`), and nothing here checks them again.
+global positions (NumPy int64, (c,)). The `mask` (from positions alone, the same
+on every device) and the `step` come checked from `reference.call`.
 """
 
 from contextlib import nullcontext

@@ -14,10 +14,9 @@ while each device computes, so a device holds two blocks at a time. Beside it:
   must be divisible by u.
 - **USP** (Ulysses x ring): Ulysses inside groups of u consecutive ranks, and
   the ring across the r = N / u groups, on the head shard each rank holds.
-  The ring dimension is where the causal imbalance lives, so the layout
-  (striped, zigzag) deals tokens over the r ring ranks, as
-  `reference.layouts.ulysses_positions` does: rank g holds piece g % u of ring
-  rank g // u's tokens.
+  The causal imbalance lives in the ring dimension, so the layout deals tokens
+  over the r ring ranks (`reference.layouts.ulysses_positions`: rank g holds
+  piece g % u of ring rank g // u's tokens).
 
 The per-device step and the ring loop are the ring's; these functions add the
 moves around them. A communication object per group: the ring group's three

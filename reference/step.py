@@ -19,35 +19,11 @@ Backward, per tile, with ``delta = rowsum(dO * out)`` computed once:
     dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta)
     dQ += dS K,     dK += dS^T Q
 
-The contract (what a new kernel implements; `reference.steps` registers it):
-a `Step` subclass with ``forward_tiles(acc, queries, block, plan, progress)``
-and ``backward_tiles(grads, queries, rows, block, plan, progress)`` (called
-with a plan of at least one tile). ``progress`` is a function of no argument
-that the tiles call on the calling thread, never on another, between tiles
-(or, for a version with worker threads, while it waits for them): the ring
-passes its communication object's, so that a transfer in flight moves while
-the device computes. Called without one, a step is given `no_progress`.
-`Step.forward` and `Step.backward` do the rest once for every version: plan the tiles from positions and the mask (``mask=``, a
-`reference.masks.Mask`; ``causal=True`` still works), note which rows can see
-a key, count the work for the trace. The tiles read the mask from
-``queries.mask`` (a MASKED tile's mask is ``visible(q_pos, k_pos,
-queries.mask)``); a version that applies dropout (``has_dropout``) weighs P V
-by `masks.keep_weights`, as version 1 does.
-Faster versions sit beside this one in the workshop (`reference.steps`: `v2` .. `v5`, each
-built from the pieces of `steps.parts` and `steps.units`; `gpu_impl.fused`), each checked
-against it (tests/steps/test_step.py).
-
-Rows without a visible key and NaN (docs/design.md):
-- a row with no visible key at all ends with out = 0 and lse = -inf;
-- a row whose visible scores are all -inf follows the formula: out = lse = NaN;
-- a NaN reaches the rows that can see it and no other. A masked pair
-  contributes nothing even when one of its values is NaN or inf: 0 x NaN = NaN,
-  so a product whose left factor is 0 at masked pairs goes through
-  `masked_product` when the block holds a non-finite value.
-- flushing: CuPy compiles kernels with -ftz=true, so in gpu_impl's fused
-  kernels a float32 below 2^-126 is 0. A visible weight exp(S - m) that small
-  (S - m below about -87.3) at a key whose V is inf gives 0 x inf = NaN there,
-  where this step on NumPy gives inf; nothing else in this rule changes.
+A version subclasses `Step` with ``forward_tiles`` and ``backward_tiles``,
+calling ``progress`` between tiles; `Step.forward` and `Step.backward` plan
+the tiles and count the work for all. The contract in full, and what rows
+without a visible key and NaN get: docs/steps.md. Faster versions
+(`reference.steps`) are checked against this one (tests/steps/test_step.py).
 
 Shapes: the compute layout of `reference.heads`: q (B, Hkv, c, G, D), k, v
 (B, Hkv, ck, D), m, l, lse (B, Hkv, c, G). A tile of ``tq`` queries is the view

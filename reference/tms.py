@@ -1,46 +1,32 @@
 """Theoretical Maximum Speedup (TMS) of Striped over Ring Attention, by counting FLOPs.
 
-Idea: time one training step as the FLOPs on the critical path (communication fully
-overlapped, non-matmul work free), once with Ring Attention's busiest device and once
-with Striped Attention's, and take the ratio. Implements the paper's section 4
-("Theoretical Maximum Speedup") and reproduces every TMS in its Tables 3, 4, 5 and
-Appendix A.1-A.3 (typed in `reference/data/paper_tms.csv`) to within rounding (largest
-residual 0.00497 over 190 rows).
+The paper's section 4: one training step timed as the FLOPs on the critical path
+(communication overlapped, non-matmul work free), with Ring Attention's busiest
+device and with Striped Attention's; TMS is the ratio. It reproduces every TMS of
+Tables 3, 4, 5 and Appendix A.1-A.3 (`reference/data/paper_tms.csv`) to within
+rounding (largest residual 0.00497 over 190 rows).
 
-Letters: N devices in the ring (sequence parallelism), S = n_seq tokens,
-c = S // N tokens per device, d = d_model, f = d_ff, V = n_vocab, L = n_layer,
-h = hardware attention cost factor. Units: FLOPs per device per layer.
+Letters: N devices, S = n_seq, c = S // N, d = d_model, f = d_ff, V = n_vocab,
+L = n_layer, h = the cost of an attention FLOP against another. Per device and layer:
 
     F_lin  = c * (8 d^2 + 4 d f + 2 d V / L)     QKV+O, MLP, LM head
     P_ring = c(c+1)/2 + (N-1) c^2                 busiest device's (query, key) pairs
     P_str  = N * c(c+1)/2
     TMS    = (F_lin + 4 d h P_ring) / (F_lin + 4 d h P_str)
 
-Where each constant comes from:
-- 2 FLOPs per weight per token for every matmul (multiply + add), the standard count
-  (Kaplan et al. 2020, Table 1): 4 d x d projections (Q, K, V, O) give 8 d^2; two
-  d x f MLP matrices give 4 d f; the d x V LM head gives 2 d V once per model, so
-  2 d V / L per layer. Embedding lookups and norms are not matmuls (paper: "non-matrix-
-  multiply FLOPs" are free). Table 1's models use a 3-matrix SwiGLU MLP (6 d f), but the
-  printed TMS values follow the 2-matrix count: 6 d f misses by up to 0.056.
-- 4 d per visible (query, key) pair: 2 d for the row of S = Q K^T, 2 d for P V.
-- h: paper section 4, "attention FLOPs (performed in TensorFloat-32) are twice as
-  expensive as all other FLOPs (performed in bfloat16)" on A100; equal cost on TPU.
-- P_ring: section 2, in round 0 every device attends to its own block (causal, diagonal
-  included: c(c+1)/2 pairs); in each of the other N-1 rounds some device holds a block
-  that is fully visible (c^2 pairs), and the round waits for it.
-- P_str: section 2.2, Work(i, j) = c(c+1)/2 if i >= j else c(c-1)/2; every round has a
-  device with i >= j, so every round costs c(c+1)/2.
-- Training: the backward pass costs 2x the forward for linear layers and for attention
-  alike (each matmul has two gradient matmuls), so forward+backward multiplies every
-  term by 3 and it cancels; so does model parallelism, which splits heads and d_ff (and
-  every term with them) evenly over its devices. Neither appears in TMS. (Counting a
-  recomputed attention forward in the backward, 4x instead of 3x, misses by up to 0.06.)
+- 2 FLOPs per weight and token (Kaplan et al. 2020): the LM head once per model,
+  so 2 d V / L a layer. The printed TMS follow a 2-matrix MLP (6 d f for Table 1's
+  SwiGLU misses by up to 0.056).
+- 4 d per visible pair (S = Q K^T and P V); h = 2 on A100 (attention in TF32,
+  the rest in bfloat16), 1 on TPU.
+- P_ring: round 0 is the diagonal block, and each of the other N-1 rounds waits
+  for a fully visible block; P_str: Work(i, j) = c(c+1)/2 if i >= j else
+  c(c-1)/2 (section 2.2), and every round has a device with i >= j.
+- The backward (3x every term) and model parallelism (heads and d_ff split
+  evenly) cancel. As N and c grow, TMS -> 2 - 1/N -> 2.
 
-As N and c grow, TMS -> (N - 1/2) / (N / 2) = 2 - 1/N -> 2 (section 2.2).
-
-Run:  python3 -m reference.tms                 # every paper row, recomputed
-      python3 -m reference.tms --model 7B --seq-parallel 8 --n-seq 262144 --hardware tpuv4
+    python -m reference.tms                 # every paper row, recomputed
+    python -m reference.tms --model 7B --seq-parallel 8 --n-seq 262144 --hardware tpuv4
 """
 import argparse
 import csv

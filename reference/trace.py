@@ -14,24 +14,17 @@ Fields (all shape (N rounds, N devices)):
                   seconds spent waiting for a transfer (zero where not timed)
   start_s         when the step of round t started (host clock, seconds since the
                   device's ring began; the K/V transfer was posted just before)
-  arrived_s       when the block that transfer brings was seen complete, during
-                  the step (the communication object's progress) or in finish_shift
-                  (MPI ranks; NaN where not recorded, and in the last round)
+  arrived_s       when that transfer's block was seen complete, in the step's progress
+                  or in finish_shift (MPI ranks; NaN where not recorded, and in the last round)
 and `step`, the step version that ran (e.g. "v3, 2 workers"), and `threads`, how
 the virtual devices shared the cores (`reference.cores`; empty elsewhere). The first four
 are the `Work` that the cost model predicts without running (`reference.cost`).
-The timeline follows: round t's step runs from start_s to start_s + compute_s,
-then the device waits wait_s for the next block; the block device j uses in
-round t + 1 was sent by device j - 1 at its start_s[t] and arrived at
-arrived_s[t, j]. MPI ranks start the ring together (right after the call's
-collective agreement check), so their clocks line up to within that check.
-`wait_parts` splits a forward trace's waits by what was missing then: a block
-its sender had not yet sent, or one sent and still arriving.
-
-Each device keeps a `RoundLog` (one row of the trace) while it runs its rounds
-(`reference.ring`); `Trace.from_logs` stacks the devices' logs. `Trace.table()`
-prints the per-device work; `write_trace` / `read_trace` keep a run's traces in
-a JSON file (``python -m mpi_impl --trace-out``).
+Round t's step runs from start_s for compute_s, then the device waits wait_s; MPI
+ranks start the ring together, after the call's agreement check, so their clocks
+line up to within it. `wait_parts` splits a forward's waits into blocks not yet
+sent and blocks still arriving. Each device keeps a `RoundLog` (one row of the
+trace); `Trace.from_logs` stacks them, `Trace.table()` prints the work, and
+`write_trace` / `read_trace` keep traces in a JSON file (``--trace-out``).
 
     out, lse, trace = reference.ring_attention(q, k, v, n_devices=4, trace=True)
     print(trace.table("striped"))

@@ -9,14 +9,11 @@ What each adds and its measured share of the matmul rate: README.md, "Step versi
     steps.check_step("auto", cupy, call=steps.call_of(q, k, None))   # float16 on CuPy: fused_v2
     reference.ring_attention(q, k, v, n_devices=4, step="v2")
 
-Writing one: subclass `reference.step.Step`, implement ``forward_tiles`` (and
-``backward_tiles``), calling the ``progress`` it is given between tiles, and
-add one line to `STEPS`. Each NumPy version stands alone beside version 1,
-opens with what it changes from the version before and why, and is built
-from the modules of functions below. A backend adds its own versions with
-`register` when it is imported (the GPU package its CUDA kernels, ``fused``
-and ``fused_v2``), and "auto" takes them first for its arrays. The reference
-never imports a backend.
+Writing one (the contract in full: docs/steps.md): subclass
+`reference.step.Step`, implement ``forward_tiles`` (and ``backward_tiles``)
+from the modules of functions below, and add one line to `STEPS`. A backend
+adds its own versions with `register` when it is imported (the GPU package
+its CUDA kernels), and "auto" takes them first for its arrays.
 
 Modules, in reading order:
 

@@ -14,12 +14,11 @@ module open. What the pieces do is version 1's arithmetic (the formulas of
   -inf before it where a version can (NumPy's exp2 takes a slow path for -inf);
 - one (batch, head) at a time, on contiguous 2-D matrices (`v5`: a group of heads);
 - the lazy shift (`lazy_tile`): a tile first tried with the current shift,
-  redone exactly (`exact_tile`) only if a row sum could overflow;
+  redone exactly (`exact_tile`) only if a row sum could overflow, a row's first
+  tile shifted by a sample of its scores (`seeded_tile`);
 - the forward in stacks of query tiles and the backward by head, on worker
-  threads (`threaded_forward`, `threaded_backward`), with the units and
-  threads of `reference.steps.units`, and a block's mask on its masked rows
-  only (`reference.steps.tile_masks`);
-- a row's first tile shifted by a sample of its scores (`seeded_tile`), not by its exact max.
+  threads (`threaded_forward`, `threaded_backward`; `reference.steps.units`),
+  a block's mask on its masked rows only (`reference.steps.tile_masks`).
 
 A forward runs over a *run* of query rows of one head (`QueryRun`), in base 2
 (`Base2Rows`), tile by tile through a tile function ``update(st, s, head, ks,

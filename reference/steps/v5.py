@@ -1,46 +1,31 @@
 """Step version 5 (NumPy): version 3 with all heads of a key tile in one batched product.
 
 What it changes from version 3 (`reference.steps.v3`), and why. Version 3
-runs its forward one head at a time: for every block of stacked query tiles
-and every head, a dozen NumPy calls (two products, exp2, the mask, the row
-sums' check, the accumulation), each on a matrix of one head. What these calls
-cost beyond their arithmetic is paid once per head and block, and a
-triangular block (striped's, and every layout's own block in round 0) spreads
-it over fewer tiles than a full one. Version 5 computes a block for a group
-of heads at once: ``[Q, -m]`` of the group stacked as (heads, rows, D+1)
-against ``[K, 1]`` stacked as (heads, D+1, keys) in one ``np.matmul`` (with
-grouped-query heads, a key/value head's query heads are already its rows),
-then exp2, the mask, ``P @ [V, 1]`` and the check on arrays of all those
-heads; each pass runs once per block instead of once per head. Everything
-else is version 3's, from `reference.steps.parts`: the lazy shift and its
-seeded first tile (`lazy_product`, `seeded_product`), and a head that would
-overflow, whose |V| is huge or not finite, or whose rows are not all in the
-same state goes alone through version 3's tile (`lazy_tile`, `exact_update`),
-so NaN, inf and the masks follow version 3's rules. The backward is version 3's.
+runs its forward one head at a time: a dozen NumPy calls per head and block
+(two products, exp2, the mask, the row sums' check, the accumulation), whose
+cost beyond their arithmetic a triangular block spreads over fewer tiles than
+a full one. Version 5 computes a block for a group of heads at once:
+``[Q, -m]`` stacked as (heads, rows, D+1) against ``[K, 1]`` as (heads, D+1,
+keys) in one ``np.matmul``, then exp2, the mask, ``P @ [V, 1]`` and the check
+on arrays of all those heads. Everything else is version 3's
+(`reference.steps.parts`): a head that would overflow, whose |V| is huge or
+not finite, or whose rows are not all in the same state goes alone through
+version 3's tile, so NaN, inf and the masks follow version 3's rules. The
+backward is version 3's (batched, it was 1.06 times slower: the arrays of 8
+heads leave the cache).
 
-Wider products at small tiles: neighbouring key tiles of a stack that need no
-mask are computed in one product (`units.join_full`), as many as keep the
-largest group's scores within ``GROUP_SCORES`` (`join_width`: 2 at tiles of
-128 with 4 heads, 1 at tiles of 256 or with groups of 8 heads); measured 3 to
-6% off a full block's forward at tiles of 128 (BENCHMARKS.md, "Unit shapes tried").
+- wider products at small tiles: neighbouring key tiles that need no mask in
+  one product (`units.join_full`, `join_width`), within ``GROUP_SCORES``;
+- units and threads: a unit is a stack of query tiles of one group of heads,
+  the heads cut into at least `workers` groups that keep a block's scores
+  within ``GROUP_SCORES`` (in cache). A head's arithmetic is the same in any
+  group: results do not depend on the number of workers, bit for bit.
 
-Units and threads: a unit is a stack of query tiles of one group of heads;
-the heads are cut into at least `workers` groups, of at most as many heads
-as keep a block's scores within ``GROUP_SCORES`` (in cache: 8 heads at tiles
-of 128, 4 at 256, fewer with grouped-query heads, whose rows are taller). A head's arithmetic is the same whichever group it is
-in: results do not depend on the number of workers, bit for bit.
-
-Measured (BENCHMARKS.md, "Step v5"; AMD EPYC Zen 5, one thread, CPU time,
-against version 3 in the same process, a busy machine): the forward of one
-causal block of c = 1024 to 8192 tokens and 8 heads takes 0.89 to 0.97
-times version 3's time; at tiles of 128 it reaches 44% (c = 1024) and 52%
-(c = 2048) of one core's sgemm. A triangular block's tile costs 1.02 to
-1.24 times a full one's forward, 1.12 in the middle (version 3: 1.14 to
-1.26). On bench.kernel's
-S = 8192 with 2 workers the forward read 0.81 to 1.06 times version 3's wall
-time (median of four runs 0.90), so ``auto`` takes it on NumPy. The backward
-computed the same way, all heads of a key tile together, was 1.06 times
-slower (the arrays of 8 heads leave the cache): it stays version 3's.
+Measured (AMD EPYC Zen 5, against version 3 in the same process): one causal
+block of 1024 to 8192 tokens and 8 heads, forward, one thread, 0.89 to 0.97
+times version 3's time; on bench.kernel's S = 8192 with 2 workers a median
+0.90 of its wall time, so ``auto`` takes it on NumPy. In full: docs/steps.md,
+"What versions 3 and 5 bought".
 
 Shapes as in version 2, with a leading axis of ``Hg`` heads per group.
 """

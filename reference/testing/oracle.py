@@ -3,76 +3,20 @@
 `oracle(case)` gives out, lse, dq, dk, dv in float64 from `reference.attention`
 and `attention_backward` on the case's inputs, and the magnitudes behind each
 element; `tolerances(case, accumulate=...)` turns them into a per-element line
-an implementation in the case's dtype must stay under (`ErrorModel`).
-
-    want = oracle(case)                                    # natural order, oracle shapes
-    tol = tolerances(case, accumulate=np.float32)          # {name: array like want[name]}
-
-The error model (why the line sits where it does). The inputs are values of
-the case's dtype, so the float64 oracle sees exactly the values the
-implementation sees, and every difference is rounding inside the computation.
-Rounding a sum of products of a and b costs at most about u * sum |a| |b|
-(u: the unit roundoff of the arithmetic), so each element's budget is the
-same formula as the element with every term made non-negative, the
-*magnitude* M (computed by `oracle` in float64):
-
-    L_ij  = |scale| sum_d |q_id| |k_jd|                 a score's rounding scale
-    E_ij  = 1 + L_ij + |lse_i| + sum_j P_ij L_ij        relative error of P_ij / u
-    M_out = (P E) |V| + rowsum(P E) |out|       M_lse = 1 + |lse| + sum_j P_ij L_ij + n_visible
-    G     = P E (|dO| |V|^T + rowsum(|dO| |out|)) + P rowsum(|dO| M_out)   the budget of dS = P (dP - delta)
-    M_dv  = (P E)^T |dO|,  M_dq = |scale| G |K|,  M_dk = |scale| G^T |Q|   (summed over a group)
-    M_stored (dq, dk only) = the same products with G_s = P rowsum(|dO| |out|): delta reads
-            the forward's out as returned, rounded to the output dtype
+an implementation in the case's dtype must stay under (`ErrorModel`):
 
     tol = growth * (u_acc * M + u_out * M_stored) + u_out * |expected|
           + max(smallest subnormal of the output dtype, smallest normal of the accumulation dtype)
-          [+ growth * tiny_acc * M_flush, for arithmetic that flushes subnormals to zero]
 
-Arithmetic that flushes subnormal results and inputs to zero (XLA on a CPU
-does, whatever --xla_cpu_ftz says) drops up to tiny_acc (the accumulation
-dtype's smallest normal, 1.2e-38 in float32) from every probability P_ij,
-every dS_ij and every product it makes, and a dropped P_ij or dS_ij is then
-multiplied by values up to |q| |scale| (hundreds on large logits): dk of
-1e-37 comes back 0. `flushed` is that budget (F_ij = 1 + |dO_i| |V_j| +
-rowsum(|dO| |out|)_i over visible pairs, n_i the keys query i sees, m_j the
-queries that see key j):
+M, an element's *magnitude*, is its formula with every term made non-negative;
+u_acc and u_out are the unit roundoffs of the dtypes the implementation
+accumulates in and returns; `GROWTH` was measured, with its margin, by
+``python -m reference.testing measure --examples 400``. Why the line sits
+there, the budget of arithmetic that flushes subnormals to zero (`flushed`)
+and the measured figures: docs/kit.md, "The error model".
 
-    M_flush: out = visible |V| + n,  lse = n,  dv = visible^T |dO| + m,
-             dq = |scale| (visible F) |K| + n,  dk = |scale| (visible F)^T |Q| + m
-
-An adapter whose arithmetic flushes says so (`Adapter.flushes_subnormals`;
-the JAX harness does), and its line adds it.
-
-u_acc is the unit roundoff of the dtype the implementation accumulates in
-(`Adapter.accumulate_dtype`: float32 for float16 inputs here; flash-attn style
-kernels that round P to float16 before P V declare float16), u_out that of
-the dtype it returns. `growth` absorbs the constants of the bounds (sum
-lengths, exp and log); `GROWTH` was measured, with its margin, by
-
-    python -m reference.testing measure --examples 400
-
-Measured (`python -m reference.testing measure --examples 400`, seed 0, on a shared
-2-core machine): the largest error / tolerance of any element over 400
-random cases per dtype (every kind, layout, N <= 4, forward and backward,
-half of them with a window, two thirds with packed documents, any S, so
-padding; 1 is the line, GROWTH = 8):
-
-    dtype     dense oracle at dtype   virtual ring at dtype
-    float64   0 (it is the oracle)    0.31
-    float32   0.30                    0.32
-    float16   0.99                    0.99     (the final rounding to float16: u_out |expected|,
-    bfloat16  0.99                    0.99      which no correct result in that dtype can beat)
-
-Without masks (the same command before they were drawn) the figures were
-0.34, 0.22 / 0.27 and 0.98. With growth = 1 the same cases reach GROWTH_1
-(float64 ring), GROWTH_1 (float32) and GROWTH_1 (float16, bfloat16): the sums' share of the
-bound is used up to twice, so GROWTH = 8 leaves a margin of 3 to 4 above the
-worst correct error seen in float32 and float64. bfloat16 needs no constant of
-its own: its results are float32 sums rounded once to bfloat16 (u_out =
-2**-9), as float16's are. The planted bugs of tests/kit/test_kit.py sit 10^4 to
-10^14 above the line, an out 64 float32 ulps too large fails it, and so do
-bfloat16 gradients summed in bfloat16 round by round (examples/torch_ring.py
-with K, V sent as bfloat16: dv 3 to 6 times over the line).
+    want = oracle(case)                                    # natural order, oracle shapes
+    tol = tolerances(case, accumulate=np.float32)          # {name: array like want[name]}
 """
 
 from dataclasses import dataclass

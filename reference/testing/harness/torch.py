@@ -4,7 +4,8 @@ The user writes only what one rank computes from its shard, in torch tensors;
 the harness keeps a gloo world of N processes per world size alive between
 examples (so that hypothesis can run and shrink hundreds of them), sends each
 rank its shard, takes the gradients by autograd where the ring does not
-return them, and hands the kit every rank's results:
+return them, and hands the kit every rank's results (the guide: docs/kit.md,
+"A PyTorch ring"):
 
     from reference.testing.harness.torch import TorchAdapter
 
@@ -18,20 +19,12 @@ return them, and hands the kit every rank's results:
 
     python -m reference.testing check my_module:Mine --world-sizes 2,3,4
 
-or `check_ring_attention(Mine(), case)` in a hypothesis test. Inside
-`compute`, torch.distributed is initialized (gloo, CPU, one thread per rank):
-`dist.get_rank()` is `shard.rank`. The adapter is pickled to the ranks with
-each example, so its class must be importable (defined at a module's top
-level). A rank that raises fails the example with its traceback; a rank that
-does not answer within `timeout` seconds fails it with a TimeoutError naming
-the ranks and the line each was waiting on; either way the world is ended and
-the next example starts a new one (a ring that failed half way may have left
-messages in flight).
-
-The processes are the standard library's (`multiprocessing`, forkserver with
-torch preloaded: a new world starts in well under a second), the messages its
-pipes (`multiprocessing.connection`). Importing this module does not import
-torch; the ranks do.
+Inside `compute`, torch.distributed is initialized (gloo, CPU, one thread per
+rank). A rank that raises, or does not answer within `timeout` seconds (a
+TimeoutError naming the ranks and the line each waits on), fails the example
+and ends the world; the next example starts a new one. The processes are
+`multiprocessing`'s (a forkserver with torch preloaded), the messages its
+pipes; importing this module does not import torch, the ranks do.
 """
 
 import atexit

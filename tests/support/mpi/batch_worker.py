@@ -1,38 +1,31 @@
 """Run attention cases on MPI ranks through mpi_impl or gpu_impl: one worker for both.
 
-    mpiexec -n N python -m mpi4py tests/support/mpi/batch_worker.py CASES.json INPUTS.npz RESULTS.npz \
-        [--device mpi|numpy|cupy] [--transfer staged|cuda-aware] [--step auto|v1|fused] [--managed]
+    mpiexec -n N python -m mpi4py tests/support/mpi/batch_worker.py CASES.json INPUTS.npz RESULTS.npz         [--device mpi|numpy|cupy] [--transfer staged|cuda-aware] [--step auto|v1|fused] [--managed]
     mpiexec -n N python -m mpi4py tests/support/mpi/batch_worker.py --serve SOCKET [--transfer ...]
 
 Backends (`--device`, or "backends" in a served request):
 
-mpi     `mpi_impl.ring_attention` and `ring_attention_backward` on NumPy shards,
-        with `--mpi-step` (auto by default; v1 gives the stand-in's bits);
+mpi     `mpi_impl.ring_attention` and its backward on NumPy shards, with
+        `--mpi-step` (auto by default; v1 gives the stand-in's bits);
 numpy   the same functions on a GPU made of NumPy whose streams run later
-        (tests/support/gpu/queued_device.py: even ranks run copies early, odd ranks
-        kernels early), over `RingComm` with the transfer's memory object and
-        the readable step queued on its compute stream: every data-movement
-        path of gpu_impl, and its stream order, without a GPU;
-cupy    `gpu_impl.ring_attention` and `ring_attention_backward` on this rank's
-        GPU (local rank), CuPy arrays, the chosen transfer and step.
+        (tests/support/gpu/queued_device.py), over `RingComm` with the transfer's
+        memory object: every data-movement path of gpu_impl, and its stream order;
+cupy    `gpu_impl.ring_attention` and its backward on this rank's GPU.
 
 Batch mode (one launch, many cases; tests/mpi/test_mpi.py, tests/gpu/test_gpu.py):
 CASES.json lists {"id", "layout", "causal", "scale", "tile_size"}; INPUTS.npz
-holds each case's full q, k, v, dout, and optionally the dense reference's out,
-lse as "<id>/q" ...; rank 0 writes "<id>/out", "lse", "dq", "dk", "dv"
+holds each case's full q, k, v, dout (and optionally the dense reference's
+out, lse, which the backward then gets, so that only its own error is
+compared) as "<id>/q" ...; rank 0 writes "<id>/out", "lse", "dq", "dk", "dv"
 (unsharded), the forward trace's "<id>/pairs", "tiles_computed", "source",
-"bytes_sent", "<id>/inputs_unchanged" (no rank's inputs were written to),
-and "local_ranks". Where INPUTS has "<id>/out" and "<id>/lse", the
-backward gets them (as tests/steps/test_ring.py does, so that only the backward's
-own error is compared); otherwise it gets the forward's own.
+"bytes_sent", "<id>/inputs_unchanged" and "local_ranks".
 
 Serve mode (tests/mpi/test_backends.py): rank 0 connects to SOCKET and answers
 requests one at a time (`reference.testing.ProcessGroup`), so that hypothesis
-drives the examples and shrinks a failure on one launch of mpiexec. A request
-is {"case": {...}, "shards": {"q": [per rank], ...}, "backends": [...]} (the case
-may name a "scheme" and its "ulysses_degree", `reference.schemes`); the
-reply is one {backend: {"out", "lse", "dq", "dk", "dv"}} per rank, each rank's
-own shard (or {"error": traceback}).
+drives and shrinks on one launch. A request is {"case": {...}, "shards": {"q":
+[per rank], ...}, "backends": [...]} (the case may name a "scheme" and its
+"ulysses_degree"); the reply is one {backend: {"out", "lse", "dq", "dk", "dv"}}
+per rank, each rank's own shard (or {"error": traceback}).
 """
 
 import argparse

@@ -4,38 +4,28 @@ and faults a job must survive with the right answer.
     mpiexec -n 3 python tests/support/mpi/fault_worker.py shapes            # ranks disagree on q's shape
     mpiexec -n 3 python tests/support/mpi/fault_worker.py bad-input         # one rank's input is invalid
     mpiexec -n 3 python tests/support/mpi/fault_worker.py disagree          # every agreed field, one at a time
-    mpiexec -n 3 python -m mpi4py tests/support/mpi/fault_worker.py raise   # rank 1 fails in round 0
     mpiexec -n 3 python -m mpi4py tests/support/mpi/fault_worker.py MODE    # MODE below
 
-Modes run with ``-m mpi4py`` (an exception on one rank aborts the job):
+The first three run without ``-m mpi4py`` on purpose: the agreement check alone
+must make every rank raise. A failure in the middle of the ring leaves a
+neighbour waiting for a block that never comes, and only MPI_Abort ends it, so
+these modes run with ``-m mpi4py``:
+
   raise            rank 1's step raises in round 0 of the forward
   raise-last       rank 1's step raises in the last round of the forward
   raise-backward   rank 1's backward step raises in round 1
-  before           rank 1 raises before calling the ring (the others wait in it)
-  after            rank 1 raises after the ring returned (the others finish)
+  before / after   rank 1 raises before calling the ring / after it returned
   exit             rank 1 exits (os._exit) in round 1 of the forward, saying nothing
-  leave            rank 1 calls sys.exit(0) in round 1 of the forward, blocks of 256
-                   tokens (above the eager threshold): its neighbours say it left
-  again            on 2 ranks, two calls: in the first rank 1 fails after its last
-                   transfer while rank 0 is still in the call (both carry on);
-                   in the second rank 0 leaves (sys.exit(0)) before its first
-                   shift: rank 1 must name it, not take the first call's late
-                   "done" for the second's and wait for ever
-  truncate         rank N-1 sends a larger block than its neighbour expects in
-                   round 2 (RingComm directly): a real MPI error on a transfer
-  subcomm          on 4 ranks, the ring on world ranks 1..3: a disagreement, then
-                   sub-communicator rank 1 raises in round 0
-  raise-all-to-all scheme "ulysses": rank 1 raises in its first all-to-all (the
-                   others wait in theirs)
-  raise-all-gather scheme "all_gather": rank 1 raises in its second shift of the
-                   gather (the others wait for its block)
-  slow             rank 1 sleeps 0.5 s in round 0 of the forward and the backward:
-                   the job must finish with the right answer ("rank 0: correct")
-
-The first three run without ``-m mpi4py`` on purpose: the agreement check alone
-must make every rank raise (no rank is left waiting in a collective). Faults in
-the middle of the ring need ``-m mpi4py``: a failure there leaves a neighbour
-waiting for a block that never comes, and only MPI_Abort ends it.
+  leave            rank 1 calls sys.exit(0) in round 1, blocks above the eager threshold
+  again            2 ranks, two calls: rank 1 fails after its last transfer of the
+                   first, rank 0 leaves before the second's first shift; rank 1
+                   must name it, not take the first call's late "done" for it
+  truncate         rank N-1 sends a larger block than expected in round 2 (a real MPI error)
+  subcomm          4 ranks, the ring on world ranks 1..3: a disagreement, then a raise
+  raise-all-to-all scheme "ulysses": rank 1 raises in its first all-to-all
+  raise-all-gather scheme "all_gather": rank 1 raises in its gather's second shift
+  slow             rank 1 sleeps 0.5 s in round 0 of each pass: the job must finish
+                   with the right answer ("rank 0: correct")
 """
 
 import os
