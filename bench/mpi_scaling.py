@@ -24,7 +24,7 @@ and this module reads its trace file. Four questions (docs/design.md, "How fast"
 The machine is shared: every figure is a ratio measured in one launch.
 
     python -m bench.mpi_scaling            # quick: about a minute or two on 2 cores
-    python -m bench.mpi_scaling --full     # S = 16384, as in the issue
+    python -m bench.mpi_scaling --full     # S = 16384, the longer sweep
     python -m bench.run --only mpi
 """
 
@@ -306,7 +306,7 @@ def timeline(plan, path, progress):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.mpi_scaling", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--full", action="store_true", help="the issue's sizes (S = 16384)")
+    ap.add_argument("--full", action="store_true", help="the longer sweep (S = 16384)")
     args = ap.parse_args(argv)
     text, pngs = run(quick=not args.full, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(text)
