@@ -712,7 +712,7 @@ def test_conformance_report_names_a_peers_frame_without_local_paths():
     """CONFORMANCE.md quotes where a peer raised, as site-packages/..., not as this machine's path."""
     from reference.testing.compare import where_raised
     text = ('Traceback (most recent call last):\n'
-            '  File "/home/someone/checkout/peers/.venv/lib/python3.11/site-packages/pkg/mod.py", line 7, in f\n'
+            '  File "/home/someone/checkout/conformance/.venv/lib/python3.11/site-packages/pkg/mod.py", line 7, in f\n'
             '    x = torch.full(shape, big)\n'
             'RuntimeError: value cannot be converted')
     assert where_raised(text) == ('RuntimeError: value cannot be converted\n'
