@@ -113,7 +113,7 @@ def strategy(peer, dtype, n, masks):
     return cases(dtypes=(dtype,), layouts=peer.layouts, devices=(n,), max_seq=48, max_head_dim=8, masks=plain + extra,
                  # (the kit draws padding only where documents need no multiple: here none are drawn with it)
                  document_multiple=peer.document_multiple if "cu_seqlens" in extra else 1,
-                 head_multiple=peer.head_multiple,
+                 head_multiple=peer.head_multiple, replicates_kv_heads=peer.replicates_kv_heads,
                  max_batch=getattr(peer, "max_batch", 2), shapes=getattr(peer, "shape_pool", 0),
                  keep=lambda case: not peer.supports(case))     # (a compiled ring compiles once a shape)
 

@@ -19,7 +19,7 @@ which it is not exact attention, with the first bad element named:
 One room per job, in reading order:
 
     cases.py     `Case` (one problem: shapes, dtype (bfloat16 too), the mask: causal or
-                 full, a window, packed documents, padding), its inputs (`INPUT_KINDS`:
+                 full, a window, packed documents, padding, dropout), its inputs (`INPUT_KINDS`:
                  scores in the hundreds, constant rows, values exact in float16, injected
                  NaN / inf) and the hypothesis strategy `cases()` (its shapes drawn from
                  a small pool, `shape_pool`, for rings that compile once per shape)
@@ -44,8 +44,9 @@ strategies when they are called.
 """
 
 from .adapter import Adapter, Shards, Unsupported, VirtualRingAdapter, check_ring_attention, make_shards
-from .cases import (ALL_DTYPES, BACKWARD, DTYPES, FORWARD, INPUT_KINDS, MASKS, MAX_DEVICES, MAX_HEAD_DIM, MAX_SEQ,
-                    NAMES, PLAIN, Case, cases, make_qkv, mask_options, parse_case, shape_pool, tile_sizes)
+from .cases import (ALL_DTYPES, BACKWARD, DROPOUT, DROPOUT_RATES, DTYPES, FORWARD, INPUT_KINDS, MASKS, MAX_DEVICES,
+                    MAX_HEAD_DIM, MAX_SEQ, NAMES, PLAIN, Case, cases, heads_fit, kv_head_counts, make_qkv,
+                    mask_options, parse_case, shape_pool, tile_sizes)
 from .compare import (BFLOAT16, LARGE_LOGITS_FACTOR, LARGE_LOGITS_GRAD_FACTOR, TOL, Tolerance,
                       assert_attention_close, assert_close, assert_finite, attention_mismatch, used_fraction)
 from .group import ProcessGroup, serve_requests
@@ -53,9 +54,9 @@ from .measure import measure, random_case
 from .oracle import GROWTH, ErrorModel, accumulation, flushed, magnitudes, oracle, tolerances, unit_roundoff
 
 __all__ = ["Adapter", "Shards", "Unsupported", "VirtualRingAdapter", "check_ring_attention", "make_shards",
-           "ALL_DTYPES", "BACKWARD", "DTYPES", "FORWARD", "INPUT_KINDS", "MASKS", "MAX_DEVICES", "MAX_HEAD_DIM",
-           "MAX_SEQ", "NAMES", "PLAIN", "Case", "cases", "make_qkv", "mask_options", "parse_case", "shape_pool",
-           "tile_sizes",
+           "ALL_DTYPES", "BACKWARD", "DROPOUT", "DROPOUT_RATES", "DTYPES", "FORWARD", "INPUT_KINDS", "MASKS",
+           "MAX_DEVICES", "MAX_HEAD_DIM", "MAX_SEQ", "NAMES", "PLAIN", "Case", "cases", "heads_fit", "kv_head_counts", "make_qkv", "mask_options",
+           "parse_case", "shape_pool", "tile_sizes",
            "BFLOAT16", "LARGE_LOGITS_FACTOR", "LARGE_LOGITS_GRAD_FACTOR", "TOL", "Tolerance",
            "assert_attention_close", "assert_close", "assert_finite", "attention_mismatch", "used_fraction",
            "ProcessGroup", "serve_requests", "measure", "random_case",

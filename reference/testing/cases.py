@@ -21,6 +21,11 @@ The masks a case can carry (`MASKS`, the names adapters declare in `Adapter.mask
                      padded at the end with random tokens that no real query may see, and
                      whose own results are not checked
 
+and, for a ring that draws this project's keep mask (`reference.masks.keep_weights`,
+keyed on global batch, head and positions), `DROPOUT`:
+
+    dropout          attention dropout with probability p, its keep mask drawn from the case's seed
+
 Legend: ``N`` devices, ``S`` tokens (real), ``P`` tokens padded to the layout's
 unit, ``c = P // N`` tokens per rank, ``Hq`` / ``Hkv`` query / key-value heads,
 ``D`` head dim.
@@ -54,6 +59,8 @@ DTYPES = (np.float64, np.float32, np.float16)
 # every dtype the kit draws: NumPy's floats and bfloat16 (ml_dtypes, the type JAX uses)
 ALL_DTYPES = DTYPES + ((BFLOAT16.type,) if BFLOAT16 is not None else ())
 MASKS = ("causal", "full", "window", "cu_seqlens", "segment_ids", "padding")
+DROPOUT = ("dropout",)              # only a ring that draws reference.masks' keep mask can take it
+DROPOUT_RATES = (0.5, 0.1, 0.9)     # an even draw first; 0.9: most pairs dropped, the kept weighed 10
 PLAIN = ("causal", "full")          # no mask option: what every ring takes
 MAX_DEVICES = 8
 MAX_SEQ = 64
@@ -106,7 +113,9 @@ class Case:
     to S) or `segment_ids` (one id per real token), as in `reference.masks`.
     `poison` injects non-finite values: a tuple of (tensor, b, s, h, d, value)
     with tensor one of "q", "k", "v", "dout", s a global position and value
-    "nan", "inf" or "-inf". `inputs()` makes the arrays, in natural token order.
+    "nan", "inf" or "-inf". `dropout` (p, or None) drops pairs as
+    `reference.attention(dropout=p, seed=seed)` does. `inputs()` makes the
+    arrays, in natural token order.
     """
     layout: str
     n_devices: int
@@ -125,6 +134,7 @@ class Case:
     window: object = None
     cu_seqlens: object = None
     segment_ids: object = None
+    dropout: object = None
 
     def __post_init__(self):
         # plain, hashable values: a dtype as its scalar type, documents as tuples of ints
@@ -154,13 +164,15 @@ class Case:
         """The names of `MASKS` this case uses: ("causal",), ("full", "window", "padding"), ..."""
         used = ["causal" if self.causal else "full"]
         used += [name for name in ("window", "cu_seqlens", "segment_ids") if getattr(self, name) is not None]
-        return tuple(used) + (("padding",) if self.padded > self.S else ())
+        return tuple(used) + (("padding",) if self.padded > self.S else ()) + (("dropout",) if self.dropout else ())
 
     def mask_options(self):
-        """window, cu_seqlens, segment_ids as `reference.attention` and `ring_attention` take them."""
+        """window, cu_seqlens, segment_ids (and dropout with the case's seed) as
+        `reference.attention` and `ring_attention` take them."""
         docs = {name: None if getattr(self, name) is None else np.array(getattr(self, name), np.int64)
                 for name in ("cu_seqlens", "segment_ids")}
-        return dict(window=self.window, **docs)
+        dropout = dict(dropout=self.dropout, seed=self.seed) if self.dropout else {}
+        return dict(window=self.window, **docs, **dropout)
 
     def mask(self):
         """The `reference.masks.Mask`: the options, and positions >= S padding."""
@@ -204,7 +216,7 @@ class Case:
 
     def __repr__(self):
         extra = "".join(f", {name}={getattr(self, name)!r}" for name in ("poison", "window", "cu_seqlens",
-                                                                        "segment_ids") if getattr(self, name))
+                                                                        "segment_ids", "dropout") if getattr(self, name))
         return (f"Case(layout={self.layout!r}, n_devices={self.n_devices}, B={self.B}, S={self.S}, "
                 f"Hq={self.Hq}, Hkv={self.Hkv}, D={self.D}, tile_size={self.tile_size!r}, "
                 f"causal={self.causal}, scale={self.scale!r}, dtype={_dtype_repr(self.dtype)}, "
@@ -240,20 +252,42 @@ def tile_sizes(c):
 
 
 def check_masks(masks):
-    """`masks` as a tuple of names of MASKS, with at least one of causal / full."""
+    """`masks` as a tuple of names of MASKS (or DROPOUT), with at least one of causal / full."""
     masks = tuple(masks)
-    unknown = [m for m in masks if m not in MASKS]
+    unknown = [m for m in masks if m not in MASKS + DROPOUT]
     if unknown:
-        raise ValueError(f"unknown mask(s) {unknown}; the masks are {', '.join(MASKS)}")
+        raise ValueError(f"unknown mask(s) {unknown}; the masks are {', '.join(MASKS + DROPOUT)}")
     if not set(masks) & set(PLAIN):
         raise ValueError(f"masks must take causal or full attention (or both), got {masks}")
     return masks
 
 
+def heads_fit(Hq, Hkv, heads, replicates_kv_heads=False):
+    """Whether Hq and Hkv can be dealt to `heads` ranks: both multiples of it, or
+    with `replicates_kv_heads` Hq a multiple and Hkv a divisor of it."""
+    return Hq % heads == 0 and (Hkv % heads == 0 or (replicates_kv_heads and heads % Hkv == 0))
+
+
+def kv_head_counts(heads=1, max_kv_heads=3, replicates_kv_heads=False):
+    """The KV head counts `cases` draws, simplest first, where both head counts
+    must be multiples of `heads` (a Ulysses of degree u = heads deals them to u
+    ranks): 1..max_kv_heads for heads = 1; above 1, two a rank first (with one
+    a rank, dealing KV heads in blocks and strided look alike), then one, then
+    more where max_kv_heads allows; with `replicates_kv_heads`, then the
+    divisors of u below it, fewest ranks sharing a KV head first (1: MQA).
+
+        kv_head_counts(1) == (1, 2, 3);  kv_head_counts(4, replicates_kv_heads=True) == (8, 4, 2, 1)"""
+    if heads == 1:
+        return tuple(range(1, max_kv_heads + 1))
+    per_rank = (2, 1) + tuple(range(3, max_kv_heads // heads + 1))
+    fewer = tuple(d for d in range(heads - 1, 0, -1) if heads % d == 0) if replicates_kv_heads else ()
+    return tuple(heads * k for k in per_rank) + fewer
+
+
 def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEVICES, causal=None, *,
           masks=PLAIN, devices=None, max_seq=MAX_SEQ, max_head_dim=MAX_HEAD_DIM, max_kv_heads=3, max_group=3,
           max_batch=2, scales=(None, None, 0.3, 1.0, -0.7), poison=False, poison_values=("nan", "inf", "-inf"),
-          seq_multiple=1, document_multiple=1, head_multiple=1, shapes=0, keep=None):
+          seq_multiple=1, document_multiple=1, head_multiple=1, replicates_kv_heads=False, shapes=0, keep=None):
     """A hypothesis strategy of `Case`: every layout, N in 1..max_devices (or
     drawn from `devices`), c down to one token per device (two for zigzag),
     GQA (Hkv < Hq) and MQA (Hkv = 1), any D, tile and scale, every input kind.
@@ -266,8 +300,10 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
     finely than the layout), `document_multiple` (an int, or a function of N)
     every document's length (varlen rings that split each document over the
     ranks), `head_multiple` (an int, or a function of N) both head counts Hq
-    and Hkv (implementations that deal heads to ranks, as Ulysses does).
-    Shrinks towards contiguous, one device, B = 1, one head, D = 1, float64,
+    and Hkv (implementations that deal heads to ranks, as Ulysses does: two
+    KV heads a unit first, `kv_head_counts`), or Hkv a divisor of it too with
+    `replicates_kv_heads`. Shrinks towards contiguous, one device, B = 1, one
+    head (two KV heads a unit of `head_multiple` above 1), D = 1, float64,
     causal, no mask, gaussian.
 
     `shapes=K` (K > 0) draws the shape of every case (B, S, heads, D, tile,
@@ -290,6 +326,7 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
         unit = math.lcm(layout_unit(n, layout), seq_multiple,                 # the layout's unit of division,
                         doc_unit if "cu_seqlens" in masks else 1)             # and the documents'
         heads = head_multiple(n) if callable(head_multiple) else head_multiple
+        counts = kv_head_counts(heads, max_kv_heads, replicates_kv_heads)
         if shapes:
             shape = draw(st.sampled_from(pool(n, layout, doc_unit, unit, heads)))
         else:
@@ -297,8 +334,8 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
             if "padding" in masks:           # shrinks to 0: no padding
                 S -= draw(st.integers(0, unit - 1)) if unit > 1 and doc_unit == 1 else 0
                 S = max(S, 1)
-            Hkv = heads * draw(st.integers(1, max(1, max_kv_heads // heads)))
-            Hq = Hkv * draw(st.integers(1, max_group))
+            Hkv = draw(st.sampled_from(counts))
+            Hq = math.lcm(Hkv, heads) * draw(st.integers(1, max_group))
             B, D = draw(st.integers(1, max_batch)), draw(st.integers(1, max_head_dim))
             shape = dict(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, tile_size=draw(tile_sizes(padded_length(S, n, layout) // n)),
                          scale=draw(st.sampled_from(scales)))
@@ -324,36 +361,37 @@ def cases(dtypes=DTYPES, layouts=LAYOUTS, kinds=INPUT_KINDS, max_devices=MAX_DEV
             pools[n, layout] = shape_pool(probe, shapes, unit=unit, padding="padding" in masks and doc_unit == 1,
                                           max_seq=max_seq, max_head_dim=max_head_dim, max_kv_heads=max_kv_heads,
                                           max_group=max_group, max_batch=max_batch, scales=scales, keep=keep,
-                                          heads=heads)
+                                          heads=heads, replicates_kv_heads=replicates_kv_heads)
         return pools[n, layout]
 
     return draw_case()
 
 
 def shape_pool(probe, count, *, unit, padding, max_seq, max_head_dim, max_kv_heads, max_group, max_batch, scales,
-               keep=None, heads=1, seed=0, tries=50):
+               keep=None, heads=1, replicates_kv_heads=False, seed=0, tries=50):
     """`count` shapes (dicts of B, S, Hq, Hkv, D, tile_size, scale) for the
     probe case's world size and layout, the same for the same arguments: the
-    smallest (B = 1, S = one unit, one head, D = 1) and shapes drawn from a
+    smallest (B = 1, S = one unit, the first of `kv_head_counts`, D = 1) and shapes drawn from a
     NumPy generator within the limits `cases` draws in (S a multiple of
     `unit`, less some padding where `padding`), smallest (B S Hq D) first. With `keep`, only shapes whose
     probe case (the probe with the shape) it keeps, as far as `tries` draws
     each find one."""
     rng = np.random.default_rng((seed, probe.n_devices, LAYOUTS.index(probe.layout), count))
+    counts = kv_head_counts(heads, max_kv_heads, replicates_kv_heads)
 
     def drawn():
         S = unit * int(rng.integers(1, max(1, max_seq // unit) + 1))
         S = max(1, S - int(rng.integers(0, unit))) if padding and unit > 1 else S
         c = padded_length(S, probe.n_devices, probe.layout) // probe.n_devices
-        Hkv = heads * int(rng.integers(1, max(1, max_kv_heads // heads) + 1))
+        Hkv = counts[rng.integers(len(counts))]
         side = lambda: int(rng.integers(max(1, c // 6), c + 4))                       # noqa: E731 - as tile_sizes
         tile = [side, lambda: (side(), side()), lambda: None][rng.integers(3)]()
-        return dict(B=int(rng.integers(1, max_batch + 1)), S=S, Hq=Hkv * int(rng.integers(1, max_group + 1)),
+        return dict(B=int(rng.integers(1, max_batch + 1)), S=S, Hq=math.lcm(Hkv, heads) * int(rng.integers(1, max_group + 1)),
                     Hkv=Hkv, D=int(rng.integers(1, max_head_dim + 1)), tile_size=tile,
                     scale=scales[rng.integers(len(scales))])
 
     kept = lambda shape: keep is None or keep(replace(probe, **shape))               # noqa: E731
-    smallest = dict(B=1, S=unit, Hq=heads, Hkv=heads, D=1, tile_size=None, scale=None)
+    smallest = dict(B=1, S=unit, Hq=math.lcm(counts[0], heads), Hkv=counts[0], D=1, tile_size=None, scale=None)
     found = [smallest] if kept(smallest) else []
     while len(found) < count:
         shape = next((s for s in (drawn() for _ in range(tries)) if kept(s)), None)
@@ -369,7 +407,7 @@ def mask_options(S, masks, document_multiple=1):
     drawn only where `masks` names it and shrinking to None (no mask):
     a window of 1..S keys; documents as cu_seqlens (cut points, lengths a
     multiple of `document_multiple`) or segment ids (three ids at most, in any
-    order: a document need not be one run)."""
+    order: a document need not be one run); dropout of one of DROPOUT_RATES."""
     _, st = _hypothesis()
 
     @st.composite
@@ -385,6 +423,8 @@ def mask_options(S, masks, document_multiple=1):
             options["cu_seqlens"] = (0,) + tuple(document_multiple * c for c in sorted(cuts)) + (S,)
         elif kind == "segment_ids":
             options["segment_ids"] = tuple(draw(st.lists(st.integers(0, 2), min_size=S, max_size=S)))
+        if "dropout" in masks:
+            options["dropout"] = draw(st.none() | st.sampled_from(DROPOUT_RATES))
         return options
 
     return draw_options()

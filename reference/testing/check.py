@@ -143,6 +143,7 @@ def strategy(adapter, plan, n):
     return cases(dtypes=plan.dtypes, layouts=plan.layouts, kinds=INPUT_KINDS, masks=plan.masks, devices=(n,),
                  max_seq=max(plan.max_seq, 2 * n), document_multiple=adapter.document_multiple,
                  head_multiple=adapter.head_multiple, shapes=plan.shapes,
+                 replicates_kv_heads=getattr(adapter, "replicates_kv_heads", False),
                  keep=lambda case: not adapter.supports(case))
 
 

@@ -325,8 +325,11 @@ def test_head_multiple_holds_in_a_shape_pool(case):
 
 
 def test_head_multiple_still_draws_grouped_heads():
+    # two KV heads on each unit of 2 first (tests/kit/test_kit_heads.py), then groups of two query heads
     case = find(cases(devices=(4,), head_multiple=2), lambda case: case.Hq > case.Hkv, settings=SHRINK)
-    assert (case.Hkv, case.Hq) == (2, 4), case
+    assert (case.Hkv, case.Hq) == (4, 8), case
+    case = find(cases(devices=(4,), head_multiple=2), lambda case: case.Hkv == 2, settings=SHRINK)
+    assert case.Hq == 2, case
 
 
 def test_padding_seen_by_a_real_query_is_caught_and_shrunk():
