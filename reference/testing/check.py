@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from .adapter import Unsupported, check_ring_attention
-from .cases import INPUT_KINDS, MAX_SEQ, NAMES, cases, check_masks
+from .cases import INPUT_KINDS, MAX_SEQ, NAMES
+from .strategies import cases, check_masks
 
 # what check_ring_attention and the command line read from an adapter
 PROTOCOL = ("name", "layouts", "dtypes", "masks", "backward", "outputs", "replicated", "world_sizes",

@@ -18,7 +18,7 @@ import reference.virtual
 from reference import ring_attention, ring_attention_backward, schemes
 from reference.cost import candidates, choose, predict_scheme
 from reference.testing import VirtualRingAdapter, check_ring_attention
-from reference.testing.cases import MASKS, cases
+from reference.testing import MASKS, cases
 from reference.testing.check import check_adapter, make_plan
 
 ADAPTERS = [VirtualRingAdapter(), VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"),
