@@ -11,10 +11,10 @@
 #   make gpu-check   the prepared GPU validation -> bench/results/gpu_check.md (a CUDA 13 GPU;
 #                    installs nothing: GPU_CHECK="--wheels .gpu-wheels" installs those wheels first)
 #   make wheel-check the built wheel, installed outside the checkout, runs (CI runs it)
-#   make conformance other projects' ring attention against the oracle -> CONFORMANCE.md,
-#                    and the JAX ring of examples/ checked from the kit's command line
-#                    (its own venv, peers/.venv, with torch on the CPU; never part of make test;
-#                    BPT=path/to/bpt.py adds the paper authors' JAX ring)
+#   make conformance other projects' ring attention against the oracle -> conformance/
+#                    (CONFORMANCE.md and pages/), and the JAX ring of examples/ checked from the
+#                    kit's command line (its own venv, conformance/.venv, with torch on the CPU;
+#                    never part of make test; BPT=path/to/bpt.py adds the paper authors' JAX ring)
 
 PYTHON ?= python3
 RANKS  ?= 4
@@ -94,7 +94,7 @@ gpu-wheels: $(VENV)/.installed
 wheel-check: $(VENV)/.installed
 	PYTHON=$(PY) bash scripts/wheel_check.sh
 
-PEERS_VENV := peers/.venv
+PEERS_VENV := conformance/.venv
 CONFORMANCE ?= --examples 40
 # the paper authors' JAX ring is a file, not a package: BPT=path/to/bpt.py adds its rows
 # (exists-forall/striped_attention at 0c3ef0f; docs/kit.md)
@@ -109,7 +109,7 @@ $(PEERS_VENV)/.installed: pyproject.toml
 # the PyTorch harness's own tests first (skipped by make test, which has no torch), then the peers
 conformance: $(PEERS_VENV)/.installed
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kit/test_torch_harness.py tests/kit/test_conformance_runner.py
-	BPT=$(BPT) OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m peers.conformance $(CONFORMANCE)
+	BPT=$(BPT) OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m conformance $(CONFORMANCE)
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 2,4 --examples 20
 	OMP_NUM_THREADS=1 $(PEERS_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kit/test_jax_harness.py
 

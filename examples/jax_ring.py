@@ -1,8 +1,8 @@
 """A ring attention in JAX, checked by the kit from the command line.
 
-    peers/.venv/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 1,2,3,4
+    conformance/.venv/bin/python -m reference.testing check examples/jax_ring.py:JaxRing --world-sizes 1,2,3,4
 
-(`make conformance` makes peers/.venv, with the `peers` extra's jax[cpu];
+(`make conformance` makes conformance/.venv, with the `peers` extra's jax[cpu];
 or `pip install 'jax[cpu]'`.) Each device holds c tokens of q, k, v in any
 layout: positions travel with the tokens, and the mask (causal or not, a
 window, packed documents, padding) comes from them. In each round a device

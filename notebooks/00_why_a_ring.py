@@ -353,8 +353,8 @@ assert costs["ulysses (u=8)"]["bytes_sent"] * 3.9 < costs["ring"]["bytes_sent"]
 # creates the imbalance that striping removes; `python -m reference.cost --scheme all`
 # puts the four side by side for any shape and link. Other people's Ulysses and USP
 # (Ulysses x ring) implementations are checked against this project's oracle by its
-# conformance kit: `CONFORMANCE.md` at the top of the repository lists what each gave,
-# and `docs/conformance/yunchang.md` the Ulysses and USP rings of one of them.
+# conformance kit: `conformance/CONFORMANCE.md` lists what each gave,
+# and `conformance/pages/yunchang.md` the Ulysses and USP rings of one of them.
 
 # %% [markdown]
 # ## The ring, drawn

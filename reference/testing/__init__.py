@@ -20,7 +20,8 @@ which it is not exact attention, with the first bad element named
 Only NumPy is needed to import the kit; hypothesis is imported by the
 strategies when they are called. Modules, in reading order:
 
-    cases         `Case`, one problem (shapes, dtype, mask), its inputs, the strategy `cases()`
+    cases         `Case`, one problem (shapes, dtype, mask, dropout) and its inputs
+    strategies    the hypothesis strategy `cases()` (heads for Ulysses: `kv_head_counts`)
     oracle        float64 out, lse, dq, dk, dv, and each element's error budget (`ErrorModel`)
     compare       `assert_attention_close`, naming the first bad element; `TOL`, backend against backend
     adapter       the `Adapter` protocol, `check_ring_attention`, `VirtualRingAdapter`
@@ -32,18 +33,19 @@ strategies when they are called. Modules, in reading order:
 """
 
 from .adapter import Adapter, Shards, Unsupported, VirtualRingAdapter, check_ring_attention, make_shards
-from .cases import (ALL_DTYPES, BACKWARD, DTYPES, FORWARD, INPUT_KINDS, MASKS, MAX_DEVICES, MAX_HEAD_DIM, MAX_SEQ,
-                    NAMES, PLAIN, Case, cases, make_qkv, mask_options, parse_case, shape_pool, tile_sizes)
+from .cases import (ALL_DTYPES, BACKWARD, DROPOUT, DROPOUT_RATES, DTYPES, FORWARD, INPUT_KINDS, MASKS, MAX_DEVICES,
+                    MAX_HEAD_DIM, MAX_SEQ, NAMES, PLAIN, Case, heads_fit, make_qkv, parse_case)
 from .compare import (BFLOAT16, LARGE_LOGITS_FACTOR, LARGE_LOGITS_GRAD_FACTOR, TOL, Tolerance,
                       assert_attention_close, assert_close, assert_finite, attention_mismatch, used_fraction)
 from .group import ProcessGroup, serve_requests
 from .measure import measure, random_case
+from .strategies import cases, kv_head_counts, mask_options, shape_pool, tile_sizes
 from .oracle import GROWTH, ErrorModel, accumulation, flushed, magnitudes, oracle, tolerances, unit_roundoff
 
 __all__ = ["Adapter", "Shards", "Unsupported", "VirtualRingAdapter", "check_ring_attention", "make_shards",
-           "ALL_DTYPES", "BACKWARD", "DTYPES", "FORWARD", "INPUT_KINDS", "MASKS", "MAX_DEVICES", "MAX_HEAD_DIM",
-           "MAX_SEQ", "NAMES", "PLAIN", "Case", "cases", "make_qkv", "mask_options", "parse_case", "shape_pool",
-           "tile_sizes",
+           "ALL_DTYPES", "BACKWARD", "DROPOUT", "DROPOUT_RATES", "DTYPES", "FORWARD", "INPUT_KINDS", "MASKS",
+           "MAX_DEVICES", "MAX_HEAD_DIM", "MAX_SEQ", "NAMES", "PLAIN", "Case", "cases", "heads_fit", "kv_head_counts", "make_qkv", "mask_options",
+           "parse_case", "shape_pool", "tile_sizes",
            "BFLOAT16", "LARGE_LOGITS_FACTOR", "LARGE_LOGITS_GRAD_FACTOR", "TOL", "Tolerance",
            "assert_attention_close", "assert_close", "assert_finite", "attention_mismatch", "used_fraction",
            "ProcessGroup", "serve_requests", "measure", "random_case",

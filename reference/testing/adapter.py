@@ -20,7 +20,7 @@ import numpy as np
 from ..layouts import LAYOUTS, positions, shard_at, unshard_at
 from ..schemes import Scheme
 from ..virtual import ring_attention, ring_attention_backward
-from .cases import ALL_DTYPES, FORWARD, MASKS, NAMES, PLAIN
+from .cases import ALL_DTYPES, DROPOUT, FORWARD, MASKS, NAMES, PLAIN, heads_fit
 from .compare import BFLOAT16, attention_mismatch, used_fraction
 from .oracle import accumulation, oracle, tolerances
 
@@ -49,7 +49,8 @@ class Adapter:
     layouts        the layouts it runs (`positions` maps each to ranks' tokens);
     dtypes         the dtypes it takes (NumPy's, and ml_dtypes.bfloat16);
     masks          the masks it takes, names of `MASKS`: causal, full, window,
-                   cu_seqlens, segment_ids, padding (default causal and full);
+                   cu_seqlens, segment_ids, padding (default causal and full), and
+                   of `DROPOUT`, where it draws `reference.masks`' keep mask;
     no_key_mask    None (it masks padding keys), or why it takes padding only with
                    the causal mask: it takes no key mask, so every query of a full
                    case would see the padding keys (causal, they come after every
@@ -74,7 +75,10 @@ class Adapter:
                    shape (`cases(shapes=...)`);
     document_multiple(n)    what every document's length must be a multiple of (default 1);
     head_multiple(n)        what both head counts must be a multiple of (default 1; Ulysses
-                            deals heads to ranks);
+                            deals heads to ranks: u = N, or the degree in USP);
+    replicates_kv_heads     whether it also takes fewer KV heads than head_multiple(n), a
+                            divisor of it (MQA included), each replicated to the ranks whose
+                            query heads read it and its dK, dV summed back (default False);
     supports(case)          None, or why it cannot run the case (skipped, not failed);
     run(case, shards)       one dict per rank with "out" (B, c, Hq, D) in the input dtype,
                             "lse" (B, Hq, c) natural log of the scaled scores' sum, and,
@@ -92,6 +96,7 @@ class Adapter:
     replicated = ()
     world_sizes = (1, 2, 3, 4)
     flushes_subnormals = False
+    replicates_kv_heads = False
     shape_pool = 0
     no_key_mask = None
 
@@ -112,6 +117,10 @@ class Adapter:
             return self.no_key_mask
         if case.layout not in self.layouts:
             return f"layout {case.layout!r} not in {self.layouts}"
+        heads = self.head_multiple(case.n_devices)
+        if not heads_fit(case.Hq, case.Hkv, heads, self.replicates_kv_heads):
+            return (f"heads Hq={case.Hq}, Hkv={case.Hkv} not dealt to {heads} ranks (Hq a multiple of {heads}, "
+                    f"Hkv a multiple" + (" or a divisor" if self.replicates_kv_heads else "") + ")")
         if np.dtype(case.dtype) not in [np.dtype(d) for d in self.dtypes]:
             return f"dtype {np.dtype(case.dtype).name} not supported"
         missing = [m for m in case.masks if m not in self.masks]
@@ -252,10 +261,11 @@ class VirtualRingAdapter(Adapter):
 
     `scheme`, `ulysses_degree`: one of `reference.schemes.SCHEMES` (the ring by
     default), as `ring_attention` takes them; Ulysses deals heads over its u
-    devices, so both head counts are drawn multiples of u, and USP runs on the
-    world sizes u divides."""
+    devices, so both head counts are drawn multiples of u (KV heads fewer than
+    u once its Ulysses replicates them: `replicates_kv_heads`), and USP runs on
+    the world sizes u divides."""
     name = "reference.ring_attention"
-    masks = MASKS
+    masks = MASKS + DROPOUT
     scheme, ulysses_degree = "ring", None
 
     def __init__(self, scheme="ring", ulysses_degree=None):
@@ -280,8 +290,8 @@ class VirtualRingAdapter(Adapter):
 
     def supports(self, case):
         u = self.degree(case.n_devices)
-        if case.n_devices % u or case.Hkv % u:
-            return f"scheme {self.scheme!r} with ulysses_degree {u} needs N and both head counts multiples of {u}"
+        if case.n_devices % u:
+            return f"scheme {self.scheme!r} with ulysses_degree {u} needs N a multiple of {u}"
         return super().supports(case)
 
     def run(self, case, shards):

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from .adapter import Unsupported, check_ring_attention
-from .cases import INPUT_KINDS, MAX_SEQ, NAMES, cases, check_masks
+from .cases import INPUT_KINDS, MAX_SEQ, NAMES
+from .strategies import cases, check_masks
 
 # what check_ring_attention and the command line read from an adapter
 PROTOCOL = ("name", "layouts", "dtypes", "masks", "backward", "outputs", "replicated", "world_sizes",
@@ -143,6 +144,7 @@ def strategy(adapter, plan, n):
     return cases(dtypes=plan.dtypes, layouts=plan.layouts, kinds=INPUT_KINDS, masks=plan.masks, devices=(n,),
                  max_seq=max(plan.max_seq, 2 * n), document_multiple=adapter.document_multiple,
                  head_multiple=adapter.head_multiple, shapes=plan.shapes,
+                 replicates_kv_heads=getattr(adapter, "replicates_kv_heads", False),
                  keep=lambda case: not adapter.supports(case))
 
 

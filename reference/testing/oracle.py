@@ -78,6 +78,13 @@ def _group_sum(x, Hkv):
     return x.transpose(0, 2, 1, 3).reshape(B, S, Hkv, Hq // Hkv, D).sum(axis=3)
 
 
+def keep(case):
+    """Z (B, Hq, S, S) float64: the case's dropout weights (0 or 1 / (1 - p)), or 1 without dropout."""
+    qp = np.arange(case.S)
+    z = masks.keep_weights(case.mask(), np.arange(case.B), np.arange(case.Hq), qp, qp, dtype=np.float64)
+    return 1.0 if z is None else z
+
+
 def magnitudes(case, q, k, v, dout, out, lse):
     """Each element's rounding scales, float64, oracle shapes: ({name: M}, {name:
     M_stored}), M for the rounding in the sums (u_acc), M_stored for the
@@ -90,6 +97,7 @@ def magnitudes(case, q, k, v, dout, out, lse):
     Qa, Ka, Va, dOa, Oa = (np.abs(x) for x in (Q, K, V, dO, O))
     qp = np.arange(case.S)
     visible = masks.visible(qp, qp, case.mask())                                 # (S, S)
+    Z = keep(case)                                                              # (B, Hq, S, S) or 1
     L = scale * Qa @ Ka.swapaxes(-1, -2)                                        # (B, Hq, S, S)
     finite_lse = np.where(np.isfinite(lse), lse, 0.0)
     # P <= 1 (clipped: a poisoned row's lse is NaN, and its result is NaN whatever the budget)
@@ -97,15 +105,17 @@ def magnitudes(case, q, k, v, dout, out, lse):
     PL = (P * L).sum(-1)                                                        # (B, Hq, S)
     E = 1 + L + np.abs(finite_lse)[..., None] + PL[..., None]
     PE = P * E
-    m_out = PE @ Va + PE.sum(-1)[..., None] * Oa
+    m_out = (PE * Z) @ Va + PE.sum(-1)[..., None] * Oa
     m_lse = 1 + np.abs(finite_lse) + PL + visible.sum(-1)       # + n: the row sum of n terms
     # delta = rowsum(dO * out) reads the forward's out: its rounding in the sums
     # (u_acc M_out) and in the returned dtype (u_out |out|, the "stored" part)
-    G = PE * (dOa @ Va.swapaxes(-1, -2) + (dOa * Oa).sum(-1)[..., None]) + P * (dOa * m_out).sum(-1)[..., None]
-    G_stored = P * (dOa * Oa).sum(-1)[..., None]
+    G = PE * (Z * (dOa @ Va.swapaxes(-1, -2)) + (dOa * Oa).sum(-1)[..., None]) + P * (dOa * m_out).sum(-1)[..., None]
+    # out rounded to the output dtype: u_out |out|, and half a subnormal's step below the normal range
+    # (u_out * tiny), relatively large where out is tiny (dropout that drops a row's heaviest keys)
+    G_stored = P * (dOa * (Oa + float(finfo(case.dtype).tiny))).sum(-1)[..., None]
     m_dq, s_dq = (scale * g @ Ka for g in (G, G_stored))
     m_dk, s_dk = (_group_sum(scale * g.swapaxes(-1, -2) @ Qa, case.Hkv) for g in (G, G_stored))
-    m_dv = _group_sum(PE.swapaxes(-1, -2) @ dOa, case.Hkv)
+    m_dv = _group_sum((PE * Z).swapaxes(-1, -2) @ dOa, case.Hkv)
     zeros = np.zeros_like
     acc = dict(out=m_out.transpose(0, 2, 1, 3), lse=m_lse, dq=m_dq.transpose(0, 2, 1, 3), dk=m_dk, dv=m_dv)
     stored = dict(out=zeros(acc["out"]), lse=zeros(m_lse), dq=s_dq.transpose(0, 2, 1, 3), dk=s_dk, dv=zeros(m_dv))
@@ -121,12 +131,13 @@ def flushed(case, q, k, v, dout, out):
     qp = np.arange(case.S)
     seen = masks.visible(qp, qp, case.mask()).astype(np.float64)               # (S, S)
     n, m = seen.sum(-1), seen.sum(0)                    # (S,) keys each query sees, queries that see each key
-    F = seen * (1 + dOa @ Va.swapaxes(-1, -2) + (dOa * Oa).sum(-1)[..., None])  # (B, Hq, S, S)
+    kept = seen * keep(case)                                                    # (B, Hq, S, S) with dropout
+    F = seen * (1 + keep(case) * (dOa @ Va.swapaxes(-1, -2)) + (dOa * Oa).sum(-1)[..., None])  # (B, Hq, S, S)
     at = lambda x: x.transpose(0, 2, 1, 3)                                      # noqa: E731 - (B, S, Hq, D)
-    return dict(out=at(seen @ Va) + n[:, None, None], lse=np.broadcast_to(n, (case.B, case.Hq, case.S)).copy(),
+    return dict(out=at(kept @ Va) + n[:, None, None], lse=np.broadcast_to(n, (case.B, case.Hq, case.S)).copy(),
                 dq=at(scale * F @ Ka) + n[:, None, None],
                 dk=_group_sum(scale * F.swapaxes(-1, -2) @ Qa, case.Hkv) + m[:, None, None],
-                dv=_group_sum(seen.T @ dOa, case.Hkv) + m[:, None, None])
+                dv=_group_sum(kept.swapaxes(-1, -2) @ dOa, case.Hkv) + m[:, None, None])
 
 
 _ORACLE_CACHE = {}

@@ -1,8 +1,8 @@
-"""The conformance runner (peers/conformance.py) on a NumPy ring: what it records of a run.
+"""The conformance runner (conformance/run.py) on a NumPy ring: what it records of a run.
 
-Needs torch (importing peers.conformance builds the peers): skipped under `make test`.
+Needs torch (importing conformance.run builds the peers): skipped under `make test`.
 
-    peers/.venv/bin/python -m pytest -q tests/kit/test_conformance_runner.py
+    conformance/.venv/bin/python -m pytest -q tests/kit/test_conformance_runner.py
 """
 
 import numpy as np
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from peers import conformance  # noqa: E402
+from conformance import run as conformance  # noqa: E402
 from reference.testing.adapter import VirtualRingAdapter  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The conformance results store (peers/results.py): runs saved one at a time, read
+"""The conformance results store (conformance/results.py): runs saved one at a time, read
 back as they were, and CONFORMANCE.md rendered from all of them. NumPy only: no
 torch, no peer is run; the runs are made by hand.
 
@@ -12,8 +12,8 @@ from collections import Counter
 
 import numpy as np
 
-from peers import page, results
-from peers.results import Peer, Run
+from conformance import page, results
+from conformance.results import Peer, Run
 from reference.testing import Adapter, Case
 
 WINDOWED = Peer(key="ring-flash-attn/zigzag", name="ring-flash-attn zigzag_ring_flash_attn_func",
@@ -84,7 +84,7 @@ def test_the_page_shows_every_stored_run_with_its_repro_and_explanation(tmp_path
         "| examples.torch_ring | striped-attention 0.1.0 | contiguous, striped | float32 | causal / full | "
         "agrees (120; N=2: 40, N=3: 40, N=4: 40; line used: out 0.25, lse 0.12) | not run |"]
     assert f"Smallest case: `{SMALLEST!r}`" in page and MESSAGE in page
-    assert (f"Reproduce: `peers/.venv/bin/python -m peers.conformance --repro ring-flash-attn/zigzag forward "
+    assert (f"Reproduce: `conformance/.venv/bin/python -m conformance --repro ring-flash-attn/zigzag forward "
             f"\"{SMALLEST!r}\"`") in page
     assert "A sliding window is wrong beyond the diagonal block." in page
     assert "> Zigzag.\n>\n> Its conventions." in page
@@ -101,7 +101,7 @@ def test_the_header_names_each_runs_date_and_versions_where_they_differ(tmp_path
 
 
 def test_rendering_imports_neither_torch_nor_any_peer():
-    code = ("import sys, peers.results; "
+    code = ("import sys, conformance.results; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax') or m.endswith('_adapter')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -159,7 +159,7 @@ def test_the_summary_puts_a_peer_whose_only_disagreement_is_rounding_among_those
     assert any(line.startswith("- **examples.torch_ring** (2 runs, 1 agree") and "sigmoid merge" in line
                for line in agree)
     assert "- **ring-flash-attn zigzag_ring_flash_attn_func** (1 runs, 0 agree: float16; window):" in disagree
-    assert any("[defect (windows)](docs/conformance/ring-flash-attn.md#window-block-local) (float16: window "
+    assert any("[defect (windows)](pages/ring-flash-attn.md#window-block-local) (float16: window "
                "(forward)): A sliding window is measured" in line for line in disagree)
 
 
@@ -175,8 +175,8 @@ def test_a_planned_cell_that_is_not_stored_shows_as_not_run():
     text = page.render([agreeing()], planned=[(CONTROL, "float32", "causal / full"), (CONTROL, "float16", "window"),
                                               (never, "float64", "causal / full")])
     assert "| [examples.torch_ring][1] | contiguous, striped | - | 1/1 agree | 2 not run | - |" in text
-    assert "| x y | striped | 2 not run | - | - | - |" in text and "[1]: docs/conformance/examples.md\n" in text
-    assert "**Not run yet**: x y (`python -m peers.conformance --missing`)." in text
+    assert "| x y | striped | 2 not run | - | - | - |" in text and "[1]: pages/examples.md\n" in text
+    assert "**Not run yet**: x y (`python -m conformance --missing`)." in text
     assert "(1 runs, 1 agree: float32; causal / full; 1 rows not run)" in text
 
 
@@ -202,10 +202,9 @@ def test_the_pages_do_not_depend_on_the_order_runs_come_in(tmp_path):
 
 
 def test_the_pages_are_the_stored_runs_rendered_byte_for_byte():
-    """docs/conformance/ is what the store renders: `--render` rebuilds each page
+    """conformance/pages/ is what the store renders: `--render` rebuilds each page
     as committed (a page edited by hand, or a run stored without rendering, fails)."""
-    from pathlib import Path
-    folder = Path(results.ROOT) / page.PAGES
+    folder = results.HERE / page.PAGES
     pages = page.render_pages(results.load())
     assert sorted(p.name for p in folder.glob("*.md")) == sorted(pages)
     for name, text in pages.items():
@@ -214,12 +213,23 @@ def test_the_pages_are_the_stored_runs_rendered_byte_for_byte():
 
 def test_conformance_md_is_a_summary_under_60_kib_whose_links_reach_the_pages():
     import re
-    from pathlib import Path
-    text = (Path(results.ROOT) / "CONFORMANCE.md").read_text()
+    text = (results.HERE / "CONFORMANCE.md").read_text()
     assert len(text.encode()) < 60 * 1024
-    links = re.findall(r"^\[\d+\]: (docs/conformance/[^#\s]+)(?:#(\S+))?$", text, re.M)
-    assert len(links) > 10 and not re.search(r"\]\(docs/conformance/[^)]", text)     # each target once, by number
+    links = re.findall(r"^\[\d+\]: (pages/[^#\s]+)(?:#(\S+))?$", text, re.M)
+    assert len(links) > 10 and not re.search(r"\]\(pages/[^)]", text)     # each target once, by number
     for path, anchor in links:
-        target = (Path(results.ROOT) / path).read_text()
+        target = (results.HERE / path).read_text()
         anchors = set(re.findall(r'<a id="([^"]+)"></a>', target))
         assert not anchor or anchor in anchors, (path, anchor)
+
+
+def test_the_command_line_helps_and_checks_its_options_without_torch():
+    """`python -m conformance --help` needs neither torch nor a peer; a bad option
+    is a usage error naming it, before any peer is imported."""
+    code = ("import sys\nfrom conformance.__main__ import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)")
+    for argv, said in ((["--help"], "--examples EXAMPLES"), (["--examples", "0"], "--examples must be at least 1"),
+                       (["--out", "/no/such/folder/x.md"], "--out: no folder")):
+        got = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=results.HERE.parent)
+        assert got.stdout.splitlines()[-1] == f"exit {0 if argv == ['--help'] else 2} False", got.stderr
+        assert said in got.stdout + got.stderr

@@ -8,7 +8,7 @@ rounds their partial sums in every round. Too few devices is an error that
 says what to do. Skipped where JAX is not installed (`make test` has no JAX;
 the `peers` extra has):
 
-    peers/.venv/bin/python -m pytest tests/kit/test_jax_harness.py -q      # the venv make conformance makes
+    conformance/.venv/bin/python -m pytest tests/kit/test_jax_harness.py -q      # the venv make conformance makes
 """
 
 import os

@@ -325,8 +325,11 @@ def test_head_multiple_holds_in_a_shape_pool(case):
 
 
 def test_head_multiple_still_draws_grouped_heads():
+    # two KV heads on each unit of 2 first (tests/kit/test_kit_heads.py), then groups of two query heads
     case = find(cases(devices=(4,), head_multiple=2), lambda case: case.Hq > case.Hkv, settings=SHRINK)
-    assert (case.Hkv, case.Hq) == (2, 4), case
+    assert (case.Hkv, case.Hq) == (4, 8), case
+    case = find(cases(devices=(4,), head_multiple=2), lambda case: case.Hkv == 2, settings=SHRINK)
+    assert case.Hq == 2, case
 
 
 def test_padding_seen_by_a_real_query_is_caught_and_shrunk():
@@ -712,7 +715,7 @@ def test_conformance_report_names_a_peers_frame_without_local_paths():
     """CONFORMANCE.md quotes where a peer raised, as site-packages/..., not as this machine's path."""
     from reference.testing.compare import where_raised
     text = ('Traceback (most recent call last):\n'
-            '  File "/home/someone/checkout/peers/.venv/lib/python3.11/site-packages/pkg/mod.py", line 7, in f\n'
+            '  File "/home/someone/checkout/conformance/.venv/lib/python3.11/site-packages/pkg/mod.py", line 7, in f\n'
             '    x = torch.full(shape, big)\n'
             'RuntimeError: value cannot be converted')
     assert where_raised(text) == ('RuntimeError: value cannot be converted\n'

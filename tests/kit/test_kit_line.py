@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import find, settings
 
 from reference.testing import Case, VirtualRingAdapter
-from reference.testing.cases import mask_options
+from reference.testing.strategies import mask_options
 from reference.testing.check import check_adapter, make_plan
 from reference.testing.oracle import ErrorModel, magnitudes
 

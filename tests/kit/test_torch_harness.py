@@ -2,7 +2,7 @@
 
 Needs torch (the `peers` extra; `make conformance` runs this file first): skipped under `make test`.
 
-    peers/.venv/bin/python -m pytest -q tests/kit/test_torch_harness.py
+    conformance/.venv/bin/python -m pytest -q tests/kit/test_torch_harness.py
 
 The example ring (examples/torch_ring.py) agrees on drawn cases, a planted
 mask bug in it is caught and shrunk, and a ring that raises or hangs fails

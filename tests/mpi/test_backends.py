@@ -30,8 +30,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpi_impl.launch import find_mpiexec
-from reference.testing import (NAMES, Adapter, ProcessGroup, VirtualRingAdapter, assert_attention_close, cases,
-                               check_ring_attention, tolerances)
+from reference.testing import (DROPOUT, NAMES, PLAIN, Adapter, ProcessGroup, VirtualRingAdapter,
+                               assert_attention_close, cases, check_ring_attention, tolerances)
 
 pytest.importorskip("mpi4py")
 
@@ -76,7 +76,8 @@ class Groups:
                     timeout=REQUEST_TIMEOUT_S, env=env, cwd=ROOT)
             case_spec = dict(layout=case.layout, causal=case.causal, scale=case.scale,
                              tile_size=list(case.tile_size) if isinstance(case.tile_size, tuple) else case.tile_size,
-                             scheme=like.scheme, ulysses_degree=like.plan(case).u if like.plan(case).u > 1 else None)
+                             scheme=like.scheme, ulysses_degree=like.plan(case).u if like.plan(case).u > 1 else None,
+                             dropout=case.dropout or 0.0, seed=case.seed)
             request = dict(case=case_spec, backends=["mpi", GPU],
                            shards=dict(q=shards.q, k=shards.k, v=shards.v, dout=shards.dout))
             self.last = ((case, like.name), group.request(request))
@@ -89,7 +90,9 @@ class Groups:
 
 class Served(Adapter):
     """A backend of the served MPI group as a kit adapter, running the scheme of
-    `like` (a `VirtualRingAdapter`: its positions, heads and world sizes)."""
+    `like` (a `VirtualRingAdapter`: its positions, heads and world sizes), with
+    dropout (the keep mask of global heads and positions, the same on every backend)."""
+    masks = PLAIN + DROPOUT
 
     def __init__(self, groups, backend, name, like):
         self.groups, self.backend, self.like = groups, backend, like
@@ -137,10 +140,11 @@ SCHEMES = [VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"), Virt
 
 @pytest.mark.parametrize("like", SCHEMES, ids=lambda a: a.scheme)
 def test_every_scheme_on_three_backends_agrees_with_the_oracle_and_each_other(groups, like):
+    """Each scheme, with dropout drawn about half the time (the kit's cases), on the three backends."""
     backends = on_every_backend(groups, like)
 
     @settings(deadline=None, max_examples=15)
-    @given(case=cases(devices=like.world_sizes, head_multiple=like.head_multiple,
+    @given(case=cases(devices=like.world_sizes, head_multiple=like.head_multiple, masks=PLAIN + DROPOUT,
                       keep=lambda case: not like.supports(case)))
     def body(case):
         agree_with_the_oracle_and_each_other(backends, case)

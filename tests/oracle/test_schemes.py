@@ -18,7 +18,7 @@ import reference.virtual
 from reference import ring_attention, ring_attention_backward, schemes
 from reference.cost import candidates, choose, predict_scheme
 from reference.testing import VirtualRingAdapter, check_ring_attention
-from reference.testing.cases import MASKS, cases
+from reference.testing import MASKS, cases
 from reference.testing.check import check_adapter, make_plan
 
 ADAPTERS = [VirtualRingAdapter(), VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"),
@@ -100,8 +100,9 @@ def test_the_kit_catches_a_ulysses_that_deals_heads_in_the_wrong_order():
     verdict = check_adapter(planted, make_plan(planted, world_sizes=(1, 2, 3), examples=40, shrink_seconds=60))
     assert not verdict.agrees, "the planted Ulysses bug went unseen"
     case = verdict.case
-    # the smallest case: two devices (one cannot misdeal), two heads, the default shape otherwise
-    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 2, 2, 1, 2), case
+    # the smallest case: two devices (one cannot misdeal), two KV heads each (the kit's smallest for
+    # Ulysses), the default shape otherwise
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 4, 4, 1, 2), case
     assert "differs from the float64 oracle" in verdict.message
 
 
@@ -110,8 +111,9 @@ def test_the_kit_catches_a_usp_with_its_groups_swapped():
     verdict = check_adapter(planted, make_plan(planted, world_sizes=(2, 4), examples=40, shrink_seconds=60))
     assert not verdict.agrees, "the planted USP bug went unseen"
     case = verdict.case
-    # the smallest case: N = 2 (one ring rank of a Ulysses pair, talked to as a ring of two), one token each
-    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 2, 2, 1, 2), case
+    # the smallest case: N = 2 (one ring rank of a Ulysses pair, talked to as a ring of two), one token
+    # each, two KV heads a rank
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 4, 4, 1, 2), case
 
 
 # -- bad input, before any work ----------------------------------------------------------

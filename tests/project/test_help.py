@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = ("torch", "jax", "cupy")           # the extras' dependencies, absent from make test
-PACKAGES = ("reference", "mpi_impl", "gpu_impl", "model", "bench", "scripts", "peers")
+PACKAGES = ("reference", "mpi_impl", "gpu_impl", "model", "bench", "scripts", "conformance")
 
 PROBE = r'''
 import argparse, contextlib, io, json, runpy, sys, warnings
@@ -60,7 +60,7 @@ def commands():
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             if any(part.startswith(".") for part in path.relative_to(ROOT).parts):
-                continue                    # a venv inside a package (peers/.venv): not ours
+                continue                    # a venv inside a package (conformance/.venv): not ours
             if path.name != "__main__.py" and 'if __name__ == "__main__"' not in path.read_text():
                 continue
             rel = path.relative_to(ROOT)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "reference"
 MAX_LINES = 400
 MAX_POSITIONAL = 9           # ring_backward: q, k, v, out, lse, dout, q_pos, k_pos, comm
-BACKENDS = ("mpi_impl", "gpu_impl", "model", "bench", "scripts", "peers")
+BACKENDS = ("mpi_impl", "gpu_impl", "model", "bench", "scripts", "conformance")
 IMPORT_PATH = re.compile(rf"(?<![\w.])({'|'.join(BACKENDS)})[.:][A-Za-z_]")   # "gpu_impl.fused:FusedStep"
 # the packages from the bottom up: each may import those before it, never one after it
 LEVELS = ("reference", "mpi_impl", "gpu_impl", "model", "bench", "scripts")

@@ -474,6 +474,7 @@ class QueuedStep(Step):
     def __init__(self, gpu, inner="v1"):
         self.gpu, self.inner = gpu, get_step(inner)
         self.name, self.has_backward = f"queued {self.inner.name}", self.inner.has_backward
+        self.has_dropout = self.inner.has_dropout          # its tiles are the inner step's, dropout and all
 
     def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         queries, block, mask = self._with_mask(queries, block, mask, causal)

@@ -24,8 +24,9 @@ Serve mode (tests/mpi/test_backends.py): rank 0 connects to SOCKET and answers
 requests one at a time (`reference.testing.ProcessGroup`), so that hypothesis
 drives and shrinks on one launch. A request is {"case": {...}, "shards": {"q":
 [per rank], ...}, "backends": [...]} (the case may name a "scheme" and its
-"ulysses_degree"); the reply is one {backend: {"out", "lse", "dq", "dk", "dv"}}
-per rank, each rank's own shard (or {"error": traceback}).
+"ulysses_degree", and a "dropout" with its "seed"); the reply is one {backend:
+{"out", "lse", "dq", "dk", "dv"}} per rank, each rank's own shard (or {"error":
+traceback}).
 """
 
 import argparse
@@ -86,7 +87,8 @@ def _on_queued_gpu(q, k, v, dout, mine, opts, comm, args):
 def _options(case):
     tile = tuple(case["tile_size"]) if isinstance(case["tile_size"], list) else case["tile_size"]
     return dict(layout=case["layout"], causal=case["causal"], scale=case["scale"], tile_size=tile,
-                scheme=case.get("scheme", "ring"), ulysses_degree=case.get("ulysses_degree"))
+                scheme=case.get("scheme", "ring"), ulysses_degree=case.get("ulysses_degree"),
+                dropout=case.get("dropout", 0.0), seed=case.get("seed", 0))
 
 
 # -- batch mode --------------------------------------------------------------
