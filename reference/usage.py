@@ -15,6 +15,7 @@ import math
 import re
 from pathlib import Path
 
+
 def at_least(low):
     """An argparse type: an int of at least `low`."""
     def parse(text):
@@ -56,24 +57,29 @@ def seconds(text):
 
 
 def output_problem(option, path):
-    """A message if `path` (an output file) cannot be written, or None: its
-    folder must exist, and the path must not be a folder."""
-    if path is None or path == "":
-        return None
-    folder = Path(path).resolve().parent
-    if not folder.is_dir():
-        return f"{option} {path}: the folder {folder} does not exist"
-    if Path(path).is_dir():
-        return f"{option} {path}: is a folder; give a file name"
-    return None
+    """A message if `path` (an output file of `option`) cannot be written, or None."""
+    problem = _unwritable(path)
+    return problem and f"{option} {path}: {problem}"
 
 
 def output_file(text):
     """An argparse type: a file this command will write ('' for none)."""
-    problem = output_problem("", text)
+    problem = _unwritable(text)
     if problem:
-        raise argparse.ArgumentTypeError(problem.split(": ", 1)[1])
+        raise argparse.ArgumentTypeError(problem)
     return text
+
+
+def _unwritable(path):
+    """Why `path` cannot be written as a file (its folder missing, or a folder itself), or None."""
+    if path is None or path == "":
+        return None
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        return f"the folder {folder} does not exist"
+    if Path(path).is_dir():
+        return "is a folder; give a file name"
+    return None
 
 
 def output_folder(text):

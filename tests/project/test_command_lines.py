@@ -209,3 +209,10 @@ def test_every_help_says_each_default_once():
                 text = formatter._expand_help(action)
                 assert text.lower().count("default") <= 1, f"{name} {action.option_strings}: {text}"
                 assert "(default: None)" not in text, f"{name} {action.option_strings}: {text}"
+
+
+def test_the_cost_models_sequence_follows_its_documents_when_not_given(capsys):
+    """`reference.cost --doc-lengths 100,200` predicts 300 tokens, not the default 4096 it would refuse."""
+    from reference import cost
+    cost.main(["--doc-lengths", "100,200", "--n-devices", "2", "--tile-size", "16"])
+    assert capsys.readouterr().out.startswith("S=300 N=2 tile=(16, 16) documents=[100, 200]")
