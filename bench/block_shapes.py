@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from reference import positions, steps
+from reference import positions, steps, usage
 from reference.cores import blas_description, blas_limit
 from reference.ring import own_block
 from reference.step import BackwardRows, ForwardAcc, Grads, Queries
@@ -79,22 +79,27 @@ def measure(step_names, seq_len, n_devices, heads, head_dim, tile_size, repeats=
 def block_arguments(prog, doc, n_devices=4, tile_size=256):
     """The arguments of a benchmark of one device's blocks (this one, `bench.tile_parts`)."""
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
-    ap.add_argument("--seq-len", type=int, default=8192, help="tokens S (default %(default)s)")
-    ap.add_argument("--n-devices", type=int, default=n_devices, help="devices N (default %(default)s)")
-    ap.add_argument("--heads", type=int, default=4, help="heads H (default %(default)s)")
-    ap.add_argument("--head-dim", type=int, default=64, help="head dim D (default %(default)s)")
-    ap.add_argument("--tile-size", type=int, default=tile_size, help="tile size (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=5, help="least of (default %(default)s)")
+    ap.add_argument("--seq-len", type=usage.count, default=8192, help="tokens S (default %(default)s)")
+    ap.add_argument("--n-devices", type=usage.count, default=n_devices, help="devices N (default %(default)s)")
+    ap.add_argument("--heads", type=usage.count, default=4, help="heads H (default %(default)s)")
+    ap.add_argument("--head-dim", type=usage.count, default=64, help="head dim D (default %(default)s)")
+    ap.add_argument("--tile-size", type=usage.count, default=tile_size, help="tile size (default %(default)s)")
+    ap.add_argument("--repeats", type=usage.count, default=5, help="least of (default %(default)s)")
     ap.add_argument("--as-set", action="store_true",
                     help="keep OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE where set (default: run again without them)")
     ap.add_argument("--unset", default="", help=argparse.SUPPRESS)     # set by the rerun
     return ap
 
 
-def run_on_one_thread(module, args, argv, report):
-    """``report(args, machine)`` with one BLAS thread and the machine's own BLAS
-    kernels: first run again without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (``--as-set`` keeps them)."""
+def run_on_one_thread(module, ap, argv, report):
+    """``report(args, machine)`` for the options `ap` parses from `argv`, with
+    one BLAS thread and the machine's own BLAS kernels: first run again without
+    OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (``--as-set`` keeps them)."""
     from .machine import cpu_name, kernels_note, rerun_with_machine_kernels
+    args = ap.parse_args(argv)
+    if args.seq_len % args.n_devices or args.seq_len < 2 * args.n_devices:
+        ap.error(f"--seq-len ({args.seq_len}) must be a multiple of --n-devices ({args.n_devices}), "
+                 "with at least 2 tokens a device")
     if not args.as_set and not args.unset:
         status = rerun_with_machine_kernels(module, sys.argv[1:] if argv is None else argv)
         if status is not None:
@@ -108,7 +113,7 @@ def main(argv=None):
     ap.add_argument("--steps", nargs="+", default=["auto"], choices=steps.names(), metavar="STEP",
                     help=f"step versions, taking turns (default: auto; any of {', '.join(steps.names())})")
     ap.add_argument("--step", dest="steps", nargs=1, choices=steps.names(), help=argparse.SUPPRESS)
-    run_on_one_thread("bench.block_shapes", ap.parse_args(argv), argv, report)
+    run_on_one_thread("bench.block_shapes", ap, argv, report)
 
 
 def report(args, machine):

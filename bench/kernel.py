@@ -32,13 +32,14 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from reference import steps
+from reference import steps, usage
 from reference.tiles import DEFAULT_TILE_SIZE
 
 
@@ -66,6 +67,8 @@ class Sweep:
 
 
 QUICK = Sweep()
+TINY = Sweep(target_s=512, matmul_n=256, repeats=1, repeats_other=1, seq_lens=(256, 512), head_dims=(16,),
+             tiles=((64, 32),), sweep_s=256, memory_seq_lens=(256, 512), plain_s=256)   # seconds: the command checked
 FULL = Sweep(repeats=5, repeats_other=3, seq_lens=(1024, 2048, 4096, 8192, 16384),
              head_dims=(32, 64, 128, 256), sweep_s=8192,
              tiles=(64, 128, 256, 512, 1024, (512, 256), (256, 512), (1024, 256)),
@@ -192,9 +195,9 @@ def report(sweep, rate, rate_after, points, costs, memory, pngs, step, *, versus
     target = points[0]
     blas_note = blas_limit_note()
     workers = getattr(step, "workers", 1)
-    mode = {QUICK: "quick", FULL: "full"}.get(sweep, "custom")
+    mode = {QUICK: "quick", FULL: "full", TINY: "tiny"}.get(sweep, "custom")
     lines = [
-        f"Made by `python -m bench.kernel{' --full' if mode == 'full' else ''}` ({mode} sizes) on "
+        f"Made by `python -m bench.kernel{f' --{mode}' if mode in ('full', 'tiny') else ''}` ({mode} sizes) on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}: "
         f"{os.cpu_count()} cores, {platform.machine()} ({cpu_name()}), BLAS {blas_name()}{kernels_note(unset)}; "
         f"step {step.label} (`--step {step.name} --threads {workers}`). numpy {np.__version__}. Best of {sweep.repeats} (target) or "
@@ -284,11 +287,15 @@ def _versus_torch(target, versus):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.kernel", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--full", action="store_true", help="more sizes and repeats")
-    ap.add_argument("--results", default=str(RESULTS), help="folder for the plots (default: bench/results)")
+    sizes = ap.add_mutually_exclusive_group()
+    sizes.add_argument("--full", action="store_true", help="more sizes and repeats")
+    sizes.add_argument("--tiny", action="store_true",
+                       help="the smallest sizes, a few seconds: the command checked end to end, its figures meaningless")
+    ap.add_argument("--results", type=usage.output_folder, default=str(RESULTS),
+                    help="folder for the plots (default: bench/results)")
     ap.add_argument("--step", default="auto", choices=steps.names(),
                     help="the step measured at every point (default: %(default)s, the fastest for NumPy)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=usage.count, default=None,
                     help="worker threads of steps that take them (default: one per core)")
     ap.add_argument("--torch-python", default=None,
                     help="a Python with torch (torch==2.13.0, CPU) for the comparison (default: this one, if it has torch)")
@@ -296,6 +303,9 @@ def main(argv=None):
                     help=f"keep {' and '.join(KERNEL_ENV)} where set (default: run again without them)")
     ap.add_argument("--unset", default="", help=argparse.SUPPRESS)     # set by the rerun
     args = ap.parse_args(argv)
+    if args.torch_python is not None and not (shutil.which(args.torch_python)
+                                              and torch_compare.available(args.torch_python)):
+        ap.error(f"--torch-python {args.torch_python}: not a Python that can import torch")
     if not args.as_set and not args.unset:
         status = rerun_with_machine_kernels("bench.kernel", sys.argv[1:] if argv is None else argv)
         if status is not None:
@@ -303,9 +313,9 @@ def main(argv=None):
     note = blas_limit_note()
     if note:
         print(f"  kernel: {note}", file=sys.stderr, flush=True)
-    text, pngs = run(quick=not args.full, results_dir=args.results, step=args.step, threads=args.threads,
-                     torch_python=args.torch_python, unset=args.unset,
-                     progress=lambda msg: print(f"  kernel: {msg}", file=sys.stderr, flush=True))
+    text, pngs, _ = run(quick=not args.full, sweep=TINY if args.tiny else None, results_dir=args.results,
+                        step=args.step, threads=args.threads, torch_python=args.torch_python, unset=args.unset,
+                        progress=lambda msg: print(f"  kernel: {msg}", file=sys.stderr, flush=True))
     print(text)
     for png in pngs:
         print(f"wrote {png}", file=sys.stderr)

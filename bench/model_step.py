@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 import reference
+from reference import usage
 from mpi_impl.launch import find_mpiexec
 from model import speedup, train, transformer
 
@@ -244,8 +245,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.model_step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help=f"S = {FULL_SEQS} (default {QUICK_SEQS})")
     ap.add_argument("--worker", metavar="OUT.json", help="run as an MPI rank and write the step times")
-    ap.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths (worker)")
-    ap.add_argument("--results", default=str(RESULTS), help="folder for the plot (default %(default)s)")
+    ap.add_argument("--seqs", type=usage.count, nargs="+", default=None, help="sequence lengths (worker)")
+    ap.add_argument("--results", type=usage.output_folder, default=str(RESULTS),
+                    help="folder for the plot (default %(default)s)")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker, args.seqs or QUICK_SEQS)

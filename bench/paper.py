@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from reference import usage
 from reference.cost import HARDWARE, MODELS, paper_rows
 
 from . import RESULTS, markdown_table
@@ -145,7 +146,8 @@ def run(quick=True, *, results_dir=RESULTS):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.paper", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", default=str(RESULTS), help="folder for the plot (default %(default)s)")
+    ap.add_argument("--results", type=usage.output_folder, default=str(RESULTS),
+                    help="folder for the plot (default %(default)s)")
     args = ap.parse_args(argv)
     text, pngs = run(results_dir=args.results)
     print(text)

@@ -184,18 +184,19 @@ def compare(args):
 
 
 def main(argv=None):
+    from reference import steps, usage       # not at the top: the JAX side imports this module too
     ap = argparse.ArgumentParser(prog="python -m bench.paper_code", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bpt", required=True, help="path of the paper authors' bpt.py")
     ap.add_argument("--jax-python", default=sys.executable,
                     help="a Python with jax, flax and einops (default: this one)")
-    ap.add_argument("--seq-len", type=int, default=8192, help="tokens S (default %(default)s)")
-    ap.add_argument("--n-devices", type=int, default=8, help="devices N (default %(default)s)")
-    ap.add_argument("--heads", type=int, default=4, help="heads H (default %(default)s)")
-    ap.add_argument("--head-dim", type=int, default=64, help="head dim D (default %(default)s)")
-    ap.add_argument("--tiles", type=int, nargs="+", default=[128, 256], help="tile sides T (default 128 256)")
-    ap.add_argument("--step", default="auto", help="our step (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=3, help="best of (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    ap.add_argument("--seq-len", type=usage.count, default=8192, help="tokens S (default %(default)s)")
+    ap.add_argument("--n-devices", type=usage.count, default=8, help="devices N (default %(default)s)")
+    ap.add_argument("--heads", type=usage.count, default=4, help="heads H (default %(default)s)")
+    ap.add_argument("--head-dim", type=usage.count, default=64, help="head dim D (default %(default)s)")
+    ap.add_argument("--tiles", type=usage.count, nargs="+", default=[128, 256], help="tile sides T (default 128 256)")
+    ap.add_argument("--step", default="auto", choices=steps.names(), help="our step (default %(default)s)")
+    ap.add_argument("--repeats", type=usage.count, default=3, help="best of (default %(default)s)")
+    ap.add_argument("--seed", type=usage.natural, default=0, help="seed of the random inputs")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)     # the JAX side
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--results", help=argparse.SUPPRESS)

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from reference import usage
 from reference.cost import MODES, predict, striped_limit
 
 from . import RESULTS, markdown_table
@@ -160,7 +161,8 @@ def run(quick=True, *, results_dir=RESULTS, sweep=None, progress=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.predicted", description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="the longer sweep")
-    ap.add_argument("--results", default=str(RESULTS), help="folder for the plot (default %(default)s)")
+    ap.add_argument("--results", type=usage.output_folder, default=str(RESULTS),
+                    help="folder for the plot (default %(default)s)")
     args = ap.parse_args(argv)
     text, pngs = run(quick=not args.full, results_dir=args.results,
                      progress=lambda msg: print(f"  predicted: {msg}", file=sys.stderr))

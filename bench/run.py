@@ -27,6 +27,8 @@ import time
 import traceback
 from pathlib import Path
 
+from reference import usage
+
 from . import RESULTS, markdown_table
 from .machine import blas_info, cpu_name, thread_settings
 
@@ -63,11 +65,18 @@ def parse_args(argv=None):
     mode.add_argument("--full", dest="quick", action="store_false", help="the longer sweeps")
     ap.add_argument("--only", nargs="+", choices=list(SECTIONS), metavar="SECTION",
                     help="run only these sections (default: all)")
-    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"),
+    ap.add_argument("--out", type=_markdown_file, default=str(ROOT / "BENCHMARKS.md"),
                     help="markdown file (default: BENCHMARKS.md in the repository root)")
-    ap.add_argument("--results", default=str(RESULTS),
+    ap.add_argument("--results", type=usage.output_folder, default=str(RESULTS),
                     help="folder for plots, for sections that take one (default: bench/results)")
     return ap.parse_args(argv)
+
+
+def _markdown_file(text):
+    """--out: a file (its folder is made if missing), not a folder."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    return text
 
 
 class Progress:
@@ -236,7 +245,8 @@ def main(argv=None):
     chunks = {name: chunks[name] for name in SECTIONS if name in chunks}
     headlines, contents = summary(chunks)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join([header(argv, args.quick, names), headlines, "", contents, "", *chunks.values()]))
+    tables = [headlines, "", contents, ""] if headlines else [contents, ""]
+    out.write_text("\n".join([header(argv, args.quick, names), *tables, *chunks.values()]))
     progress.say(f"wrote {out}" + (f"; problems: {', '.join(failures)}" if failures else ""))
     return 1 if failures else 0
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from mpi_impl.launch import find_mpiexec
+from reference import steps, usage
 
 from . import RESULTS, markdown_table
 
@@ -158,16 +159,16 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, seq_lens=None, ranks=
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", help="tokens S (default: 65536 131072 262144)")
-    ap.add_argument("--ranks", type=int, help="MPI ranks (default 8)")
-    ap.add_argument("--tile", type=int, help="tile size (default 512)")
-    ap.add_argument("--step", default="auto", help="step version (default: auto)")
+    ap.add_argument("--seq-lens", type=usage.count, nargs="+", help="tokens S (default: 65536 131072 262144)")
+    ap.add_argument("--ranks", type=usage.count, help="MPI ranks (default 8)")
+    ap.add_argument("--tile", type=usage.count, help="tile size (default 512)")
+    ap.add_argument("--step", default="auto", choices=steps.names(), help="step version (default: auto)")
     ap.add_argument("--worker", metavar="OUT.json", help=argparse.SUPPRESS)
     ap.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
-    bad = [s for s in args.seq_lens or () if s < 1 or (args.ranks or 8) < 1 or s % (args.ranks or 8)]
+    bad = [s for s in args.seq_lens or () if s % (args.ranks or 8)]
     if bad:
         ap.error(f"every --seq-lens must be a positive multiple of --ranks, got {bad}")
     text, _ = run(seq_lens=args.seq_lens, ranks=args.ranks, tile=args.tile, step=args.step)

@@ -27,7 +27,7 @@ measured beside the predicted:
 
 import argparse
 
-from reference.scheme_cost import predict_scheme
+from reference.scheme_cost import GB, predict_scheme
 from reference.schemes import Scheme
 
 from . import markdown_table
@@ -37,7 +37,8 @@ N = 4
 PLANS = (("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2))
 SHAPE = dict(B=1, Hq=4, Hkv=4, D=64, dtype="float32")
 TILE = 256
-LINK = 10e9
+LINK_GBS = 10                   # processes of one machine: memory copies
+LINK = LINK_GBS * GB
 SHOWN = ("contiguous", "striped")
 
 
@@ -97,7 +98,7 @@ def run(quick=True, progress=None, **_):
         "rank's CPU seconds in the step, over the ring's contiguous forward; its `predicted`: the busiest "
         "rank's tile flops per round, over the same. Sent and peak K/V: the busiest rank's, from the trace. "
         f"Predicted wall: the cost model at {rate / 1e9:.1f} GFLOP/s (the ring's contiguous forward, measured) "
-        f"and a {LINK / 1e9:g} GB/s link.",
+        f"and a {LINK_GBS:g} GB/s link.",
         markdown_table(headers, [r[:5] + [_kib(b) for b in r[5:9]] + r[9:] for r in rows], "lll" + "r" * 8),
         "Commands: " + "; ".join(f"`{d['command']}`" for d in docs.values())])
     return text, []

@@ -104,7 +104,7 @@ def measure(step_name, seq_len, n_devices, heads, head_dim, tile_size, repeats, 
 def main(argv=None):
     ap = block_arguments("python -m bench.tile_parts", __doc__, n_devices=8, tile_size=128)
     ap.add_argument("--step", default="v3", choices=steps.names(), help="step version (default %(default)s)")
-    run_on_one_thread("bench.tile_parts", ap.parse_args(argv), argv, report)
+    run_on_one_thread("bench.tile_parts", ap, argv, report)
 
 
 def report(args, machine):

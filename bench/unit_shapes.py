@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from reference import steps
+from reference import steps, usage
 from reference.steps import units, v5
 
 from .block_shapes import SHAPES, block_arguments, block_pairs, run_on_one_thread, timed_block
@@ -48,10 +48,9 @@ def cut(rows=None, join=None):
 
 def main(argv=None):
     ap = block_arguments("python -m bench.unit_shapes", __doc__, n_devices=8, tile_size=128)
-    ap.add_argument("--rows", type=int, default=None, help="stacks of up to this many rows (default: v5's)")
-    ap.add_argument("--join", type=int, default=None, help="full key tiles a product, at most (default: v5's)")
-    args = ap.parse_args(argv)
-    run_on_one_thread("bench.unit_shapes", args, argv, report)
+    ap.add_argument("--rows", type=usage.count, default=None, help="stacks of up to this many rows (default: v5's)")
+    ap.add_argument("--join", type=usage.count, default=None, help="full key tiles a product, at most (default: v5's)")
+    run_on_one_thread("bench.unit_shapes", ap, argv, report)
 
 
 def report(args, machine):

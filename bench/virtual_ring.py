@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from reference import LAYOUTS, cost, ring_attention, ring_attention_backward, steps
+from reference import LAYOUTS, cost, ring_attention, ring_attention_backward, steps, usage
 
 from . import RESULTS, markdown_table
 
@@ -95,10 +95,11 @@ def run(quick=True, *, results_dir=RESULTS, progress=None, **overrides):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.virtual_ring", description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="every NumPy step, more repeats")
-    ap.add_argument("--seq-len", type=int, default=QUICK["seq_len"], help="tokens S (default %(default)s)")
-    ap.add_argument("--n-devices", type=int, default=QUICK["n_devices"], help="virtual devices (default %(default)s)")
-    ap.add_argument("--tile", type=int, default=QUICK["tile"], help="tile size (default %(default)s)")
-    ap.add_argument("--repeats", type=int, default=QUICK["repeats"], help="best of (default %(default)s)")
+    ap.add_argument("--seq-len", type=usage.count, default=QUICK["seq_len"], help="tokens S (default %(default)s)")
+    ap.add_argument("--n-devices", type=usage.count, default=QUICK["n_devices"],
+                    help="virtual devices (default %(default)s)")
+    ap.add_argument("--tile", type=usage.count, default=QUICK["tile"], help="tile size (default %(default)s)")
+    ap.add_argument("--repeats", type=usage.count, default=QUICK["repeats"], help="best of (default %(default)s)")
     ap.add_argument("--steps", nargs="+", choices=steps.names(), metavar="STEP",
                     help="step versions (default: v3 v4 v5; --full: every NumPy step)")
     args = ap.parse_args(argv)

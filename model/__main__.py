@@ -21,42 +21,44 @@ from contextlib import nullcontext
 import numpy as np
 
 import reference
+from reference import usage
 from mpi_impl.cores import rank_share, wait_quietly
 
 from . import train, transformer
 
 
 def parse_args(argv=None):
+    """The options, checked before any work: a usage error names the option."""
     ap = argparse.ArgumentParser(prog="python -m model", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=usage.Help)
     ap.add_argument("--backend", choices=("auto", "mpi", "virtual", "dense"), default="auto",
                     help="auto: mpi when run as `python -m mpi4py -m model`, else virtual")
-    ap.add_argument("--n-devices", type=int, default=2, help="virtual devices (virtual backend)")
+    ap.add_argument("--n-devices", type=usage.count, default=2, help="virtual devices (virtual backend)")
     ap.add_argument("--layout", choices=(*reference.LAYOUTS, "all"), default="striped",
                     help="how tokens are dealt to devices; all: each in turn, from the same start")
-    ap.add_argument("--steps", type=int, default=300, help="Adam steps")
-    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence S")
-    ap.add_argument("--batch", type=int, default=4, help="sequences per step B")
-    ap.add_argument("--period", type=int, default=32, help="copy task: length of the repeated block")
-    ap.add_argument("--vocab", type=int, default=16, help="vocabulary V (copy task: random tokens)")
-    ap.add_argument("--d-model", type=int, default=64, help="model width d")
-    ap.add_argument("--heads", type=int, default=4, help="attention heads H (head dim d / H, even)")
-    ap.add_argument("--layers", type=int, default=2, help="transformer blocks L")
-    ap.add_argument("--d-ff", type=int, default=256, help="MLP hidden width f")
-    ap.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (after 20 warm-up steps)")
+    ap.add_argument("--steps", type=usage.count, default=300, help="Adam steps")
+    ap.add_argument("--seq-len", type=usage.count, default=256, help="tokens per sequence S")
+    ap.add_argument("--batch", type=usage.count, default=4, help="sequences per step B")
+    ap.add_argument("--period", type=usage.count, default=32, help="copy task: length of the repeated block")
+    ap.add_argument("--vocab", type=usage.count, default=16, help="vocabulary V (copy task: random tokens)")
+    ap.add_argument("--d-model", type=usage.count, default=64, help="model width d")
+    ap.add_argument("--heads", type=usage.count, default=4, help="attention heads H (head dim d / H, even)")
+    ap.add_argument("--layers", type=usage.count, default=2, help="transformer blocks L")
+    ap.add_argument("--d-ff", type=usage.count, default=256, help="MLP hidden width f")
+    ap.add_argument("--lr", type=usage.rate, default=3e-3, help="Adam learning rate (after 20 warm-up steps)")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                     help="parameters and activations; float64 makes the layouts' curves equal to 1e-15")
-    ap.add_argument("--tile-size", type=int, default=None, help="the ring's tile size (None: the kernel's)")
-    ap.add_argument("--seed", type=int, default=0, help="parameters and batches")
-    ap.add_argument("--plot", default="train_loss.png", help="loss curve picture ('' for none)")
-    ap.add_argument("--out", default="train_loss.npz", help="the loss curves, an array per layout ('' for none)")
+    ap.add_argument("--tile-size", type=usage.count, default=None, help="the ring's tile size (default: the kernel's)")
+    ap.add_argument("--seed", type=usage.natural, default=0, help="parameters and batches")
+    ap.add_argument("--plot", type=usage.output_file, default="train_loss.png", help="loss curve picture ('' for none)")
+    ap.add_argument("--out", type=usage.output_file, default="train_loss.npz",
+                    help="the loss curves, an array per layout ('' for none)")
     args = ap.parse_args(argv)
-    for name in ("steps", "seq_len", "batch", "period", "vocab", "n_devices"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.period >= args.seq_len:
         ap.error(f"--period ({args.period}) must be less than --seq-len ({args.seq_len}): "
                  "a token can be predicted only from an earlier copy")
+    if args.d_model % args.heads or (args.d_model // args.heads) % 2:
+        ap.error(f"--d-model ({args.d_model}) must be --heads ({args.heads}) times an even head dim")
     return args
 
 

@@ -40,7 +40,7 @@ from typing import Callable
 
 import numpy as np
 
-from reference import LAYOUTS, steps
+from reference import LAYOUTS, steps, usage
 from reference.inputs import make_shard
 from reference.masks import cu_seqlens_from_lengths, layout_mask, make_mask
 
@@ -85,7 +85,7 @@ WAITS = ("auto", "quiet", "spin")
 
 def build_parser(prog="mpiexec -n N python -m mpi4py -m mpi_impl", description=None):
     ap = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=usage.Help)
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens S, all ranks together")
     ap.add_argument("--batch", type=int, default=1, help="batch B")
     ap.add_argument("--heads", type=int, default=4, help="query heads Hq")
@@ -226,7 +226,7 @@ def check_args(args, n_ranks, backend=NUMPY):
     try:
         make_mask(causal=args.causal, seq_len=args.seq_len, **mask_options(args))
     except (TypeError, ValueError) as e:          # the reference's words, with the options' names
-        for name in ("window", "cu_seqlens", "dropout"):
+        for name in ("window", "cu_seqlens", "dropout", "seed"):
             e = str(e).replace(f"{name} must", f"--{name.replace('_', '-')} must")
         return str(e)
     for option, path in (("--trace-out", args.trace_out), ("--plot", args.plot)):

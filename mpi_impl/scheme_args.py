@@ -7,8 +7,9 @@ cost model (`reference.scheme_cost`) would pick for the run's shapes.
 
 import numpy as np
 
+from reference import usage
 from reference.schemes import SCHEMES, Scheme
-from reference.scheme_cost import candidates, choose, predict_scheme
+from reference.scheme_cost import GB, candidates, choose, predict_scheme
 
 
 def add_scheme_options(ap):
@@ -18,9 +19,9 @@ def add_scheme_options(ap):
                             "ranks by an all-to-all), usp (Ulysses in groups of --ulysses-degree, the ring across)")
     group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
                        help="ranks per Ulysses group (usp: required; ulysses: all ranks)")
-    group.add_argument("--link-gbs", type=float, default=10.0,
-                       help="link bandwidth per rank, GB/s each way, for the cost model's choice printed under "
-                            "the table (default 10: memory copies between processes of one machine)")
+    group.add_argument("--link-gbs", type=usage.rate, default=10.0,
+                       help="link bandwidth per rank, GB/s each way (1 GB = 10^9 bytes), for the cost model's choice "
+                            "printed under the table (default 10: memory copies between processes of one machine)")
 
 
 def scheme_of(args, n_ranks):
@@ -63,7 +64,7 @@ def predicted_speedup(args, n_ranks, layout, mask):
 def choice_line(args, n_ranks, layout, mask, flops_per_s):
     """The scheme the cost model picks for this run's shapes, at --link-gbs and
     `flops_per_s` (the rate this run's critical path measured), with each candidate's prediction."""
-    link = args.link_gbs * 1e9
+    link = args.link_gbs * GB
     costs = {s: tuple(predict_scheme(s, args.seq_len, layout, backward=b, **_shape(args, mask))
                       for b in (False, True)[:1 + bool(args.backward)])
              for s in candidates(n_ranks, args.heads, args.kv_heads or args.heads)}

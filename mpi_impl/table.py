@@ -6,12 +6,12 @@
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from reference.plot import plot_timeline
 from reference.trace import write_trace
+from reference.usage import output_problem  # noqa: F401 (the command line's check of its output files)
 
 from .check import check_tolerance
 from .scheme_args import scheme_of
@@ -138,15 +138,3 @@ def report(rows, args, comm, backend, checker, choice=""):
             for r in failed) + f" above {tol:g}", file=sys.stderr)
         return 1
     return 0
-
-
-def output_problem(option, path):
-    """A message if `path` (an output file) cannot be written, checked before the run: None if it can."""
-    if path is None:
-        return None
-    folder = Path(path).resolve().parent
-    if not folder.is_dir():
-        return f"{option} {path}: the folder {folder} does not exist"
-    if Path(path).is_dir():
-        return f"{option} {path}: is a folder; give a file name"
-    return None

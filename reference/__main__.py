@@ -14,28 +14,35 @@ import argparse
 
 import numpy as np
 
-from . import cost, steps
+from . import cores, cost, steps, usage
 from .dense import attention
 from .layouts import LAYOUTS
 from .virtual import ring_attention
 
 
 def parse_args(argv=None):
+    """The options, checked before any work (with the library's own checks): a usage error names the option."""
     ap = argparse.ArgumentParser(prog="python -m reference", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-len", type=int, default=64, help="tokens S (default %(default)s)")
-    ap.add_argument("--n-devices", type=int, default=4, help="virtual devices N (default %(default)s)")
-    ap.add_argument("--tile-size", type=int, default=4, help="tile size (default %(default)s)")
-    ap.add_argument("--heads", type=int, default=2, help="query heads (default %(default)s)")
-    ap.add_argument("--head-dim", type=int, default=16, help="head dim D (default %(default)s)")
+    ap.add_argument("--seq-len", type=usage.count, default=64, help="tokens S (default %(default)s)")
+    ap.add_argument("--n-devices", type=usage.count, default=4, help="virtual devices N (default %(default)s)")
+    ap.add_argument("--tile-size", type=usage.count, default=4, help="tile size (default %(default)s)")
+    ap.add_argument("--heads", type=usage.count, default=2, help="query heads (default %(default)s)")
+    ap.add_argument("--head-dim", type=usage.count, default=16, help="head dim D (default %(default)s)")
     ap.add_argument("--layout", choices=LAYOUTS + ("all",), default="all", help="how tokens are dealt to devices")
     ap.add_argument("--step", choices=steps.names(), default=steps.DEFAULT, help="block step (default %(default)s)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=usage.count, default=None,
                     help="worker threads per device, for steps that take them (default: the devices' share of "
                          "the cores, reference.cores)")
-    ap.add_argument("--blas-threads", type=int, default=None,
+    ap.add_argument("--blas-threads", type=usage.count, default=None,
                     help="BLAS threads per product (default: the devices' share of the cores)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random q, k, v")
-    return ap.parse_args(argv)
+    ap.add_argument("--seed", type=usage.natural, default=0, help="seed of the random q, k, v")
+    args = ap.parse_args(argv)
+    try:
+        cores.for_devices(steps.get(args.step, xp=np), args.n_devices, threads=args.threads,
+                          blas_threads=args.blas_threads)
+    except ValueError as e:
+        ap.error(usage.option_words(str(e), ("threads", "blas_threads")))
+    return args
 
 
 def main(argv=None):

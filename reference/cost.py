@@ -29,10 +29,11 @@ is in `reference.tms` and re-exported here.
 import argparse
 import numpy as np
 
+from . import usage
 from .layouts import LAYOUTS, positions
 from .masks import layout_mask
 from .predict import MODES, Prediction, predict_positions  # noqa: F401 (re-exported)
-from .scheme_cost import SchemeCost, candidates, choose, predict_scheme  # noqa: F401 (re-exported)
+from .scheme_cost import GB, GIB, SchemeCost, candidates, choose, predict_scheme  # noqa: F401 (re-exported)
 from .schemes import SCHEMES
 from .tiles import tile_shape
 from .tms import HARDWARE, MODELS, paper_rows, theoretical_max_speedup  # noqa: F401 (re-exported)
@@ -62,43 +63,83 @@ def paper_work(i, j, c):
     return c * (c + 1) // 2 if i >= j else c * (c - 1) // 2
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The options, checked before any work: a usage error names the option."""
     ap = argparse.ArgumentParser(prog="python -m reference.cost", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seq-len", type=int, default=4096, help="tokens S (default 4096)")
-    ap.add_argument("--n-devices", type=int, default=4, help="devices N (default 4)")
-    ap.add_argument("--tile-size", type=int, default=None, help="tile size (default %(default)s: the kernel's)")
-    ap.add_argument("--window", type=int, default=None, help="sliding window W (default: none)")
-    ap.add_argument("--doc-lengths", type=lambda t: [int(x) for x in t.split(",")], default=None,
+    ap.add_argument("--seq-len", type=usage.count, default=None,
+                    help="tokens S (default 4096, or the documents' total with --doc-lengths)")
+    ap.add_argument("--n-devices", type=usage.count, default=4, help="devices N (default 4)")
+    ap.add_argument("--tile-size", type=usage.count, default=None, help="tile size (default %(default)s: the kernel's)")
+    ap.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                    help="causal mask (default; --no-causal: every key visible)")
+    ap.add_argument("--window", type=usage.count, default=None, help="sliding window W (default: none)")
+    ap.add_argument("--doc-lengths", type=_lengths, default=None,
                     metavar="L0,L1,...", help="packed documents, adding up to --seq-len")
     schemes = ap.add_argument_group("schemes (reference.scheme_cost): with --scheme, their table and the choice")
     schemes.add_argument("--scheme", default=None, metavar="NAME[,NAME...]|all",
                          help="tabulate these schemes (ring, all_gather, ulysses, usp: every degree the heads "
                               "allow) instead of the layouts; 'all' for every one")
     schemes.add_argument("--layout", default="striped", choices=LAYOUTS, help="layout of the ring (default striped)")
-    schemes.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
-    schemes.add_argument("--heads", type=int, default=32, help="query heads Hq (default 32)")
-    schemes.add_argument("--kv-heads", type=int, default=8, help="key/value heads Hkv (default 8)")
-    schemes.add_argument("--head-dim", type=int, default=128, help="head dimension D (default 128)")
+    schemes.add_argument("--batch", type=usage.count, default=1, help="batch B (default 1)")
+    schemes.add_argument("--heads", type=usage.count, default=32, help="query heads Hq (default 32)")
+    schemes.add_argument("--kv-heads", type=usage.count, default=8, help="key/value heads Hkv (default 8)")
+    schemes.add_argument("--head-dim", type=usage.count, default=128, help="head dimension D (default 128)")
     schemes.add_argument("--dtype", default="float16", choices=("float16", "float32", "float64"),
                          help="input dtype (default float16; bfloat16 moves the same bytes)")
-    schemes.add_argument("--link-gbs", type=float, default=25.0,
-                         help="link bandwidth per device, GB/s each way (default 25: 200 Gb/s)")
-    schemes.add_argument("--tflops", type=float, default=400.0,
+    schemes.add_argument("--link-gbs", type=usage.rate, default=25.0,
+                         help="link bandwidth per device, GB/s each way (1 GB = 10^9 bytes; default 25: 200 Gb/s)")
+    schemes.add_argument("--tflops", type=usage.rate, default=400.0,
                          help="attention compute rate per device, TFLOP/s (default 400)")
-    schemes.add_argument("--memory-gib", type=float, default=None,
-                         help="K/V memory a device may hold, GiB (default: no limit)")
+    schemes.add_argument("--memory-gib", type=usage.rate, default=None,
+                         help="K/V memory a device may hold, GiB (1 GiB = 2^30 bytes; default: no limit)")
     args = ap.parse_args(argv)
-    mask = dict(window=args.window)
+    total = None if args.doc_lengths is None else sum(args.doc_lengths)
+    if args.seq_len is None:
+        args.seq_len = total or 4096
+    elif total is not None and total != args.seq_len:
+        ap.error(f"--doc-lengths add up to {total} tokens, not --seq-len {args.seq_len}")
+    if args.heads % args.kv_heads:
+        ap.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    try:                                    # the library's own checks, before any work
+        layout_mask(args.seq_len, args.n_devices, args.layout, **mask_options(args))
+        args.plans = None if args.scheme is None else scheme_plans(args)
+    except ValueError as e:
+        ap.error(usage.option_words(str(e), ("n_devices", "tile_size", "window")))
+    return ap, args
+
+
+def _lengths(text):
+    """--doc-lengths: "100,200" -> [100, 200], each at least 1."""
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"expected document lengths of at least 1 like 100,200, got {text!r}")
+    return lengths
+
+
+def mask_options(args):
+    """The mask keyword arguments of `predict` and `predict_scheme`, from the options."""
+    mask = dict(causal=args.causal, window=args.window)
     if args.doc_lengths:
         mask["cu_seqlens"] = np.concatenate([[0], np.cumsum(args.doc_lengths)])
-    try:
-        if args.scheme is not None:
-            print(scheme_table(args, mask))
-            return
-    except ValueError as e:
-        ap.error(str(e))
+    return mask
+
+
+def main(argv=None):
+    ap, args = parse_args(argv)
+    mask = mask_options(args)
+    if args.scheme is not None:
+        try:
+            table = scheme_table(args, mask)
+        except ValueError as e:             # no scheme fits in --memory-gib
+            ap.error(str(e))
+        print(table)
+        return
     print(f"S={args.seq_len} N={args.n_devices} tile={tile_shape(args.tile_size)}"
-          + "".join(f" {k}={v}" for k, v in (("window", args.window), ("documents", args.doc_lengths)) if v))
+          + "".join(f" {k}={v}" for k, v in (("window", args.window), ("documents", args.doc_lengths)) if v)
+          + ("" if args.causal else " not causal"))
     print(f"{'layout':<11} {'crit. tiles':>12} {'crit. pairs':>12} {'speedup tiles':>14} {'speedup pairs':>14}")
     for layout in LAYOUTS:
         p = predict(args.seq_len, args.n_devices, layout, args.tile_size, **mask)
@@ -108,23 +149,29 @@ def main(argv=None):
     print(f"(2N-1)/N limit: {striped_limit(args.n_devices):.3f}")
 
 
-def scheme_table(args, mask):
-    """The --scheme table: per scheme, forward and backward, the busiest
-    device's critical-path flops (forward), bytes sent, peak K/V bytes and predicted
-    time; and the scheme the link and compute rates pick."""
-    n, Hq, Hkv = args.n_devices, args.heads, args.kv_heads
+def scheme_plans(args):
+    """The Schemes --scheme names that run on --n-devices with --kv-heads, or ValueError."""
+    n, Hkv = args.n_devices, args.kv_heads
     names = SCHEMES if args.scheme == "all" else tuple(x.strip() for x in args.scheme.split(","))
     unknown = [x for x in names if x not in SCHEMES]
     if unknown:
         raise ValueError(f"--scheme: {', '.join(unknown)} is not one of {', '.join(SCHEMES)} or all")
-    plans = [s for s in candidates(n, Hq, Hkv) if s.name in names]
+    plans = [s for s in candidates(n, args.heads, Hkv) if s.name in names]
     if not plans:
         raise ValueError(f"none of {', '.join(names)} runs on {n} devices with {Hkv} key/value heads "
                          f"(Ulysses degrees must divide both)")
+    return plans
+
+
+def scheme_table(args, mask):
+    """The --scheme table: per scheme, forward and backward, the busiest
+    device's critical-path flops (forward), bytes sent, peak K/V bytes and predicted
+    time; and the scheme the link and compute rates pick."""
+    n, Hq, Hkv, plans = args.n_devices, args.heads, args.kv_heads, args.plans
     shape = dict(B=args.batch, Hq=Hq, Hkv=Hkv, D=args.head_dim, dtype=args.dtype, tile_size=args.tile_size, **mask)
     costs = {s: tuple(predict_scheme(s, args.seq_len, args.layout, backward=b, **shape) for b in (False, True))
              for s in plans}
-    link, rate = args.link_gbs * 1e9, args.tflops * 1e12
+    link, rate = args.link_gbs * GB, args.tflops * 1e12
     lines = [f"S={args.seq_len} N={n} B={args.batch} Hq={Hq} Hkv={Hkv} D={args.head_dim} {args.dtype} "
              f"{args.layout}, link {args.link_gbs:g} GB/s, {args.tflops:g} TFLOP/s per device",
              f"{'scheme':<12}{'u':>3}{'rounds':>7}{'crit. GFLOP':>12}{'sent fwd':>11}{'sent bwd':>11}"
@@ -134,16 +181,17 @@ def scheme_table(args, mask):
         lines.append(f"{s.name:<12}{s.u:>3}{s.r:>7}{f['critical_flops'] / 1e9:>12.1f}{_size(f['bytes_sent']):>11}"
                      f"{_size(b['bytes_sent']):>11}{_size(max(f['peak_kv'], b['peak_kv'])):>11}"
                      f" {fwd.seconds(link, rate) * 1e3:>10.3f} {bwd.seconds(link, rate) * 1e3:>10.3f}")
-    memory = None if args.memory_gib is None else args.memory_gib * 2 ** 30
+    memory = None if args.memory_gib is None else args.memory_gib * GIB
     best = choose(costs, link, rate, memory)
     lines.append(f"choice: {best.name}" + (f" (ulysses_degree={best.u})" if best.u > 1 else "")
                  + " - the least predicted forward + backward time"
-                 + ("" if memory is None else f" among those whose K/V fit in {args.memory_gib:g} GiB"))
+                 + ("" if memory is None else f" among those whose K/V fit in {args.memory_gib:g} GiB")
+                 + ("" if args.causal else "; not causal"))
     return "\n".join(lines)
 
 
 def _size(nbytes):
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if nbytes >= size:
             return f"{nbytes / size:.1f} {unit}"
     return f"{nbytes} B"

@@ -38,6 +38,7 @@ from .predict import predict_positions
 from .schemes import Scheme
 
 FLOPS_PER_ENTRY = dict(forward=4, backward=10)      # x D, per (query, key) entry of a computed tile
+GB, GIB = 10 ** 9, 2 ** 30      # bytes: links are quoted in GB/s (decimal), memory in GiB (binary)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class SchemeCost:
     def seconds(self, link_bytes_per_s, flops_per_s):
         """Predicted wall seconds: per round the busiest device's compute or
         overlapped transfer, whichever is longer, plus its exposed transfer."""
+        check_rates(link_bytes_per_s, flops_per_s)
         moved = np.maximum(self.bytes_sent, self.bytes_received)
         compute = self.work.tile_area * self.flops_per_entry / flops_per_s
         overlapped = (moved - self.exposed) / link_bytes_per_s
@@ -72,6 +74,7 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
     `reference.schemes.Scheme`) on `seq_len` tokens in `layout`, for q
     (B, S, Hq, D) and k, v (B, S, Hkv, D) of `dtype`; mask options as
     `reference.ring_attention` takes them."""
+    check_shape(B=B, Hq=Hq, Hkv=Hkv, D=D)
     n, u, r = scheme.n, scheme.u, scheme.r
     mask = layout_mask(seq_len, n, layout, causal=causal, **mask_options)
     pos = scheme.positions(seq_len, layout)                            # (N, c)
@@ -112,6 +115,24 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
     return SchemeCost(scheme, work, sent, received, held, exposed, flops)
 
 
+def check_shape(**sizes):
+    """ValueError naming the first size that is not a positive int, or query
+    heads that are not a multiple of key/value heads."""
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
+    if sizes["Hq"] % sizes["Hkv"]:
+        raise ValueError(f"query heads Hq ({sizes['Hq']}) must be a multiple of key/value heads Hkv ({sizes['Hkv']})")
+
+
+def check_rates(link_bytes_per_s, flops_per_s, memory_bytes=None):
+    """ValueError unless the link, the compute rate (and the memory, if given) are finite and above 0."""
+    for name, value in (("link_bytes_per_s", link_bytes_per_s), ("flops_per_s", flops_per_s),
+                        ("memory_bytes", memory_bytes)):
+        if value is not None and not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number above 0, got {value!r}")
+
+
 def candidates(n_devices, Hq, Hkv):
     """Every scheme the shapes allow on N devices: the ring, the all-gather,
     Ulysses (where u = N divides the heads) and USP for each u strictly between."""
@@ -126,6 +147,7 @@ def choose(costs, link_bytes_per_s, flops_per_s, memory_bytes=None):
     """The SchemeCost predicted fastest (forward plus backward: `costs` maps a
     Scheme to its (forward, backward) pair), among those whose peak K/V bytes
     fit in `memory_bytes` (None: all)."""
+    check_rates(link_bytes_per_s, flops_per_s, memory_bytes)
     fits = {s: pair for s, pair in costs.items()
             if memory_bytes is None or max(c.kv_bytes.max() for c in pair) <= memory_bytes}
     if not fits:

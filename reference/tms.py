@@ -32,6 +32,8 @@ import argparse
 import csv
 from pathlib import Path
 
+from . import usage
+
 # Paper Table 1 (from the Ring Attention codebase).
 MODELS = {
     "1B": dict(n_vocab=32000, d_model=2048, d_ff=5504, n_layer=22, n_head=16),
@@ -101,15 +103,23 @@ def paper_rows(path=PAPER_CSV):
     return rows
 
 
-def main():
-    p = argparse.ArgumentParser(prog="python -m reference.tms", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m reference.tms", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), help="one model of the paper's table (default: all)")
-    p.add_argument("--seq-parallel", type=int, default=4, help="devices in the ring N")
-    p.add_argument("--n-seq", type=int, default=65536, help="sequence length S")
-    p.add_argument("--hardware", choices=sorted(HARDWARE), default="a100",
-                   help="the accelerator whose FLOP rate and bandwidth set the overlap")
-    args = p.parse_args()
+    p.add_argument("--seq-parallel", type=usage.count, default=None, help="devices in the ring N, with --model (default 4)")
+    p.add_argument("--n-seq", type=usage.count, default=None,
+                   help="sequence length S, a multiple of N, with --model (default 65536)")
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default=None,
+                   help="the accelerator whose FLOP rate and bandwidth set the overlap, with --model (default a100)")
+    args = p.parse_args(argv)
+    given = [f"--{name.replace('_', '-')}" for name in ("seq_parallel", "n_seq", "hardware")
+             if getattr(args, name) is not None]
+    if given and not args.model:
+        p.error(f"{', '.join(given)}: for one --model; without it every row of the paper is recomputed as printed")
+    args.seq_parallel, args.n_seq = args.seq_parallel or 4, args.n_seq or 65536
+    args.hardware = args.hardware or "a100"
+    if args.n_seq % args.seq_parallel:
+        p.error(f"--n-seq ({args.n_seq}) must be a multiple of --seq-parallel ({args.seq_parallel})")
     if args.model:
         print(f"{theoretical_max_speedup(args.model, args.seq_parallel, args.n_seq, args.hardware):.4f}")
         return

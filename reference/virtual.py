@@ -15,6 +15,7 @@ Shapes: q (B, S, Hq, D), k and v (B, S, Hkv, D), lse (B, Hq, S).
 
 import queue
 import threading
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -22,9 +23,11 @@ import numpy as np
 from . import cores, schemes, steps
 from .call import check_call
 from .layouts import shard_at, unshard_at
+from .ring import DKV, KV
 from .trace import Trace
 
 POLL_S = 0.05
+DEADLOCK_S = 2.0        # every device still running has waited this long, nothing on its way: none will move
 
 
 class VirtualRing:
@@ -35,17 +38,19 @@ class VirtualRing:
     smaller ring (the devices `members`, in their order), and `all_to_all`
     trades a piece with every member of the group (a scheme's Ulysses group)."""
 
-    def __init__(self, rank, size, mailboxes, failed, turns=None, members=None):
+    def __init__(self, rank, size, mailboxes, failed, turns=None, members=None, watchdog=None):
         self.rank, self.size = rank, size
         self.members = tuple(range(size)) if members is None else members
         self._mailboxes, self._failed = mailboxes, failed
         self._turns = turns
+        self._watchdog = watchdog or Watchdog(())
+        self._taken = {}            # (tag, group rank) -> messages taken from it: the round of the next
 
     def group(self, members):
         """This device's end of the ring of `members` (global ranks, this device among them)."""
         me = self.members[self.rank]
         return VirtualRing(members.index(me), len(members), self._mailboxes, self._failed, self._turns,
-                           tuple(members))
+                           tuple(members), self._watchdog)
 
     def turn(self):
         """A `with` block that computes on one of the cores: with more devices
@@ -60,25 +65,84 @@ class VirtualRing:
         """Nothing to move: `start_shift` posted a copy of the block at once."""
 
     def finish_shift(self, tag):
-        return self._take(self._box(self.rank, tag))
+        return self._take(self._box(self.rank, tag), tag, (self.rank - 1) % self.size)
 
     def all_to_all(self, pieces):
         """Piece i to group rank i; returns the piece each group rank sent here, in rank order."""
         for i, piece in enumerate(pieces):
             self._box(i, ("all_to_all", self.rank)).put(piece.copy())
-        return [self._take(self._box(self.rank, ("all_to_all", i))) for i in range(self.size)]
+        return [self._take(self._box(self.rank, ("all_to_all", i)), "all_to_all", i) for i in range(self.size)]
 
     def _box(self, rank, tag):
         """The mailbox of group rank `rank` for `tag` (made on first use; dict.setdefault is atomic)."""
         return self._mailboxes.setdefault((self.members, rank, tag), queue.Queue())
 
-    def _take(self, box):
-        while True:     # poll, so that a failure on another device ends the wait
-            try:
-                return box.get(timeout=POLL_S)
-            except queue.Empty:
-                if self._failed.is_set():
-                    raise RuntimeError("another virtual device failed") from None
+    def _take(self, box, tag, source):
+        """The next message in `box`: tag `tag`'s from group rank `source`."""
+        me, key = self.members[self.rank], (tag, source)
+        round_ = self._taken.get(key, 0)
+        self._watchdog.waits(me, box, f"{_tag_name(tag)} from device {self.members[source]}, round {round_}")
+        try:
+            while True:     # poll, so that a failure on another device, or a deadlock, ends the wait
+                try:
+                    message = box.get(timeout=POLL_S)
+                    self._taken[key] = round_ + 1
+                    return message
+                except queue.Empty:
+                    if self._failed.is_set():
+                        raise RuntimeError("another virtual device failed") from None
+                    self._watchdog.check()
+        finally:
+            self._watchdog.woke(me)
+
+
+class Deadlock(AssertionError):
+    """Every virtual device still running waits for a message that no device will send."""
+
+
+class Watchdog:
+    """Ends a deadlock of the virtual devices within seconds, with an error
+    naming each device and what it waits for, instead of a hang until a
+    test's timeout: when every device still running has been waiting for
+    `patience` seconds, each on a mailbox with nothing in it, no device is
+    left to post a message, so none will ever come. A device that computes,
+    or waits for its turn at a core, is not waiting."""
+
+    def __init__(self, devices, patience=None):
+        self._lock = threading.Lock()
+        self._devices, self._running = set(devices), set(devices)
+        self._waiting = {}          # device -> (mailbox, what it waits for, since)
+        self.patience = DEADLOCK_S if patience is None else patience
+
+    def waits(self, device, box, what):
+        with self._lock:
+            self._waiting[device] = (box, what, time.monotonic())
+
+    def woke(self, device):
+        with self._lock:
+            self._waiting.pop(device, None)
+
+    def ended(self, device):
+        with self._lock:
+            self._running.discard(device)
+            self._waiting.pop(device, None)
+
+    def check(self):
+        """Raise Deadlock if no running device can move (class docstring)."""
+        with self._lock:
+            now, waiting = time.monotonic(), self._waiting
+            if not self._running or set(waiting) != self._running:
+                return
+            if any(box.qsize() or now - since < self.patience for box, _, since in waiting.values()):
+                return
+            stuck = "; ".join(f"device {d} waits for the {what}" for d, (_, what, _) in sorted(waiting.items()))
+            ended = sorted(self._devices - self._running)
+        raise Deadlock(f"virtual devices deadlocked: {stuck}; nothing is on its way to any of them"
+                       + (f" (device{'s' * (len(ended) > 1)} {', '.join(map(str, ended))} ended)" if ended else ""))
+
+
+def _tag_name(tag):
+    return {KV: "K/V block", DKV: "dK/dV block", "all_to_all": "all-to-all piece"}.get(tag, f"message tagged {tag!r}")
 
 
 def run_devices(n_devices, device_fn, at_once=None):
@@ -88,14 +152,17 @@ def run_devices(n_devices, device_fn, at_once=None):
     mailboxes = {}
     failed = threading.Event()
     turns = None if at_once is None or at_once >= n_devices else threading.BoundedSemaphore(at_once)
+    watchdog = Watchdog(range(n_devices))
     results, errors = [None] * n_devices, [None] * n_devices
 
     def run(rank):
         try:
-            results[rank] = device_fn(rank, VirtualRing(rank, n_devices, mailboxes, failed, turns))
+            results[rank] = device_fn(rank, VirtualRing(rank, n_devices, mailboxes, failed, turns, watchdog=watchdog))
         except BaseException as e:      # noqa: BLE001 - re-raised below
             errors[rank] = e
             failed.set()
+        finally:
+            watchdog.ended(rank)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"device{r}") for r in range(n_devices)]
     for th in threads:

@@ -13,6 +13,7 @@ import argparse
 import shlex
 import sys
 
+from .. import usage
 from .cases import MAX_SEQ, _hypothesis, parse_case
 from .check import (Progress, check_adapter, check_one, load_adapter, make_plan, markdown, repro_command,
                     summary)
@@ -42,9 +43,12 @@ def names(text):
 
 def sizes(text):
     try:
-        return tuple(int(x) for x in names(text))
+        found = tuple(int(x) for x in names(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 2,3,4, got {text!r}") from None
+        found = ()
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,3,4 (world sizes, each at least 1), got {text!r}")
+    return found
 
 
 def build_parser():
@@ -58,7 +62,7 @@ def build_parser():
                             epilog=CHECK_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("adapter", metavar="MODULE:ADAPTER",
                    help="a module (mymodule) or file (path/to/ring.py), a colon, the adapter's name")
-    c.add_argument("--examples", type=int, default=100, help="cases per world size (default 100)")
+    c.add_argument("--examples", type=usage.count, default=100, help="cases per world size (default 100)")
     c.add_argument("--world-sizes", type=sizes, default=None, metavar="N,N,...",
                    help="world sizes (default: the adapter's world_sizes)")
     c.add_argument("--dtypes", type=names, default=None, metavar="NAME,...",
@@ -68,15 +72,15 @@ def build_parser():
                         "(default: the adapter's masks)")
     c.add_argument("--layouts", type=names, default=None, metavar="NAME,...",
                    help="contiguous, striped, zigzag (default: the adapter's layouts)")
-    c.add_argument("--max-seq", type=int, default=MAX_SEQ, help=f"the longest sequence drawn (default {MAX_SEQ})")
-    c.add_argument("--shrink-seconds", type=float, default=120,
+    c.add_argument("--max-seq", type=usage.count, default=MAX_SEQ, help=f"the longest sequence drawn (default {MAX_SEQ})")
+    c.add_argument("--shrink-seconds", type=usage.seconds, default=120,
                    help="how long to shrink a disagreement before printing the smallest so far (default 120)")
-    c.add_argument("--shapes", type=int, default=None, metavar="K",
+    c.add_argument("--shapes", type=usage.natural, default=None, metavar="K",
                    help="draw each world size's shapes (B, S, heads, D, tile, scale) from K, masks and inputs "
                         "still varying: a ring that compiles per shape compiles K times, not once a case "
                         "(default: the adapter's shape_pool, 4 for the JAX harness; 0: each case its own)")
-    c.add_argument("--seed", type=int, default=0, help="hypothesis's seed (default 0: the same run each time)")
-    c.add_argument("--markdown", metavar="FILE", help="also write the verdict to FILE as Markdown")
+    c.add_argument("--seed", type=usage.natural, default=0, help="hypothesis's seed (default 0: the same run each time)")
+    c.add_argument("--markdown", type=usage.output_file, metavar="FILE", help="also write the verdict to FILE as Markdown")
     c.add_argument("--repro", metavar="CASE", help="run this one case (the line a disagreement prints) and stop")
     c.add_argument("--quiet", action="store_true", help="no progress display")
     c.set_defaults(parser=c)
@@ -84,9 +88,9 @@ def build_parser():
                             description="Measure the error model: the largest error / tolerance of correct "
                                         "implementations (the dense oracle at the dtype, the virtual ring), "
                                         "per dtype; 1 is the line.")
-    m.add_argument("--examples", type=int, default=400, help="random cases per dtype (default 400)")
-    m.add_argument("--seed", type=int, default=0, help="NumPy seed of the cases (default 0)")
-    m.add_argument("--growth", type=float, default=GROWTH, help=f"the error model's growth (default {GROWTH:g})")
+    m.add_argument("--examples", type=usage.count, default=400, help="random cases per dtype (default 400)")
+    m.add_argument("--seed", type=usage.natural, default=0, help="NumPy seed of the cases (default 0)")
+    m.add_argument("--growth", type=usage.rate, default=GROWTH, help=f"the error model's growth (default {GROWTH:g})")
     return ap
 
 

@@ -254,25 +254,27 @@ def test_driver_help(capsys):
 
 # -- the kernel section, on tiny sizes --------------------------------------
 
-def test_kernel_section_smoke(tmp_path):
-    """The kernel benchmark runs end to end on tiny sizes: a target row, a row
-    per step version, rates as percentages (no bounds: on a loaded machine the
-    matmul rate, measured at another moment, can make any ratio), errors
-    against float64 small, memory rows, and its two plots."""
+def test_kernel_section_smoke(tmp_path, monkeypatch, capsys):
+    """The kernel benchmark's command runs end to end on tiny sizes
+    (``python -m bench.kernel --tiny --step v1``): a target row, a row per step
+    version, rates as percentages (no bounds: on a loaded machine the matmul
+    rate, measured at another moment, can make any ratio), errors against
+    float64 small, memory rows, and its two plots."""
     from bench import kernel
-    tiny = kernel.Sweep(target_s=512, matmul_n=256, repeats=1, repeats_other=1, seq_lens=(256, 512),
-                        head_dims=(16,), tiles=((64, 32),), sweep_s=256, memory_seq_lens=(256, 512),
-                        plain_s=256)
-    text, pngs, heads = kernel.run(sweep=tiny, results_dir=tmp_path, threads=2)
+    ran, run = [], kernel.run
+    monkeypatch.setattr(kernel, "run", lambda **kw: ran.append(run(**kw)) or ran[-1])
+    kernel.main(["--tiny", "--step", "v1", "--threads", "2", "--as-set", "--results", str(tmp_path)])
+    text, pngs, heads = ran[0]
+    assert capsys.readouterr().out.strip() == text.strip()
     assert [h[2] for h in heads[:2]] == [">= 70%", ">= 70%"] and all(h[1].endswith("%") for h in heads)
-    assert "**Target (S = 512" in text
+    assert "**Target (S = 512" in text and "`python -m bench.kernel --tiny` (tiny sizes)" in text
     rows = [line for line in text.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in rows]
     kernel_rows = [c for c in cells if len(c) == len(kernel.HEADERS)]
     assert {c[3].split(",")[0] for c in kernel_rows} == {f"step {name}" for name in kernel.numpy_steps()} >= {"step v1"}
     assert all(re.fullmatch(r"\d+%", c[6]) and re.fullmatch(r"\d+%", c[9]) for c in kernel_rows)
     assert all(float(c[10]) < 1e-5 for c in kernel_rows), [c[10] for c in kernel_rows]   # float32 vs float64
-    assert len(pngs) == 2 and all(Path(p).stat().st_size > 0 for p in pngs)
+    assert len(pngs) == 2 and all(Path(p).stat().st_size > 0 and Path(p).parent == tmp_path for p in pngs)
 
 
 def test_kernel_says_when_blas_is_held_below_the_cores():

@@ -332,7 +332,7 @@ def test_command_line_trains_and_draws(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--period", "300"], "--period (300) must be less than --seq-len (256)"),
-    (["--steps", "0"], "--steps must be at least 1"),
+    (["--steps", "0"], "argument --steps: expected an int of at least 1"),
     (["--seq-len", "254", "--n-devices", "4"], "sequence length 254 must be a positive multiple of n_devices = 4"),
 ])
 def test_command_line_refuses_bad_options_before_training(argv, message, capsys):
