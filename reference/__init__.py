@@ -29,6 +29,7 @@ Modules, in reading order:
     cost          the cost model: each device's work per round, without attention
     scheme_cost   each scheme's tiles, bytes and memory per device and round
     tms           the paper's Theoretical Maximum Speedup, recomputed
+    usage         the command lines' shared checks and help: usage errors before any work
     testing/      the conformance kit: the oracle pointed at anyone's ring
     __main__      `python -m reference`: the work tables
 """
