@@ -29,6 +29,7 @@ the given link bandwidth and compute rate. `choose` picks the fastest.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,25 +42,69 @@ FLOPS_PER_ENTRY = dict(forward=4, backward=10)      # x D, per (query, key) entr
 GB, GIB = 10 ** 9, 2 ** 30      # bytes: links are quoted in GB/s (decimal), memory in GiB (binary)
 
 
+class Moves(NamedTuple):
+    """Every message of one pass, one entry each (arrays of one length): sent by
+    device `src` in round `sent`, received by device `dst` in round `received`,
+    `nbytes` long, `exposed` where no compute overlaps it (an all-to-all, the
+    all-gather, the reduce-scatter). Devices are the scheme's ranks 0..N-1;
+    which link a message crosses is the machine's to say (its placement of
+    those ranks on nodes)."""
+    sent: np.ndarray
+    received: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    exposed: np.ndarray
+
+    @classmethod
+    def of(cls, rows):
+        """From (sent, received, src, dst, nbytes, exposed) tuples."""
+        cols = list(zip(*rows)) if rows else [()] * 6
+        return cls(*(np.asarray(col, dtype=bool if i == 5 else np.int64) for i, col in enumerate(cols)))
+
+    def per_device(self, shape, *, by="src", where=None):
+        """(r, N) bytes: sent (by="src", counted in the round sent) or received
+        (by="dst", in the round received), of the messages `where` selects (all)."""
+        out = np.zeros(shape, dtype=np.int64)
+        keep = np.ones(len(self.nbytes), bool) if where is None else where
+        rounds = self.sent if by == "src" else self.received
+        np.add.at(out, (rounds[keep], getattr(self, by)[keep]), self.nbytes[keep])
+        return out
+
+
 @dataclass
 class SchemeCost:
-    """A scheme's predicted work and traffic: arrays (r rounds, N devices), as a trace records them."""
+    """A scheme's predicted work and traffic: arrays (r rounds, N devices), as a
+    trace records them, and the messages behind the bytes (`Moves`)."""
     scheme: Scheme
     work: object                # `reference.cost.Prediction` (r, N): tiles, pairs, tile area, source
-    bytes_sent: np.ndarray
-    bytes_received: np.ndarray
+    moves: Moves
     kv_bytes: np.ndarray
-    exposed: np.ndarray         # of bytes_sent and received (the larger), those no compute overlaps
     flops_per_entry: int        # x B x heads per device: the flops of one tile entry on a device
+
+    @property
+    def bytes_sent(self):
+        return self.moves.per_device(self.kv_bytes.shape, by="src")
+
+    @property
+    def bytes_received(self):
+        return self.moves.per_device(self.kv_bytes.shape, by="dst")
+
+    @property
+    def exposed(self):
+        """Of bytes sent and received (the larger), those no compute overlaps."""
+        shape, where = self.kv_bytes.shape, self.moves.exposed
+        return np.maximum(self.moves.per_device(shape, by="src", where=where),
+                          self.moves.per_device(shape, by="dst", where=where))
 
     def seconds(self, link_bytes_per_s, flops_per_s):
         """Predicted wall seconds: per round the busiest device's compute or
         overlapped transfer, whichever is longer, plus its exposed transfer."""
         check_rates(link_bytes_per_s, flops_per_s)
-        moved = np.maximum(self.bytes_sent, self.bytes_received)
+        moved, exposed = np.maximum(self.bytes_sent, self.bytes_received), self.exposed
         compute = self.work.tile_area * self.flops_per_entry / flops_per_s
-        overlapped = (moved - self.exposed) / link_bytes_per_s
-        return float((np.maximum(compute, overlapped) + self.exposed / link_bytes_per_s).max(axis=1).sum())
+        overlapped = (moved - exposed) / link_bytes_per_s
+        return float((np.maximum(compute, overlapped) + exposed / link_bytes_per_s).max(axis=1).sum())
 
     def totals(self):
         """Per device over the run, the busiest: the flops of the critical path
@@ -87,19 +132,13 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
     e, acc = np.dtype(dtype).itemsize, np.dtype(accumulate_dtype(dtype)).itemsize
     block = 2 * B * Hkv * c * D * e + 8 * u * c + 8
     dkv = 2 * B * Hkv * c * D * acc
-    sent, received, held, exposed = (np.zeros((r, n), dtype=np.int64) for _ in range(4))
-    last = np.arange(r) == r - 1
+    rows = ring_moves(scheme, block, dkv if backward else 0)
+    held = np.zeros((r, n), dtype=np.int64)
     if scheme.name == "all_gather":
-        sent[:-1] = received[:-1] = exposed[:-1] = block + (dkv if backward else 0)
         held[:] = n * block
     else:
-        sent[:-1] = received[:-1] = block
-        held[:] = np.where(last, block, 2 * block)[:, None]
-        if backward and r > 1:
-            sent += dkv
-            received += dkv * ((np.arange(r) > 0).astype(int) + last)[:, None]
+        held[:] = np.where(np.arange(r) == r - 1, block, 2 * block)[:, None]
     if u > 1:
-        share = (u - 1) / u                                            # of each array, to the group's others
         lse = B * Hq * c * acc                                         # lse travels in the accumulation dtype
         if backward:
             before = (3 * B * c * Hq * D + 2 * B * c * Hkv * D) * e + lse
@@ -107,12 +146,42 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
         else:
             before = (B * c * Hq * D + 2 * B * c * Hkv * D) * e
             after = B * c * Hq * D * e + lse
-        for t, moved in ((0, before), (r - 1, after)):
-            sent[t] += round(share * moved)
-            received[t] += round(share * moved)
-            exposed[t] += round(share * moved)
+        rows += all_to_all_moves(scheme, 0, before) + all_to_all_moves(scheme, r - 1, after)
     flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
-    return SchemeCost(scheme, work, sent, received, held, exposed, flops)
+    return SchemeCost(scheme, work, Moves.of(rows), held, flops)
+
+
+def ring_moves(scheme, block, dkv):
+    """The ring group's messages: (sent, received, src, dst, nbytes, exposed) rows.
+    The ring: a block to the next ring rank in every round but the last,
+    overlapped; with `dkv` (the backward) dK, dV after every round, received
+    in the next (the last round's, the hop home, in the same round). The
+    all-gather: the same blocks, exposed; its reduce-scatter's dK, dV in the
+    same rounds."""
+    n, u, r = scheme.n, scheme.u, scheme.r
+    rows = []
+    for g in range(n):
+        nxt = (g + u) % n                                              # the next rank of g's ring group
+        for t in range(r - 1):
+            if scheme.name == "all_gather":
+                rows.append((t, t, g, nxt, block + dkv, True))
+            else:
+                rows.append((t, t, g, nxt, block, False))
+        if dkv and r > 1 and scheme.name != "all_gather":
+            rows += [(t, min(t + 1, r - 1), g, nxt, dkv, False) for t in range(r)]
+    return rows
+
+
+def all_to_all_moves(scheme, t, nbytes):
+    """An all-to-all of `nbytes` per device in round t: each device sends 1 / u
+    of it to each other member of its Ulysses group, exposed."""
+    piece = nbytes / scheme.u
+    rows = []
+    for g in range(scheme.n):
+        others = [h for h in scheme.ulysses_group(g) if h != g]
+        sizes = np.diff(np.round(np.arange(len(others) + 1) * piece)).astype(np.int64)   # adds up exactly
+        rows += [(t, t, g, h, int(b), True) for h, b in zip(others, sizes)]
+    return rows
 
 
 def check_shape(**sizes):
