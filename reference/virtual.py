@@ -22,7 +22,7 @@ import numpy as np
 from . import cores, schemes, steps
 from .call import check_call
 from .layouts import shard_at, unshard_at
-from .trace import Trace
+from .trace import Trace, Traffic
 
 POLL_S = 0.05
 
@@ -33,19 +33,21 @@ class VirtualRing:
     previous device posted with the same tag; `turn` holds one of the cores
     while the device computes. `group(members)` is the same device's end of a
     smaller ring (the devices `members`, in their order), and `all_to_all`
-    trades a piece with every member of the group (a scheme's Ulysses group)."""
+    trades a piece with every member of the group (a scheme's Ulysses group).
+    Every group of a device counts the bytes it moves into the device's `traffic`."""
 
-    def __init__(self, rank, size, mailboxes, failed, turns=None, members=None):
+    def __init__(self, rank, size, mailboxes, failed, turns=None, members=None, traffic=None):
         self.rank, self.size = rank, size
         self.members = tuple(range(size)) if members is None else members
         self._mailboxes, self._failed = mailboxes, failed
         self._turns = turns
+        self.traffic = traffic or Traffic()
 
     def group(self, members):
         """This device's end of the ring of `members` (global ranks, this device among them)."""
         me = self.members[self.rank]
         return VirtualRing(members.index(me), len(members), self._mailboxes, self._failed, self._turns,
-                           tuple(members))
+                           tuple(members), self.traffic)
 
     def turn(self):
         """A `with` block that computes on one of the cores: with more devices
@@ -53,20 +55,26 @@ class VirtualRing:
         return nullcontext() if self._turns is None else self._turns
 
     def start_shift(self, arrays, tag):
+        arrays = tuple(arrays)
         self._box((self.rank + 1) % self.size, tag).put(tuple(a.copy() for a in arrays))
+        self.traffic.moved(tag, sent=arrays if self.size > 1 else ())
         return tag
 
     def progress(self):
         """Nothing to move: `start_shift` posted a copy of the block at once."""
 
     def finish_shift(self, tag):
-        return self._take(self._box(self.rank, tag))
+        arrived = self._take(self._box(self.rank, tag))
+        self.traffic.moved(tag, received=arrived if self.size > 1 else ())
+        return arrived
 
     def all_to_all(self, pieces):
         """Piece i to group rank i; returns the piece each group rank sent here, in rank order."""
         for i, piece in enumerate(pieces):
             self._box(i, ("all_to_all", self.rank)).put(piece.copy())
-        return [self._take(self._box(self.rank, ("all_to_all", i))) for i in range(self.size)]
+        got = [self._take(self._box(self.rank, ("all_to_all", i))) for i in range(self.size)]
+        self.traffic.traded(pieces, got, self.rank)
+        return got
 
     def _box(self, rank, tag):
         """The mailbox of group rank `rank` for `tag` (made on first use; dict.setdefault is atomic)."""
