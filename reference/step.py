@@ -85,10 +85,10 @@ class Queries:
     @classmethod
     def prepare(cls, q, n_kv_heads, q_pos, scale, heads=None):
         """From the user layout (B, c, Hq, D); `heads` as the field."""
-        acc = accumulate_dtype(q.dtype)
+        acc_dtype = accumulate_dtype(q.dtype)
         # Hazard: q_to_heads returns a view of the caller's q when no transpose or
         # cast is needed, so scale into a new array, never in place.
-        return cls(q=q_to_heads(q, n_kv_heads, dtype=acc) * acc(scale), pos=np.asarray(q_pos),
+        return cls(q=q_to_heads(q, n_kv_heads, dtype=acc_dtype) * acc_dtype(scale), pos=np.asarray(q_pos),
                    scale=float(scale), heads=None if heads is None else np.asarray(heads))
 
 
