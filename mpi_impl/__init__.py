@@ -11,7 +11,8 @@ message kind), the collective agreement check, and a command line.
     out, lse = ring_attention(q, k, v, comm=MPI.COMM_WORLD, layout="striped")   # this rank's shard
 
 Modules: `comm` (the three verbs over MPI), `attention` (the public functions),
-`cli` (the command line, reusable by other backends), `launch` (finding mpiexec).
+`cli` (the command line, reusable by other backends), `plan` (its run, resolved
+once per layout), `launch` (finding mpiexec).
 """
 
 from .attention import agree, gather_trace, ring_attention, ring_attention_backward

@@ -91,8 +91,7 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=None, windo
     (`cu_seqlens` or `segment_ids`, over positions), `dropout` with its `seed`.
     Returns (out like q, lse (B, Hq, Sq))."""
     B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
-    scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
-                                 tile_size=None, head_dim=D)
+    scale = checks.check_options(causal=causal, scale=scale, head_dim=D)
     mask = make_mask(causal=causal, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                      dropout=dropout, seed=seed)
     q_pos, k_pos = _positions("q_pos", q_pos, Sq, mask), _positions("k_pos", k_pos, k.shape[1], mask)
@@ -138,8 +137,7 @@ def attention_backward(q, k, v, out, lse, dout, *, q_pos=None, k_pos=None, causa
     and dtype; mask options as `attention` (dropout regenerates its Z)."""
     B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
     checks.check_grads_inputs(q, out, lse, dout)
-    scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
-                                 tile_size=None, head_dim=D)
+    scale = checks.check_options(causal=causal, scale=scale, head_dim=D)
     mask = make_mask(causal=causal, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                      dropout=dropout, seed=seed)
     Sk = k.shape[1]

@@ -45,7 +45,7 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
         for j in range(n):                      # devices, "in parallel"
             src = (j - t) % n                   # the block device j holds in round t
             step.forward(accs[j], queries[j], as_dtype(blocks[src], queries[j].q.dtype, step),
-                         mask=mask, tile_size=tile_size)
+                         mask=mask, tile_size=call.tile)
     outs, lses = zip(*(finish_forward(acc) for acc in accs))
     out = [q_from_heads(o).astype(q.dtype, copy=False) for o in outs]
     S = q.shape[1]
@@ -75,7 +75,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
             src = (j - t) % n
             grads = Grads(dq[j], *new_kv_grads(blocks[src], acc_dtype))
             step.backward(grads, queries[j], rows[j], as_dtype(blocks[src], acc_dtype, step),
-                          mask=mask, tile_size=tile_size)
+                          mask=mask, tile_size=call.tile)
             if dkv[src] is not None:            # what the devices before j added (the ring's order)
                 grads.dk += dkv[src][0]
                 grads.dv += dkv[src][1]

@@ -192,12 +192,16 @@ class Step:
         return None
 
     def tile(self, tile_size, head_dim):
-        """The (tq, tk) this version computes with."""
+        """The (tq, tk) this version computes with, a `reference.tiles.Tile`,
+        resolved once at the door (`reference.call`) and handed to every step
+        call, which takes it as it is; None: the version picks it per call
+        (a kernel's configuration by head group and pass)."""
         return tile_shape(tile_size)
 
     def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         """Accumulate attention of `queries` to `block` into `acc`. Returns StepCounts.
-        `mask`: a `reference.masks.Mask` (or `causal`, a bool, as before masks).
+        `tile_size`: the call's resolved `Tile` (an int, a pair or None is resolved
+        here, by `tile`). `mask`: a `reference.masks.Mask` (or `causal`, a bool, as before masks).
         `progress`: called on this thread between tiles (module docstring)."""
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)

@@ -178,7 +178,7 @@ def run_shards(call, shards, *, threads=None, blas_threads=None):
         comms = schemes.Comms(comm.group(scheme.ring_group(j)), comm.group(scheme.ulysses_group(j)))
         group_pos = np.concatenate([pos[g] for g in scheme.ulysses_group(j)])   # this ring rank's tokens
         return passes(*(s[j] for s in shards), group_pos, comms, scheme=scheme, scale=call.scale,
-                      tile_size=call.tile_size, step=step, mask=call.mask)
+                      tile_size=call.tile, step=step, mask=call.mask)
 
     with share.held():
         *results, logs = zip(*run_devices(scheme.n, device, at_once=share.at_once))
