@@ -213,9 +213,9 @@ class TensorCoreStep(Step):
         return None
 
     def tile(self, tile_size, head_dim):
-        """(tq, BN) of a call with one query head per key/value head."""
-        config = kernel_config(tile_size, head_dim, 1)
-        return config.queries(1), config.bn
+        """The tile as given; None for None: the kernel's configuration is
+        chosen per call, by head dim, head group and pass (`kernel_config`)."""
+        return None if tile_size is None else tile_shape(tile_size)
 
     def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         """Plan the tiles from positions and the mask as every step does, at

@@ -20,6 +20,7 @@ Modules, in reading order:
     cores         each rank's share of its machine's cores, and waiting without spinning
     launch        finding the `mpiexec` that starts the ranks
     cli           the command line: every layout on MPI ranks, and what it cost
+    plan          the command line's run, resolved once per layout: mask, steps, calls
     scheme_args   the command line's --scheme and --ulysses-degree
     check         --check: the results against the float64 reference, on rank 0
     table         the command line's output: the table, --trace-out, --plot

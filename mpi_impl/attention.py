@@ -44,7 +44,7 @@ TRACE_CHOICES = (False, True, "rank")
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
                    step="auto", trace=False, make_ring=RingComm.on, seq_len=None, scheme="ring",
-                   ulysses_degree=None, **mask_options):
+                   ulysses_degree=None, call=None, **mask_options):
     """Exact attention of this rank's queries over every rank's keys.
 
     Returns (out, lse); with ``trace=True`` also the Trace of every rank
@@ -60,34 +60,37 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     `reference.ring_attention` takes them; this rank's shard holds the tokens
     `reference.schemes.Scheme.positions` gives it (for u > 1:
     `reference.layouts.ulysses_positions`), and the communicator is split once
-    per call (`mpi_impl.groups`).
+    per call (`mpi_impl.groups`). `call`: a `reference.call.RingCall`
+    resolved beforehand for this rank's arrays (`reference.call.resolve_call`,
+    per_device; the command line's plan), which takes the place of the
+    options: the ranks still agree on it.
     Collective: every rank of `comm` must call it."""
-    call = agree(comm, lambda: _check(q, k, v, comm, trace, layout=layout, causal=causal, scale=scale,
+    call = agree(comm, lambda: _check(q, k, v, comm, trace, call, layout=layout, causal=causal, scale=scale,
                                       tile_size=tile_size, step=step, seq_len=seq_len, scheme=scheme,
                                       ulysses_degree=ulysses_degree, **mask_options),
                  trace=trace)
     with scheme_comms(comm, call.scheme, make_ring) as comms, named_rank(comm):    # freed however it ends
         out, lse, log = schemes.forward(q, k, v, _group_positions(call, comm), comms, scheme=call.scheme,
-                                        scale=call.scale, tile_size=tile_size, step=call.step, mask=call.mask)
+                                        scale=call.scale, tile_size=call.tile, step=call.step, mask=call.mask)
     log.add_transfers(comms.ring.transfers, ring.KV)        # when each block arrived, for the trace
     return (out, lse) + _trace_result(log, comm, trace)
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
                             scale=None, tile_size=None, step="auto", trace=False, make_ring=RingComm.on,
-                            seq_len=None, scheme="ring", ulysses_degree=None, **mask_options):
+                            seq_len=None, scheme="ring", ulysses_degree=None, call=None, **mask_options):
     """Gradients (dq, dk, dv) of this rank's shard, from the forward's out and lse.
 
     K, V, dK, dV travel the ring; dQ stays home; dK, dV end on the rank that
-    owns those keys. ``step``, ``trace``, ``make_ring`` and the scheme as in
-    `ring_attention`. Collective."""
-    call = agree(comm, lambda: _check(q, k, v, comm, trace, layout=layout, causal=causal, scale=scale,
+    owns those keys. ``step``, ``trace``, ``make_ring``, the scheme and `call`
+    as in `ring_attention`. Collective."""
+    call = agree(comm, lambda: _check(q, k, v, comm, trace, call, layout=layout, causal=causal, scale=scale,
                                       tile_size=tile_size, step=step, grads=(out, lse, dout), seq_len=seq_len,
                                       scheme=scheme, ulysses_degree=ulysses_degree, **mask_options),
                  trace=trace)
     with scheme_comms(comm, call.scheme, make_ring) as comms, named_rank(comm):
         dq, dk, dv, log = schemes.backward(q, k, v, out, lse, dout, _group_positions(call, comm), comms,
-                                           scheme=call.scheme, scale=call.scale, tile_size=tile_size,
+                                           scheme=call.scheme, scale=call.scale, tile_size=call.tile,
                                            step=call.step, mask=call.mask)
     log.add_transfers(comms.ring.transfers, ring.KV)
     return (dq, dk, dv) + _trace_result(log, comm, trace)
@@ -98,12 +101,18 @@ def _group_positions(call, comm):
     return np.concatenate([call.positions[g] for g in call.scheme.ulysses_group(comm.Get_rank())])
 
 
-def _check(q, k, v, comm, trace, **options):
+def _check(q, k, v, comm, trace, call, **options):
     """This rank's call, checked (`reference.call.check_call`: this rank's
-    shard, the real `seq_len` inside the options), and its `trace` option."""
+    shard, the real `seq_len` inside the options), or the `call` resolved
+    beforehand, if the arrays fit it; and the `trace` option."""
     if trace not in TRACE_CHOICES or isinstance(trace, int) and not isinstance(trace, bool):
         raise ValueError(f"trace must be one of {TRACE_CHOICES}, got {trace!r}")
-    return check_call(q, k, v, n_devices=comm.Get_size(), per_device=True, **options)
+    if call is None:
+        return check_call(q, k, v, n_devices=comm.Get_size(), per_device=True, **options)
+    if len(call.positions) != comm.Get_size():
+        raise ValueError(f"call was resolved for {len(call.positions)} ranks, not the communicator's "
+                         f"{comm.Get_size()}")
+    return call.fits(q, k, v, options.get("grads"))
 
 
 def agree(comm, check, **also):

@@ -9,7 +9,8 @@
 Every rank makes its own shard of random q, k, v (chunk by chunk from a seed;
 only --check builds the whole sequence, on rank 0: `mpi_impl.check`), runs
 `ring_attention` (and with ``--backward`` `ring_attention_backward`) for each
-layout, and rank 0 prints one row per layout (`mpi_impl.table`):
+layout, on that layout's plan (resolved once, at the start: `mpi_impl.plan`),
+and rank 0 prints one row per layout (`mpi_impl.table`):
 
   max error     with --check: against the float64 reference, scaled by max(1, |ref|)
   critical path sum over rounds of the busiest rank's CPU time in the step
@@ -42,14 +43,15 @@ import numpy as np
 
 from reference import LAYOUTS, steps, usage
 from reference.inputs import make_shard
-from reference.masks import cu_seqlens_from_lengths, layout_mask, make_mask
+from reference.masks import make_mask
 
 from .attention import gather_trace, ring_attention, ring_attention_backward
 from .check import Checker
 from .comm import RingComm
 from .cores import crowded, rank_share, wait_quietly
+from .plan import make_plans, mask_options
 from .ranks import abort_job
-from .scheme_args import add_scheme_options, choice, predicted_speedup, rank_positions, scheme_problem
+from .scheme_args import add_scheme_options, choice, predicted_speedup, scheme_problem
 from .table import Row, largest, output_problem, report, wait_fraction
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -158,14 +160,6 @@ def _lengths(text):
     return out
 
 
-def mask_options(args):
-    """The mask keyword arguments of the ring functions, from the parsed options."""
-    cu = args.cu_seqlens
-    if args.doc_lengths is not None:
-        cu = cu_seqlens_from_lengths(args.doc_lengths).tolist()
-    return dict(window=args.window, cu_seqlens=cu, dropout=args.dropout, seed=args.seed)
-
-
 def main(argv=None, backend=NUMPY, parser=None):
     """Parse, run every layout, print the table on rank 0; returns the exit status.
     `backend` is a Backend, or a function of the parsed arguments returning one
@@ -181,14 +175,19 @@ def main(argv=None, backend=NUMPY, parser=None):
         backend = replace(NUMPY, ring_attention=functools.partial(ring_attention, make_ring=make_ring),
                           ring_attention_backward=functools.partial(ring_attention_backward, make_ring=make_ring))
     problem = backend_problem(args, backend) or check_args(args, comm.Get_size(), backend)
+    if not problem:
+        try:
+            plans = make_plans(args, backend, comm.Get_size())      # each layout's run, resolved once
+        except ValueError as e:
+            problem = str(e)
     if problem:                 # every rank finds the same problem; one of them says it
         if comm.Get_rank() == 0:
             parser.print_usage(sys.stderr)
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
     try:
-        with hold_share(args, backend, comm):
-            rows, checker = run(args, backend, comm)
+        with hold_share(args, plans, comm):
+            rows, checker = run(args, plans, backend, comm)
         status = report(rows, args, comm, backend, checker, choice(rows, args, comm, mask_options(args))) if comm.Get_rank() == 0 else 0
     except Exception:           # noqa: BLE001 - printed with this rank's name, then the job ends
         abort_job(comm)
@@ -200,13 +199,17 @@ def main(argv=None, backend=NUMPY, parser=None):
     return comm.bcast(status, root=0)
 
 
-def hold_share(args, backend, comm):
+def hold_share(args, plans, comm):
     """This rank's share of its machine's cores (`mpi_impl.cores.rank_share`),
     within the rank's own budget (OPENBLAS_NUM_THREADS included): sets
-    --threads and --blas-threads where not given, and returns the hold to run inside."""
-    step = make_steps(args, backend, comm.Get_size())[0]
-    share = rank_share(comm, takes_workers=step.takes_workers, threads=args.threads, blas_threads=args.blas_threads)
+    --threads and --blas-threads where not given, gives the plans' steps that
+    take workers that many, and returns the hold to run inside."""
+    share = rank_share(comm, takes_workers=plans[0].forward.step.takes_workers, threads=args.threads,
+                       blas_threads=args.blas_threads)
     args.threads, args.blas_threads = share.workers, share.blas
+    for step in {call.step for plan in plans for call in (plan.forward, plan.backward) if call is not None}:
+        if step.takes_workers:
+            step.workers = share.workers            # the plan's own steps (`make_steps`)
     args.quiet_waits = crowded(comm) if args.waits == "auto" else args.waits == "quiet"   # as RingComm.on decides
     return share.held()
 
@@ -233,10 +236,6 @@ def check_args(args, n_ranks, backend=NUMPY):
         problem = output_problem(option, path)
         if problem:
             return problem
-    try:                                          # the library's step rules, for this call
-        make_steps(args, backend, n_ranks)
-    except ValueError as e:
-        return f"--step {args.step}: {e}"
     return None
 
 
@@ -257,48 +256,13 @@ def tile_arg(text):
     return int(parts[0]) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
 
 
-def make_steps(args, backend, n_ranks):
-    """(forward Step, backward Step) for --step and --threads, as
-    `reference.steps.check_step` finds them for this call (its ValueError
-    where the step cannot take it): "auto" from what the call is (float16 on
-    CuPy: the tensor-core kernel where it takes the call); the backward is the
-    forward's step where it takes the backward's call (its tile: --backward-tile-size),
-    else "auto"'s (a step without a backward, version 1 of the fused kernel, or
-    "auto" whose first choice does not fit the backward's tile)."""
-    xp = backend.array_module
-    call = steps.Call(args.dtype, args.head_dim, args.heads // (args.kv_heads or args.heads), args.tile_size)
-    masks = [layout_mask(args.seq_len, n_ranks, layout, causal=args.causal, **mask_options(args))
-             for layout in _layouts(args)]
-    rules = dict(dropout=bool(args.dropout), plain_mask=all(m.causal_only for m in masks), call=call)
-    forward = steps.check_step(args.step, xp, **rules)
-    if args.threads and args.threads > 1 and forward.takes_workers:
-        forward = steps.get(forward.name, workers=args.threads)
-    rules["call"] = call._replace(tile_size=backward_tile(args))
-    backward = None
-    if forward.has_backward:
-        try:
-            backward = steps.check_step(forward, xp, backward=True, **rules)
-        except ValueError:
-            if args.step != "auto":
-                raise                               # the step asked for cannot take the backward's tile
-    return forward, backward or steps.check_step("auto", xp, backward=True, **rules)
-
-
-def backward_tile(args):
-    return args.tile_size if args.backward_tile_size is None else args.backward_tile_size
-
-
-def _layouts(args):
-    return LAYOUTS if args.layout == "all" else (args.layout,)
-
-
-def run(args, backend, comm):
-    """Run every requested layout; return (the rows on rank 0, None elsewhere; the Checker)."""
+def run(args, plans, backend, comm):
+    """Run every layout's plan; return (the rows on rank 0, None elsewhere; the Checker)."""
     checker = Checker(args, inputs, mask_options)
     if args.warmup:
-        say(comm, f"warm-up: one untimed run of {_layouts(args)[0]} ...")
-        time_passes(args, _layouts(args)[0], backend, comm)
-    rows = [run_layout(args, layout, backend, comm, checker) for layout in _layouts(args)]
+        say(comm, f"warm-up: one untimed run of {plans[0].layout} ...")
+        time_passes(args, plans[0], backend, comm)
+    rows = [run_layout(args, plan, backend, comm, checker) for plan in plans]
     return (rows if comm.Get_rank() == 0 else None), checker
 
 
@@ -332,33 +296,27 @@ class Timed:
     logs: dict          # "forward" (and "backward") -> this rank's RoundLog
 
 
-def time_passes(args, layout, backend, comm):
-    """One timed run of the forward (and backward) pass of `layout`."""
-    n, rank = comm.Get_size(), comm.Get_rank()
-    pos = rank_positions(args, n, layout)[rank]
-    q, k, v, dout = (backend.to_device(x) for x in inputs(args, pos))
-    opts = dict(comm=comm, layout=layout, causal=args.causal, tile_size=args.tile_size, seq_len=args.seq_len,
-                scheme=args.scheme, ulysses_degree=args.ulysses_degree, **mask_options(args))
-    fwd_step, bwd_step = make_steps(args, backend, n)
+def time_passes(args, plan, backend, comm):
+    """One timed run of the forward (and backward) pass of a layout's `plan`."""
+    q, k, v, dout = (backend.to_device(x) for x in inputs(args, plan.positions[comm.Get_rank()]))
     wait_quietly(comm)          # ranks still busy (rank 0's check) are waited for asleep,
     comm.Barrier()              # then every rank starts the clock together
     start = time.perf_counter()
-    out, lse, fwd_log = backend.ring_attention(q, k, v, trace="rank", step=fwd_step, **opts)
+    out, lse, fwd_log = backend.ring_attention(q, k, v, comm=comm, call=plan.forward, trace="rank")
     grads, logs = None, {"forward": fwd_log}
-    if args.backward:
-        *grads, logs["backward"] = backend.ring_attention_backward(q, k, v, out, lse, dout, trace="rank", step=bwd_step,
-                                                                   **dict(opts, tile_size=backward_tile(args)))
+    if plan.backward is not None:
+        *grads, logs["backward"] = backend.ring_attention_backward(q, k, v, out, lse, dout, comm=comm,
+                                                                   call=plan.backward, trace="rank")
     backend.synchronize()
     wall = comm.allreduce(time.perf_counter() - start, op=_max())
     return Timed(wall, out, lse, grads, logs)
 
 
-def run_layout(args, layout, backend, comm, checker):
-    """--repeat timed runs of `layout`: on rank 0 its Row, None elsewhere."""
-    n, rank = comm.Get_size(), comm.Get_rank()
+def run_layout(args, plan, backend, comm, checker):
+    """--repeat timed runs of a layout's `plan`: on rank 0 its Row, None elsewhere."""
     best, least = None, {}
     for _ in range(args.repeat):
-        timed = time_passes(args, layout, backend, comm)
+        timed = time_passes(args, plan, backend, comm)
         best = timed if best is None or timed.wall_s < best.wall_s else best   # one run's arrays held, not all
         for kind, log in timed.logs.items():
             busy = getattr(log, backend.busy)
@@ -368,16 +326,15 @@ def run_layout(args, layout, backend, comm, checker):
     # are all near it: each (round, rank) keeps its least CPU time over the repeats.
     traces = {kind: _least_times(gather_trace(log, comm), least[kind], backend.busy, comm)
               for kind, log in best.logs.items()}
-    pos = rank_positions(args, n, layout)
-    errors = checker.errors(pos, comm, backend, best.out, best.lse, best.grads) if args.check else {}
+    errors = checker.errors(plan.positions, comm, backend, best.out, best.lse, best.grads) if args.check else {}
     wait_quietly(comm)          # the others sleep while rank 0 computes the reference
     rss = comm.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    if rank != 0:
+    if comm.Get_rank() != 0:
         return None
-    return Row(layout=layout, wall_s=best.wall_s, error=largest(errors.values()), errors=errors, traces=traces,
+    return Row(layout=plan.layout, wall_s=best.wall_s, error=largest(errors.values()), errors=errors, traces=traces,
                peak_rss_kb=rss, critical_cpu_s=sum(t.critical_path(backend.busy) for t in traces.values()),
                wait_fraction=wait_fraction(traces.values()),
-               predicted=predicted_speedup(args, n, layout, mask_options(args)))
+               predicted=predicted_speedup(args, plan.scheme, plan.layout, mask_options(args)), scheme=plan.scheme)
 
 
 def _least_times(trace, least, busy, comm):

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from reference import ring
+from reference import ring, trace
 
 from .cores import crowded, wait_any
 from .memory import BufferSet, HostMemory, Lane, byte_view, overlaps_any
@@ -85,8 +85,7 @@ class RingComm:
     progress_interval_s = 0.0005        # progress() tests the requests at most this often
 
     def __init__(self, mpi_comm, memory=None, *, quiet=False):
-        self.comm = mpi_comm
-        self.memory = memory or HostMemory()
+        self.comm, self.memory = mpi_comm, memory or HostMemory()
         self.clock = getattr(self.memory, "clock", None)
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
@@ -94,6 +93,7 @@ class RingComm:
         self._active = []           # shifts with requests not yet complete
         self.buffer_sets_allocated = 0
         self.transfers = []         # a Transfer per shift finished: its times, for the trace
+        self.traffic = trace.Traffic()     # the bytes each shift moved, per round of the loop (the trace's)
         self._tested_at = float("-inf")     # when progress() last tested the requests
         self.quiet = quiet          # wait testing with a short sleep, not spinning (mpi_impl.cores)
         self._notices = Notices(mpi_comm, self.prev, self.next, quiet=quiet) if self.size > 1 else None
@@ -132,9 +132,9 @@ class RingComm:
         buffers = self._take_set(lane, arrays, tag)
         outgoing = self.memory.outgoing(arrays, buffers)     # what MPI reads, once the memory object is ready
         shift = Shift(self, tag, lane.started, buffers, outgoing, arrays=arrays)
-        lane.started += 1
-        lane.in_flight = shift
+        lane.started, lane.in_flight = lane.started + 1, shift
         self._active.append(shift)
+        self.traffic.moved(tag, sent=arrays if self.size > 1 else ())
         self._post_ready()
         return shift
 
@@ -206,7 +206,9 @@ class RingComm:
         shift.finished, lane.in_flight = True, None
         self.transfers.append(Transfer(shift.tag, shift.round, shift.posted_at, shift.arrived_at,
                                        time.perf_counter()))
-        return self.memory.arrived(shift.buffers)
+        arrived = self.memory.arrived(shift.buffers)
+        self.traffic.moved(shift.tag, received=arrived if self.size > 1 else ())
+        return arrived
 
     # -- the end of the ring -------------------------------------------------------
 

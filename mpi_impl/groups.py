@@ -19,6 +19,7 @@ import numpy as np
 
 from reference.layouts import array_module, to_host
 from reference.schemes import Comms
+from reference.trace import Traffic
 
 from .memory import byte_view
 from .ranks import rank_name
@@ -28,10 +29,12 @@ class AllToAll:
     """A Ulysses group's one verb: ``all_to_all(pieces)`` sends piece i to
     group rank i and returns the piece each group rank sent here, in rank
     order. The pieces are of one shape and dtype (a scheme cuts an array into
-    u equal parts); device arrays (CuPy) go through host memory."""
+    u equal parts); device arrays (CuPy) go through host memory. The bytes it
+    moves count into `traffic` (the ring's, when the ring shares it)."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, traffic=None):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.traffic = traffic or Traffic()
 
     def all_to_all(self, pieces):
         if len(pieces) != self.size:
@@ -41,7 +44,9 @@ class AllToAll:
         send = np.stack([to_host(p) for p in pieces])                 # (u, piece...): contiguous
         received = np.empty_like(send)
         self.comm.Alltoall(byte_view(send), byte_view(received))       # equal byte counts per rank
-        return [xp.asarray(piece) for piece in received]
+        got = [xp.asarray(piece) for piece in received]
+        self.traffic.traded(pieces, got, self.rank)
+        return got
 
 
 @contextmanager
@@ -56,7 +61,7 @@ def scheme_comms(comm, scheme, make_ring):
     ring_comm, ulysses_comm = comm.Split(g % u, g // u), comm.Split(g // u, g % u)
     try:
         with make_ring(ring_comm) as ring:
-            yield Comms(ring, AllToAll(ulysses_comm))
+            yield Comms(ring, AllToAll(ulysses_comm, getattr(ring, "traffic", None)))
     finally:
         ring_comm.Free()
         ulysses_comm.Free()

@@ -42,20 +42,15 @@ def scheme_problem(args, n_ranks):
     return None
 
 
-def rank_positions(args, n_ranks, layout):
-    """(N, c): the global positions of each rank's tokens."""
-    return scheme_of(args, n_ranks).positions(args.seq_len, layout)
-
-
 def _shape(args, mask):
     return dict(B=args.batch, Hq=args.heads, Hkv=args.kv_heads or args.heads, D=args.head_dim, dtype=args.dtype,
                 tile_size=args.tile_size, causal=args.causal, **mask)
 
 
-def predicted_speedup(args, n_ranks, layout, mask):
-    """Predicted critical-path speedup of `layout` over contiguous, in tiles' work
-    (for the ring: `reference.cost.speedup`'s "tiles")."""
-    scheme = scheme_of(args, n_ranks)
+def predicted_speedup(args, scheme, layout, mask):
+    """Predicted critical-path speedup of `layout` over contiguous under `scheme`
+    (the run's, as its plan resolved it), in tiles' work (for the ring:
+    `reference.cost.speedup`'s "tiles")."""
     flops = [predict_scheme(scheme, args.seq_len, lay, **_shape(args, mask)).totals()["critical_flops"]
              for lay in ("contiguous", layout)]
     return flops[0] / flops[1]
@@ -76,9 +71,8 @@ def choice_line(args, n_ranks, layout, mask, flops_per_s):
             f"measured): {best.label} [{named}]{extra}")
 
 
-def measured_rate(args, n_ranks, layout, mask, critical_cpu_s):
-    """FLOP/s of this run's critical path: the cost model's flops over the measured CPU seconds."""
-    scheme = scheme_of(args, n_ranks)
+def measured_rate(args, scheme, layout, mask, critical_cpu_s):
+    """FLOP/s of this run's critical path under `scheme`: the cost model's flops over the measured CPU seconds."""
     passes = (False, True)[:1 + bool(args.backward)]
     flops = sum(predict_scheme(scheme, args.seq_len, layout, backward=b, **_shape(args, mask)).totals()["critical_flops"]
                 for b in passes)
@@ -88,5 +82,5 @@ def measured_rate(args, n_ranks, layout, mask, critical_cpu_s):
 def choice(rows, args, comm, mask):
     """choice_line for the striped row (or the first), at the rate it measured."""
     row = next((r for r in rows if r.layout == "striped"), rows[0])
-    n = comm.Get_size()
-    return choice_line(args, n, row.layout, mask, measured_rate(args, n, row.layout, mask, row.critical_cpu_s))
+    rate = measured_rate(args, row.scheme, row.layout, mask, row.critical_cpu_s)
+    return choice_line(args, comm.Get_size(), row.layout, mask, rate)

@@ -14,7 +14,6 @@ from reference.trace import write_trace
 from reference.usage import output_problem  # noqa: F401 (the command line's check of its output files)
 
 from .check import check_tolerance
-from .scheme_args import scheme_of
 
 
 @dataclass
@@ -29,6 +28,7 @@ class Row:
     wait_fraction: float = float("nan")
     traces: dict = field(default_factory=dict)       # "forward"/"backward" -> Trace
     peak_rss_kb: list = field(default_factory=list)  # per rank, over the whole process so far
+    scheme: object = None                            # the run's `reference.schemes.Scheme` (None: the ring)
 
 
 
@@ -39,7 +39,7 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
     base = next((r for r in rows if r.layout == "contiguous"), None)
     passes = "forward+backward" if args.backward else "forward"
     ran = steps_ran(rows)
-    lines = [f"{backend_name}: {_scheme_label(args, n_ranks)}N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, "
+    lines = [f"{backend_name}: {_scheme_label(rows)}N={n_ranks} ranks, S={args.seq_len}, B={args.batch}, "
              f"Hq={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}, {args.dtype}, tile={args.tile_size}, "
              + (f"backward tile={args.backward_tile_size}, " if getattr(args, "backward_tile_size", None) else "")
@@ -63,11 +63,10 @@ def format_table(rows, args, n_ranks, backend_name="numpy", busy="compute_cpu_s"
     return "\n".join(lines)
 
 
-def _scheme_label(args, n_ranks):
+def _scheme_label(rows):
     """'' for the ring; else the scheme and its Ulysses degree, then a comma."""
-    if getattr(args, "scheme", "ring") == "ring":
-        return ""
-    return scheme_of(args, n_ranks).label + ", "
+    scheme = rows[0].scheme if rows else None
+    return "" if scheme is None or scheme.name == "ring" else scheme.label + ", "
 
 
 def mask_label(args):

@@ -146,6 +146,7 @@ class WatchedRing:
     def __init__(self, comm, sent):
         self.comm, self.sent = comm, sent
         self.rank, self.size = comm.rank, comm.size
+        self.traffic = comm.traffic            # where the real one counts the bytes it moves, for the trace
         self.round = 0
 
     def start_shift(self, arrays, tag):

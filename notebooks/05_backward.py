@@ -159,7 +159,8 @@ assert 1 < ratio < 2.5          # dearer than the forward, by less than its prod
 # ## What travels
 #
 # Run forward and backward on the ring with traces. The trace's `bytes_sent[t, j]` is what
-# device `j` put on the ring in round `t`.
+# device `j` put on the ring in round `t`, as its communication object counted it (the loop
+# above tells it the round, `log.rounds()`, and counts nothing itself).
 #
 # - forward: rounds `0 .. N-2` send the `K, V` block (with its `c` positions and the id of
 #   the device it started on); the last round sends nothing;
@@ -223,6 +224,7 @@ class WatchedGrads:
     def __init__(self, comm, sent_dk):
         self.comm, self.sent_dk = comm, sent_dk
         self.rank, self.size = comm.rank, comm.size
+        self.traffic = comm.traffic            # where the real one counts the bytes it moves, for the trace
         self.round = 0
         self.messages = {ring.KV: 0, ring.DKV: 0}        # shifts started, by kind
 

@@ -78,7 +78,8 @@ def launch(*options):
 # every array of the block, as soon as its memory object says the buffers are ready (host
 # arrays at once; on a GPU, once the copies MPI reads are done), and `finish_shift` waits
 # for the receives (a send completes later, and is waited for only before its buffer is
-# used again). A third verb, `progress`, tests the transfers in flight: MPI moves a large
+# used again); each counts the bytes it moves into `traffic`, in the round the loop says,
+# which is where the trace's bytes come from. A third verb, `progress`, tests the transfers in flight: MPI moves a large
 # message only inside MPI calls, so a transfer moves while both ranks compute only if
 # something calls into MPI meanwhile. We come back to it with the timeline below.
 

@@ -3,14 +3,16 @@
 Every entry point of the ring (`reference.virtual`, `reference.lockstep`,
 `mpi_impl`, `gpu_impl`) hands its arguments to `check_call` before any work or
 communication (docs/design.md, bad input), and hands the loops of `reference.ring`
-what it returns, resolved: the scale, the `Step`, the `Mask` and every device's
-positions. Nothing inside the ring checks or resolves them again (docs/style.md, rule 18).
+what it returns, resolved: the scale, the `Step` and its tile, the `Mask` and
+every device's positions. Nothing inside the ring checks or resolves them again
+(docs/style.md, rule 18). A caller that runs one call many times (the command
+line) resolves it once from the arrays' shapes (`resolve_call`) and hands it on.
 
     call = check_call(q, k, v, n_devices=4, layout="striped", step="auto")      # whole sequences
     call = check_call(q_j, k_j, v_j, n_devices=comm.size, layout="zigzag",      # one rank's shard
                       per_device=True, seq_len=S)
     ring.ring_forward(q_j, k_j, v_j, call.positions[j], call.positions[j], comm,
-                      scale=call.scale, tile_size=call.tile_size, step=call.step, mask=call.mask)
+                      scale=call.scale, tile_size=call.tile, step=call.step, mask=call.mask)
 
 Under MPI every rank checks its own call and the ranks agree on `describe()`
 (`mpi_impl.agree`), so every rank raises the same error, never a hang.
@@ -28,7 +30,8 @@ from .layouts import array_module, check_layout, padded_length
 from .masks import layout_mask
 from .schemes import Scheme
 from .step import Step
-from .tiles import tile_shape
+
+NAMES = ("q", "k", "v", "out", "lse", "dout")
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +41,7 @@ class RingCall:
     step: Step
     mask: object             # reference.masks.Mask
     positions: np.ndarray    # (N, c) int64: every device's global positions, padding included
-    tile_size: object        # as given (None: the default tile)
+    tile: object             # the step's (tq, tk), resolved (`reference.tiles.Tile`; None: the step's per call)
     layout: str
     arrays: dict             # name -> (shape, dtype name) of the arrays passed
     scheme: Scheme = None    # how the devices share the work (`reference.schemes`): the ring by default
@@ -53,38 +56,73 @@ class RingCall:
         grads = {name: spec for name, spec in self.arrays.items() if name in ("out", "lse", "dout")}
         return dict(kind="backward" if self.backward else "forward", **shapes, dtype=self.arrays["q"][1],
                     layout=self.layout, causal=bool(self.mask.causal), scale=self.scale,
-                    tile_size=tile_shape(self.tile_size), step=self.step.name, mask=self.mask.describe(),
+                    tile_size=self.tile, step=self.step.name, mask=self.mask.describe(),
                     **self.scheme.describe(), **grads)
 
+    def fits(self, q, k, v, grads=None):
+        """This call, for arrays of the shapes and dtypes it was resolved for
+        (`resolve_call`), in an array module its step computes with; else the
+        ValueError that names the first array that differs."""
+        named = dict(zip(NAMES, (q, k, v) + tuple(grads or ())))
+        for name, x in named.items():
+            checks.check_array(name, x)
+        got = specs(named)
+        if got != self.arrays:
+            name = next(name for name in NAMES if got.get(name) != self.arrays.get(name))
+            raise ValueError(f"{name} does not fit the call: it was resolved for (shape, dtype) "
+                             f"{self.arrays.get(name)}, got {got.get(name)}")
+        if steps.module_name(array_module(q)) not in self.step.array_modules:
+            raise ValueError(f"the call's step {self.step.name!r} computes with "
+                             f"{', '.join(self.step.array_modules)} arrays, got {steps.module_name(array_module(q))}")
+        return self
 
-def check_call(q, k, v, *, n_devices, layout="striped", causal=True, scale=None, tile_size=None, step="auto",
-               grads=None, per_device=False, seq_len=None, scheme="ring", ulysses_degree=None, **mask_options):
-    """Check a ring call's arguments (`reference.checks`, `reference.steps.check_step`,
-    `reference.masks`) and return its RingCall, or raise the clear error.
-    `grads`: (out, lse, dout) for a backward. `per_device`: q, k, v are one
-    device's shard of c tokens, and `seq_len` the real length the layout padded
-    to N c (None: N c); else they are whole sequences of any length (padded
-    inside, `reference.layouts.padded_length`). `scheme`, `ulysses_degree`:
-    `reference.schemes`."""
-    B, S, Hq, Hkv, D = checks.check_qkv(q, k, v, seq_axis_name="c" if per_device else "S")
+
+def specs(named):
+    """name -> (shape, dtype name) of arrays: what `RingCall.arrays` holds."""
+    return {name: (tuple(x.shape), str(x.dtype)) for name, x in named.items()}
+
+
+def check_call(q, k, v, *, grads=None, per_device=False, **options):
+    """Check a ring call's arrays (`reference.checks`) and resolve the rest
+    (`resolve_call`): its RingCall, or the clear error. `grads`: (out, lse,
+    dout) for a backward. `per_device`: q, k, v are one device's shard of c
+    tokens; else they are whole sequences of any length (padded inside,
+    `reference.layouts.padded_length`). The options: `resolve_call`'s."""
+    checks.check_qkv(q, k, v, seq_axis_name="c" if per_device else "S")
     if grads is not None:
         checks.check_grads_inputs(q, *grads)
+    named = dict(zip(NAMES, (q, k, v) + tuple(grads or ())))
+    return resolve_call(specs(named), array_module(q), per_device=per_device, **options)
+
+
+def resolve_call(arrays, xp, *, n_devices, layout="striped", causal=True, scale=None, tile_size=None, step="auto",
+                 per_device=False, seq_len=None, scheme="ring", ulysses_degree=None, mask=None, **mask_options):
+    """The RingCall of arrays with these shapes and dtypes (`arrays`, as
+    `specs` gives them: q, k, v, and out, lse, dout for a backward) in array
+    module `xp`, or the clear error: the layout (`reference.layouts`), the
+    scheme (`reference.schemes`), the scale, the real `seq_len` (with
+    `per_device`: the length the layout padded to N c; None: N c), the mask
+    (`mask`, built already by `reference.masks.layout_mask`, or built here from
+    `causal` and the mask options), the step (`reference.steps.check_step`),
+    its tile, every device's positions. Each is resolved here once."""
+    (_, S, Hq, D), Hkv = arrays["q"][0], arrays["k"][0][2]
     check_layout(layout, S, n_devices)
     plan = Scheme.checked(scheme, ulysses_degree, n_devices=n_devices, Hq=Hq, Hkv=Hkv)
-    scale = checks.check_options(layout=layout, causal=causal, scale=scale, tile_size=tile_size, head_dim=D)
+    scale = checks.check_options(causal=causal, scale=scale, head_dim=D)
     if per_device:
         seq_len = _real_length(S, n_devices, layout, seq_len)
     elif seq_len is not None:
         raise TypeError("seq_len is for one device's shard (per_device=True); whole sequences give S themselves")
     else:
         seq_len = S
-    mask = layout_mask(seq_len, n_devices, layout, causal=causal, **mask_options)
-    step = steps.check_step(step, array_module(q), backward=grads is not None, dropout=mask.dropout,
-                            plain_mask=mask.causal_only, call=steps.call_of(q, k, tile_size))
-    named = dict(zip(("q", "k", "v", "out", "lse", "dout"), (q, k, v) + tuple(grads or ())))
+    if mask is not None and mask_options:
+        raise TypeError(f"give the mask or the mask options, not both: got mask and {sorted(mask_options)}")
+    if mask is None:
+        mask = layout_mask(seq_len, n_devices, layout, causal=causal, **mask_options)
+    step = steps.check_step(step, xp, backward="dout" in arrays, dropout=mask.dropout, plain_mask=mask.causal_only,
+                            call=steps.Call(arrays["q"][1], D, Hq // Hkv, tile_size))
     return RingCall(scale=scale, step=step, mask=mask, positions=plan.positions(seq_len, layout),
-                    tile_size=tile_size, layout=layout, scheme=plan,
-                    arrays={name: (tuple(x.shape), str(x.dtype)) for name, x in named.items()})
+                    tile=step.tile(tile_size, D), layout=layout, arrays=arrays, scheme=plan)
 
 
 def _real_length(c, n, layout, seq_len):

@@ -5,9 +5,6 @@ import math
 
 import numpy as np
 
-from .layouts import LAYOUTS
-from .tiles import tile_shape
-
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 
 
@@ -91,13 +88,12 @@ def check_partial(name, out, lse, like=None):
                          f"got {out.shape} {out.dtype}")
 
 
-def check_options(*, layout, causal, scale, tile_size, head_dim):
-    """Check the options; returns the scale to use (default D ** -0.5)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+def check_options(*, causal, scale, head_dim):
+    """Check `causal` and `scale`; returns the scale to use (default D ** -0.5).
+    The layout's rule is `reference.layouts.check_layout`'s, the tile's the
+    step's (`reference.step.Step.tile`)."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    tile_shape(tile_size)
     if scale is None:
         return head_dim ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \

@@ -91,14 +91,13 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=None, windo
     (`cu_seqlens` or `segment_ids`, over positions), `dropout` with its `seed`.
     Returns (out like q, lse (B, Hq, Sq))."""
     B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
-    scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
-                                 tile_size=None, head_dim=D)
+    scale = checks.check_options(causal=causal, scale=scale, head_dim=D)
     mask = make_mask(causal=causal, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                      dropout=dropout, seed=seed)
     q_pos, k_pos = _positions("q_pos", q_pos, Sq, mask), _positions("k_pos", k_pos, k.shape[1], mask)
     visible = _visible(q_pos, k_pos, mask)
-    acc, dtype = accumulate_dtype(q.dtype), q.dtype
-    q, k, v = (_heads_first(x, Hq, acc) for x in (q, k, v))      # (B, Hq, S, D)
+    acc_dtype, dtype = accumulate_dtype(q.dtype), q.dtype
+    q, k, v = (_heads_first(x, Hq, acc_dtype) for x in (q, k, v))   # (B, Hq, S, D)
     s = _scores(q, k, scale, visible)                              # (B, Hq, Sq, Sk)
     # Hazard: a row with no visible key has max -inf, and -inf - -inf is NaN: shift it by 0.
     seen = visible.any(axis=-1)[:, None]                           # (Sq, 1)
@@ -106,7 +105,7 @@ def attention(q, k, v, *, q_pos=None, k_pos=None, causal=True, scale=None, windo
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]   # (B, Hq, Sq)
         p = np.exp(s - lse[..., None])
-    p = p * _dropout(mask, B, Hq, q_pos, k_pos, acc)               # P Z
+    p = p * _dropout(mask, B, Hq, q_pos, k_pos, acc_dtype)         # P Z
     out = _masked_sum(p, v, visible)                               # P V   (B, Hq, Sq, D)
     return out.transpose(0, 2, 1, 3).astype(dtype), lse
 
@@ -124,11 +123,11 @@ def merge(a, b):
     (out_a, lse_a), (out_b, lse_b) = a, b
     checks.check_partial("a", out_a, lse_a)
     checks.check_partial("b", out_b, lse_b, like=(out_a, lse_a))
-    acc = accumulate_dtype(out_a.dtype)
+    acc_dtype = accumulate_dtype(out_a.dtype)
     lse = np.logaddexp(lse_a, lse_b)                               # (B, Hq, S)
     lse_safe = np.where(np.isneginf(lse), 0.0, lse)                # neither part saw a key: weights 0
     w_a, w_b = (np.exp(x - lse_safe).transpose(0, 2, 1)[..., None] for x in (lse_a, lse_b))  # (B, S, Hq, 1)
-    out = w_a * out_a.astype(acc) + w_b * out_b.astype(acc)
+    out = w_a * out_a.astype(acc_dtype) + w_b * out_b.astype(acc_dtype)
     return out.astype(out_a.dtype), lse
 
 
@@ -138,18 +137,17 @@ def attention_backward(q, k, v, out, lse, dout, *, q_pos=None, k_pos=None, causa
     and dtype; mask options as `attention` (dropout regenerates its Z)."""
     B, Sq, Hq, Hkv, D = checks.check_qkv(q, k, v, same_length=False)
     checks.check_grads_inputs(q, out, lse, dout)
-    scale = checks.check_options(layout="contiguous", causal=causal, scale=scale,
-                                 tile_size=None, head_dim=D)
+    scale = checks.check_options(causal=causal, scale=scale, head_dim=D)
     mask = make_mask(causal=causal, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                      dropout=dropout, seed=seed)
     Sk = k.shape[1]
     q_pos, k_pos = _positions("q_pos", q_pos, Sq, mask), _positions("k_pos", k_pos, Sk, mask)
     visible = _visible(q_pos, k_pos, mask)
-    acc, dtype = accumulate_dtype(q.dtype), q.dtype
-    q, k, v, out, dout = (_heads_first(x, Hq, acc) for x in (q, k, v, out, dout))   # (B, Hq, S, D)
+    acc_dtype, dtype = accumulate_dtype(q.dtype), q.dtype
+    q, k, v, out, dout = (_heads_first(x, Hq, acc_dtype) for x in (q, k, v, out, dout))   # (B, Hq, S, D)
     with np.errstate(invalid="ignore"):                # NaN at masked pairs of rows without a key: not read
-        p = np.exp(_scores(q, k, scale, visible) - lse.astype(acc)[..., None])   # (B, Hq, Sq, Sk)
-    z = _dropout(mask, B, Hq, q_pos, k_pos, acc)                    # Z, regenerated
+        p = np.exp(_scores(q, k, scale, visible) - lse.astype(acc_dtype)[..., None])   # (B, Hq, Sq, Sk)
+    z = _dropout(mask, B, Hq, q_pos, k_pos, acc_dtype)              # Z, regenerated
     dv = _masked_sum((p * z).swapaxes(-1, -2), dout, visible.T)     # (P Z)^T dO
     dp = (dout @ v.swapaxes(-1, -2)) * z                            # (dO V^T) Z (read at visible pairs)
     delta = (dout * out).sum(axis=-1)                               # (B, Hq, Sq)

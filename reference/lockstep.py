@@ -13,14 +13,13 @@ Shapes: q (B, S, Hq, D), k, v (B, S, Hkv, D), lse (B, Hq, S); per device the
 compute layout of `reference.heads`, c = S // N tokens.
 """
 
-import numpy as np
 
 from . import steps
 from .heads import kv_from_heads, q_from_heads, rows_from_heads
 from .call import check_call
 from .layouts import shard, unshard
-from .ring import as_dtype, new_kv_grads, own_block
-from .step import BackwardRows, ForwardAcc, Grads, Queries, finish_forward
+from .ring import as_dtype, begin_backward, new_kv_grads, own_block
+from .step import ForwardAcc, Grads, Queries, finish_forward
 
 
 def ring_only(options):
@@ -46,7 +45,7 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
         for j in range(n):                      # devices, "in parallel"
             src = (j - t) % n                   # the block device j holds in round t
             step.forward(accs[j], queries[j], as_dtype(blocks[src], queries[j].q.dtype, step),
-                         mask=mask, tile_size=tile_size)
+                         mask=mask, tile_size=call.tile)
     outs, lses = zip(*(finish_forward(acc) for acc in accs))
     out = [q_from_heads(o).astype(q.dtype, copy=False) for o in outs]
     S = q.shape[1]
@@ -62,26 +61,26 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="strip
     ring_only(mask_options)
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, grads=(out, lse, dout), **mask_options)
-    n, Hkv, pos, scale, step, mask = n_devices, k.shape[2], call.positions, call.scale, call.step, call.mask
+    n, pos, scale, step, mask = n_devices, call.positions, call.scale, call.step, call.mask
     qs, ks, vs, outs, douts = (shard(x, n, layout) for x in (q, k, v, out, dout))
     lses = shard(lse, n, layout, axis=2)
-    queries = [Queries.prepare(qs[j], Hkv, pos[j], scale) for j in range(n)]
-    acc = queries[0].q.dtype
-    rows = [BackwardRows.prepare(outs[j], lses[j], douts[j], Hkv, acc) for j in range(n)]
+    # Q_j, dO_j, lse_j, delta_j and dQ_j of each device
+    queries, rows, dq = zip(*(begin_backward(qs[j], ks[j], outs[j], lses[j], douts[j], pos[j], scale)
+                              for j in range(n)))
+    acc_dtype = queries[0].q.dtype
     blocks = [own_block(ks[j], vs[j], pos[j], j) for j in range(n)]
-    dq = [np.zeros_like(x.q) for x in queries]
     dkv = [None] * n                            # block src's dK, dV so far
     for t in range(n):
         for j in range(n):
             src = (j - t) % n
-            grads = Grads(dq[j], *new_kv_grads(blocks[src], acc))
-            step.backward(grads, queries[j], rows[j], as_dtype(blocks[src], acc, step),
-                          mask=mask, tile_size=tile_size)
+            grads = Grads(dq[j], *new_kv_grads(blocks[src], acc_dtype))
+            step.backward(grads, queries[j], rows[j], as_dtype(blocks[src], acc_dtype, step),
+                          mask=mask, tile_size=call.tile)
             if dkv[src] is not None:            # what the devices before j added (the ring's order)
                 grads.dk += dkv[src][0]
                 grads.dv += dkv[src][1]
             dkv[src] = (grads.dk, grads.dv)
-    dq = [q_from_heads(x * acc.type(scale)).astype(q.dtype, copy=False) for x in dq]
+    dq = [q_from_heads(x * acc_dtype.type(scale)).astype(q.dtype, copy=False) for x in dq]
     dk = [kv_from_heads(x[0]).astype(k.dtype, copy=False) for x in dkv]
     dv = [kv_from_heads(x[1]).astype(v.dtype, copy=False) for x in dkv]
     return tuple(unshard(g, layout, axis=1, seq_len=q.shape[1]) for g in (dq, dk, dv))

@@ -40,7 +40,7 @@ def predict_positions(pos, tile_size=None, mask=True):
     positions pos[j]; `mask` a `reference.masks.Mask` or a bool (causal)."""
     mask = as_mask(mask)
     n_devices, c = pos.shape
-    tq, tk = tile_shape(tile_size)
+    tile = tq, tk = tile_shape(tile_size)                      # resolved once, for N x N blocks
     sizes_q = np.diff(np.append(tile_edges(c, tq), c))         # (Tq,) rows of each tile
     sizes_k = np.diff(np.append(tile_edges(c, tk), c))         # (Tk,)
     area = sizes_q[:, None] * sizes_k[None, :]                 # (Tq, Tk)
@@ -49,7 +49,7 @@ def predict_positions(pos, tile_size=None, mask=True):
     for t in range(n_devices):
         for j in range(n_devices):
             k = (j - t) % n_devices
-            kinds = classify(pos[j], pos[k], (tq, tk), mask)
+            kinds = classify(pos[j], pos[k], tile, mask)
             p.source[t, j] = k
             p.tiles_skipped[t, j] = (kinds == SKIP).sum()
             p.tiles_computed[t, j] = kinds.size - p.tiles_skipped[t, j]

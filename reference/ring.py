@@ -14,6 +14,8 @@ the communication object differs. It has three verbs and two attributes:
 
 The step calls `progress` between its tiles: MPI moves a large message only
 inside MPI calls, so without it a transfer would wait for the end of the step.
+The object also counts the bytes it moves (``comm.traffic``, for the trace);
+the loops only tell it the round (`RoundLog.rounds`).
 
 A buffer passed to `start_shift` must not be written until `finish_shift`
 returns; the loops below never write a block after sending it.
@@ -49,11 +51,11 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask, h
     the entry point checked them (`reference.call.check_call`); `heads`: the
     global numbers of q's query heads (`reference.step.Queries`; None: all)."""
     n = comm.size
-    log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
+    log = RoundLog.of(comm, step, blocks=KV)                           # comm counts the bytes it moves
     queries = Queries.prepare(q, k.shape[2], q_pos, scale, heads)       # Q_j, pre-scaled
     block = own_block(k, v, k_pos, comm.rank)                          # K_j, V_j
     acc = ForwardAcc.zeros(queries.q)                                  # Out_j
-    for t in range(n):                         # "for i = 0 to N-1", this device being j
+    for t in log.rounds():                     # "for i = 0 to N-1", this device being j
         # "send K_k, V_k to device (j + 1) mod N": started first, so that it
         # overlaps the compute; nothing is sent after the last round
         in_flight = comm.start_shift(block, KV) if t < n - 1 else None
@@ -62,16 +64,12 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask, h
         with turn(comm), log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step),
                                   mask=mask, tile_size=tile_size, progress=comm.progress)
-        more = in_flight is not None           # a block arrives while this one is attended to
-        log.record(t, counts, block, sent=block if more else (), received=block if more else (),
-                   held=(block, block) if more else block)
+        log.record(t, counts, block)
         # "receive K_(k-1), V_(k-1) from device (j - 1) mod N"
         if in_flight is not None:
             with log.waiting(t):
                 block = KVBlock(*comm.finish_shift(in_flight))
-    out, lse = finish_forward(acc)             # "normalize(Out_j)": O / l, m + log(l)
-    log.close()                                # a device clock is read now
-    return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
+    return end_forward(acc, q, log)    # "normalize(Out_j)"
 
 
 def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step, mask, heads=None):
@@ -80,26 +78,19 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
     to the device that owns those keys. Returns (dq, dk, dv) in the user
     layout, and a RoundLog. `step` (with a backward) and `mask` as for `ring_forward`."""
     n = comm.size
-    log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
-    queries = Queries.prepare(q, k.shape[2], q_pos, scale, heads)       # Q_j, pre-scaled
-    acc = queries.q.dtype
-    rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)        # dO_j, lse_j, delta_j
-    rows.finite = all_finite(array_module(q), queries.q, rows.do, rows.delta)   # once: no step reads it
-    dq = array_module(q).zeros_like(queries.q)                         # dQ_j stays home
+    log = RoundLog.of(comm, step, blocks=KV)
+    queries, rows, dq = begin_backward(q, k, out, lse, dout, q_pos, scale, heads)   # Q_j, dO_j, dQ_j
+    acc_dtype = queries.q.dtype
     block, grads_in_flight = own_block(k, v, k_pos, comm.rank), None
-    for t in range(n):
+    for t in log.rounds():
         # send K_k, V_k on while computing (nothing after the last round)
         in_flight = comm.start_shift(block, KV) if t < n - 1 else None
         # this round's share of the block's gradients
-        grads = Grads(dq, *new_kv_grads(block, acc))
+        grads = Grads(dq, *new_kv_grads(block, acc_dtype))
         with turn(comm), log.computing(t):
-            counts = step.backward(grads, queries, rows, as_dtype(block, acc, step),
+            counts = step.backward(grads, queries, rows, as_dtype(block, acc_dtype, step),
                                    mask=mask, tile_size=tile_size, progress=comm.progress)
-        more, dkv = in_flight is not None, (grads.dk, grads.dv) if n > 1 else ()   # (a ring of one keeps them)
-        # received: the next K, V, the dK, dV of the round before (and, in the last round, those going home)
-        log.record(t, counts, block, sent=(block if more else (), dkv),
-                   received=(block if more else (), dkv * ((t > 0) + (t == n - 1))),
-                   held=(block, block) if more else block)
+        log.record(t, counts, block)
         # receive the next K, V first, while the step's kernels run: on a GPU the
         # dK, dV sent below leave only once the step that writes them has run (the
         # communication object posts that send later, without the host waiting)
@@ -115,8 +106,35 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         grads_in_flight = comm.start_shift((grads.dk, grads.dv), DKV)
     with log.waiting(n - 1):
         dk, dv = comm.finish_shift(grads_in_flight)                    # home again
-    dq *= acc.type(scale)
-    log.close()                                                        # a device clock is read now
+    return end_backward(dq, dk, dv, (q, k, v), scale, log)
+
+
+# -- the set-up and the finish, shared with the other schemes (`reference.schemes`) --
+
+def begin_backward(q, k, out, lse, dout, q_pos, scale, heads=None):
+    """(Queries, BackwardRows, zeroed dQ) of this device's query rows: Q_j
+    pre-scaled, dO_j, lse_j, delta_j (`reference.step`), whether they are all
+    finite found once here (no step reads device memory to know it)."""
+    queries = Queries.prepare(q, k.shape[2], q_pos, scale, heads)
+    rows = BackwardRows.prepare(out, lse, dout, k.shape[2], queries.q.dtype)
+    xp = array_module(q)
+    rows.finite = all_finite(xp, queries.q, rows.do, rows.delta)
+    return queries, rows, xp.zeros_like(queries.q)
+
+
+def end_forward(acc, q, log):
+    """(out in q's layout and dtype, lse (B, Hq, c), log closed) from the accumulator Out_j."""
+    out, lse = finish_forward(acc)             # O / l, m + log(l)
+    log.close()                                # a device clock is read now
+    return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
+
+
+def end_backward(dq, dk, dv, like, scale, log):
+    """(dq, dk, dv, log closed): dQ scaled (Q was pre-scaled), each gradient in
+    the user layout and the dtype of its input (`like`: q, k, v)."""
+    q, k, v = like
+    dq *= dq.dtype.type(scale)
+    log.close()                                # a device clock is read now
     return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(k.dtype, copy=False),
             kv_from_heads(dv).astype(v.dtype, copy=False), log)
 

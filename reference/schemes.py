@@ -35,11 +35,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .heads import kv_from_heads, q_from_heads, rows_from_heads
 from .layouts import array_module, positions, ulysses_positions
-from .ring import DKV, KV, as_dtype, new_kv_grads, own_block, ring_backward, ring_forward, turn
-from .step import BackwardRows, ForwardAcc, Grads, KVBlock, Queries, finish_forward
-from .nonfinite import all_finite
+from .ring import (DKV, KV, as_dtype, begin_backward, end_backward, end_forward, new_kv_grads, own_block,
+                   ring_backward, ring_forward, turn)
+from .step import ForwardAcc, Grads, KVBlock, Queries
 from .trace import RoundLog
 
 SCHEMES = ("ring", "all_gather", "ulysses", "usp")
@@ -126,12 +125,11 @@ def forward(q, k, v, group_pos, comms, *, scheme, scale, tile_size, step, mask):
     if scheme.u == 1:
         return ring_forward(q, k, v, group_pos, group_pos, comms.ring, **opts)
     heads = held_heads(comms.ulysses, q.shape[2])
-    (q, k, v), sent, received = to_heads(comms.ulysses, (q, k, v))
+    q, k, v = to_heads(comms.ulysses, (q, k, v))
     out, lse, log = ring_forward(q, k, v, group_pos, group_pos, comms.ring, heads=heads, **opts)
-    log.moved(0, sent=sent, received=received)
-    (out,), sent, received = to_tokens(comms.ulysses, (out,))
-    (lse,), sent_lse, received_lse = to_tokens(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
-    log.moved(len(log.bytes_sent) - 1, sent=sent + sent_lse, received=received + received_lse)
+    (out,) = to_tokens(comms.ulysses, (out,))
+    (lse,) = to_tokens(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
+    log.tally()                                # the all-to-all back, counted in the ring's last round
     return out, lse, log
 
 
@@ -143,12 +141,11 @@ def backward(q, k, v, out, lse, dout, group_pos, comms, *, scheme, scale, tile_s
     if scheme.u == 1:
         return ring_backward(q, k, v, out, lse, dout, group_pos, group_pos, comms.ring, **opts)
     heads = held_heads(comms.ulysses, q.shape[2])
-    (q, k, v, out, dout), sent, received = to_heads(comms.ulysses, (q, k, v, out, dout))
-    (lse,), sent_lse, received_lse = to_heads(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
+    q, k, v, out, dout = to_heads(comms.ulysses, (q, k, v, out, dout))
+    (lse,) = to_heads(comms.ulysses, (lse,), seq_axis=2, head_axis=1)
     dq, dk, dv, log = ring_backward(q, k, v, out, lse, dout, group_pos, group_pos, comms.ring, heads=heads, **opts)
-    log.moved(0, sent=sent + sent_lse, received=received + received_lse)
-    (dq, dk, dv), sent, received = to_tokens(comms.ulysses, (dq, dk, dv))
-    log.moved(len(log.bytes_sent) - 1, sent=sent, received=received)
+    dq, dk, dv = to_tokens(comms.ulysses, (dq, dk, dv))
+    log.tally()
     return dq, dk, dv, log
 
 
@@ -156,17 +153,14 @@ def backward(q, k, v, out, lse, dout, group_pos, comms, *, scheme, scale, tile_s
 
 def to_heads(a2a, arrays, *, seq_axis=1, head_axis=2):
     """Each array's sequence shard of every head -> the group's whole sequence
-    (its shards in group order) of this device's H / u heads. Returns (the
-    arrays, the pieces sent, the pieces received), pieces to and from other devices only."""
-    out, sent, received = [], [], []
+    (its shards in group order) of this device's H / u heads."""
+    xp = array_module(arrays[0])
+    out = []
     for x in arrays:
         pieces = np.array_split(np.arange(x.shape[head_axis]), a2a.size)
-        mine = [_take(x, head_axis, p) for p in pieces]                  # piece i: group rank i's heads
-        got = a2a.all_to_all(mine)
-        out.append(array_module(x).concatenate(got, axis=seq_axis))       # (B, u c, H / u, D)
-        sent += _others(mine, a2a.rank)
-        received += _others(got, a2a.rank)
-    return out, sent, received
+        got = a2a.all_to_all([_take(x, head_axis, p) for p in pieces])   # piece i: group rank i's heads
+        out.append(xp.concatenate(got, axis=seq_axis))                   # (B, u c, H / u, D)
+    return out
 
 
 def held_heads(a2a, n_heads):
@@ -177,25 +171,19 @@ def held_heads(a2a, n_heads):
 def to_tokens(a2a, arrays, *, seq_axis=1, head_axis=2):
     """The inverse of `to_heads`: this device's heads of the group's sequence
     -> its own sequence shard of every head."""
-    out, sent, received = [], [], []
+    xp = array_module(arrays[0])
+    out = []
     for x in arrays:
         pieces = np.array_split(np.arange(x.shape[seq_axis]), a2a.size)
-        mine = [_take(x, seq_axis, p) for p in pieces]                   # piece i: group rank i's tokens
-        got = a2a.all_to_all(mine)
-        out.append(array_module(x).concatenate(got, axis=head_axis))      # (B, c, H, D)
-        sent += _others(mine, a2a.rank)
-        received += _others(got, a2a.rank)
-    return out, sent, received
+        got = a2a.all_to_all([_take(x, seq_axis, p) for p in pieces])    # piece i: group rank i's tokens
+        out.append(xp.concatenate(got, axis=head_axis))                  # (B, c, H, D)
+    return out
 
 
 def _take(x, axis, index):
     cut = [slice(None)] * x.ndim
     cut[axis] = slice(int(index[0]), int(index[-1]) + 1)
     return array_module(x).ascontiguousarray(x[tuple(cut)])
-
-
-def _others(pieces, rank):
-    return [p for i, p in enumerate(pieces) if i != rank]
 
 
 # -- the all-gather ------------------------------------------------------------------
@@ -205,19 +193,18 @@ def gather_blocks(block, comm, log):
     kept (a shift's arrays are valid only until the second shift after it, so
     each is copied): [block from device (j - t) mod N for t in 0..N-1]."""
     blocks = [block]
-    for t in range(comm.size - 1):
+    for t in log.rounds(comm.size - 1):
         handle = comm.start_shift(blocks[-1], KV)
         with log.waiting(t):
-            arrived = KVBlock(*comm.finish_shift(handle))
+            arrived = comm.finish_shift(handle)
         blocks.append(KVBlock(*(array_module(a).array(a, copy=True) for a in arrived)))
-        log.moved(t, sent=blocks[-2], received=arrived)
     return blocks
 
 
 def gather_forward(q, k, v, q_pos, comm, *, scale, tile_size, step, mask):
     """The all-gather's forward on this device: (out, lse, RoundLog), round t
     attending to the block of device (j - t) mod N, all gathered first."""
-    log = RoundLog(comm.size, step.label, clock=getattr(comm, "clock", None))
+    log = RoundLog.of(comm, step, blocks=KV)
     queries = Queries.prepare(q, k.shape[2], q_pos, scale)
     blocks = gather_blocks(own_block(k, v, q_pos, comm.rank), comm, log)
     acc = ForwardAcc.zeros(queries.q)
@@ -225,10 +212,8 @@ def gather_forward(q, k, v, q_pos, comm, *, scale, tile_size, step, mask):
         with turn(comm), log.computing(t):
             counts = step.forward(acc, queries, as_dtype(block, queries.q.dtype, step), mask=mask,
                                   tile_size=tile_size, progress=comm.progress)
-        log.record(t, counts, block, sent=(), held=blocks)
-    out, lse = finish_forward(acc)
-    log.close()
-    return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
+        log.record(t, counts, block, kept=blocks)
+    return end_forward(acc, q, log)
 
 
 def gather_backward(q, k, v, out, lse, dout, q_pos, comm, *, scale, tile_size, step, mask):
@@ -237,32 +222,23 @@ def gather_backward(q, k, v, out, lse, dout, q_pos, comm, *, scale, tile_size, s
     (N - 1 shifts: in shift t device j sends its running sum for the block of
     device j - 1 - t and adds its own share to the sum arriving, so that after
     the last shift it holds the whole sum for its own block). (dq, dk, dv, RoundLog)."""
-    n, xp = comm.size, array_module(q)
-    log = RoundLog(n, step.label, clock=getattr(comm, "clock", None))
-    queries = Queries.prepare(q, k.shape[2], q_pos, scale)
-    acc = queries.q.dtype
-    rows = BackwardRows.prepare(out, lse, dout, k.shape[2], acc)
-    rows.finite = all_finite(xp, queries.q, rows.do, rows.delta)
-    dq = xp.zeros_like(queries.q)
+    n = comm.size
+    log = RoundLog.of(comm, step, blocks=KV)
+    queries, rows, dq = begin_backward(q, k, out, lse, dout, q_pos, scale)
     blocks = gather_blocks(own_block(k, v, q_pos, comm.rank), comm, log)
     shares = []                                                   # (dK, dV) of each gathered block
     for t, block in enumerate(blocks):
-        grads = Grads(dq, *new_kv_grads(block, acc))
+        grads = Grads(dq, *new_kv_grads(block, dq.dtype))
         with turn(comm), log.computing(t):
-            counts = step.backward(grads, queries, rows, as_dtype(block, acc, step), mask=mask,
+            counts = step.backward(grads, queries, rows, as_dtype(block, dq.dtype, step), mask=mask,
                                    tile_size=tile_size, progress=comm.progress)
-        log.record(t, counts, block, sent=(), held=blocks)
+        log.record(t, counts, block, kept=blocks)
         shares.append((grads.dk, grads.dv))
     total = shares[1 % n]                                         # the sum for device j - 1's block
-    for t in range(n - 1):
+    for t in log.rounds(n - 1):
         handle = comm.start_shift(total, DKV)
         with log.waiting(t):
             arrived = comm.finish_shift(handle)
-        log.moved(t, sent=total, received=arrived)
         mine = shares[(t + 2) % n]                                # device j - 2 - t's block, or at last j's own
         total = (arrived[0] + mine[0], arrived[1] + mine[1])      # new arrays: the ones sent stay untouched
-    dk, dv = total
-    dq *= acc.type(scale)
-    log.close()
-    return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(k.dtype, copy=False),
-            kv_from_heads(dv).astype(v.dtype, copy=False), log)
+    return end_backward(dq, *total, (q, k, v), scale, log)

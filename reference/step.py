@@ -61,10 +61,10 @@ class Queries:
     @classmethod
     def prepare(cls, q, n_kv_heads, q_pos, scale, heads=None):
         """From the user layout (B, c, Hq, D); `heads` as the field."""
-        acc = accumulate_dtype(q.dtype)
+        acc_dtype = accumulate_dtype(q.dtype)
         # Hazard: q_to_heads returns a view of the caller's q when no transpose or
         # cast is needed, so scale into a new array, never in place.
-        return cls(q=q_to_heads(q, n_kv_heads, dtype=acc) * acc(scale), pos=np.asarray(q_pos),
+        return cls(q=q_to_heads(q, n_kv_heads, dtype=acc_dtype) * acc_dtype(scale), pos=np.asarray(q_pos),
                    scale=float(scale), heads=None if heads is None else np.asarray(heads))
 
 
@@ -168,12 +168,16 @@ class Step:
         return None
 
     def tile(self, tile_size, head_dim):
-        """The (tq, tk) this version computes with."""
+        """The (tq, tk) this version computes with, a `reference.tiles.Tile`,
+        resolved once at the door (`reference.call`) and handed to every step
+        call, which takes it as it is; None: the version picks it per call
+        (a kernel's configuration by head group and pass)."""
         return tile_shape(tile_size)
 
     def forward(self, acc, queries, block, *, tile_size, mask=None, causal=None, progress=None):
         """Accumulate attention of `queries` to `block` into `acc`. Returns StepCounts.
-        `mask`: a `reference.masks.Mask` (or `causal`, a bool, as before masks).
+        `tile_size`: the call's resolved `Tile` (an int, a pair or None is resolved
+        here, by `tile`). `mask`: a `reference.masks.Mask` (or `causal`, a bool, as before masks).
         `progress`: called on this thread between tiles (module docstring)."""
         queries, block, mask = self._with_mask(queries, block, mask, causal)
         plan, skipped = tile_plan(queries.pos, block.pos, self.tile(tile_size, queries.q.shape[-1]), mask)

@@ -18,6 +18,8 @@ read this plan, so the work they count is the work that is done.
 Legend: ``c`` queries, ``ck`` keys, ``T`` tiles.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .masks import as_mask, visible_counts
@@ -28,14 +30,23 @@ SKIP, FULL, MASKED = 0, 1, 2
 DEFAULT_TILE_SIZE = 256
 
 
+class Tile(NamedTuple):
+    """A tile size resolved: ``tq`` queries by ``tk`` keys. A call resolves its
+    tile once, at the door (`reference.call`); `tile_shape` returns a Tile as it is."""
+    tq: int
+    tk: int
+
+
 def tile_shape(tile_size):
-    """``(tq, tk)`` from an int, a pair, or None (the default)."""
+    """The `Tile` of an int, a ``(tq, tk)`` pair, or None (the default); a Tile as it is."""
+    if isinstance(tile_size, Tile):
+        return tile_size
     if tile_size is None:
-        return DEFAULT_TILE_SIZE, DEFAULT_TILE_SIZE
+        return Tile(DEFAULT_TILE_SIZE, DEFAULT_TILE_SIZE)
     pair = tuple(tile_size) if isinstance(tile_size, (tuple, list)) else (tile_size, tile_size)
     if len(pair) != 2 or not all(_is_int(t) and t >= 1 for t in pair):
         raise ValueError(f"tile_size must be a positive int or a (tq, tk) pair of them, got {tile_size!r}")
-    return int(pair[0]), int(pair[1])
+    return Tile(int(pair[0]), int(pair[1]))
 
 
 def _is_int(x):
@@ -98,8 +109,8 @@ def _classify_by_count(q_pos, k_pos, qe, ke, tq, tk, mask):
 def tile_plan(q_pos, k_pos, tile_size, mask=True):
     """The tiles to compute, in order: a list of ``(q_slice, k_slice, kind)``,
     and the number of tiles skipped."""
-    tq, tk = tile_shape(tile_size)
-    kinds = classify(q_pos, k_pos, (tq, tk), mask)
+    tile = tq, tk = tile_shape(tile_size)
+    kinds = classify(q_pos, k_pos, tile, mask)
     plan = []
     for a, i in enumerate(tile_edges(len(q_pos), tq)):
         for b, j in enumerate(tile_edges(len(k_pos), tk)):

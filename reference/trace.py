@@ -23,7 +23,9 @@ Round t's step runs from start_s for compute_s, then the device waits wait_s; MP
 ranks start the ring together, after the call's agreement check, so their clocks
 line up to within it. `wait_parts` splits a forward's waits into blocks not yet
 sent and blocks still arriving. Each device keeps a `RoundLog` (one row of the
-trace); `Trace.from_logs` stacks them, `Trace.table()` prints the work, and
+trace); the bytes are counted where they move, each communication object
+counting into its `Traffic` in the round the loop is in (`RoundLog.rounds`,
+`RoundLog.tally`); `Trace.from_logs` stacks the logs, `Trace.table()` prints the work, and
 `write_trace` / `read_trace` keep traces in a JSON file (``--trace-out``).
 
     out, lse, trace = reference.ring_attention(q, k, v, n_devices=4, trace=True)
@@ -105,9 +107,39 @@ MOVED = ("bytes_received", "kv_bytes")          # zero in a trace file written b
 _REQUIRED = set(FIELDS) - set(TIMELINE) - set(MOVED)   # a trace file written before the timeline lacks it
 
 
+class Traffic:
+    """The bytes one device's communication objects moved, as they moved them:
+    each call adds (round, tag, bytes sent, bytes received), in the round its
+    ring loop is in (`RoundLog.rounds` tells it). A device's groups (its ring,
+    its Ulysses group) share one Traffic, so an all-to-all before the ring's
+    first round counts in round 0 and one after its last round in the last.
+    Only bytes to or from another device count: a ring of one moves nothing."""
+
+    def __init__(self):
+        self.round = 0
+        self.moves = []             # (round, tag, bytes sent, bytes received), until `take`
+
+    def moved(self, tag, *, sent=(), received=()):
+        self.moves.append((self.round, tag, _nbytes(sent), _nbytes(received)))
+
+    def traded(self, pieces, got, rank):
+        """An all-to-all: piece i went to group rank i and `got[i]` came from it; this device's own stays."""
+        self.moved("all_to_all", sent=[p for i, p in enumerate(pieces) if i != rank],
+                   received=[p for i, p in enumerate(got) if i != rank])
+
+    def take(self):
+        """The moves counted since the last `take`."""
+        moves, self.moves = self.moves, []
+        return moves
+
+
 class RoundLog:
     """Per-round record of one device: its row of the Trace (`FIELDS`, each
     an array over rounds t), and the step version that ran.
+
+    The bytes come from the communication object's `Traffic` (`tally`), the
+    K/V bytes held from the blocks the loop attends to (`record`) and those
+    arriving with tag `blocks`.
 
     With a `clock` (a device's: ``mark()`` records an event on the compute
     stream, ``seconds(a, b)`` reads the time between two), ``compute_s`` is the
@@ -118,31 +150,52 @@ class RoundLog:
 
     FIELDS = FIELDS
 
-    def __init__(self, n_rounds, step="", clock=None):
+    def __init__(self, n_rounds, step="", clock=None, traffic=None, blocks=None):
         for name in FIELDS:
             setattr(self, name, np.zeros(n_rounds, dtype=float if name.endswith("_s") else np.int64))
         for name in TIMELINE:
             getattr(self, name).fill(np.nan)
         self.step = step            # the step version that ran
         self.clock, self._marks = clock, []      # [(t, start event, end event)]
+        self.traffic, self.blocks = traffic, blocks     # the bytes moved; the tag K/V blocks travel with
+        self._kept = np.zeros(n_rounds, dtype=bool)     # rounds whose K/V held were given whole (`record`)
         self.began = time.perf_counter()        # the timeline's zero
 
-    def record(self, t, counts, block, *, sent, received=(), held=()):
+    @classmethod
+    def of(cls, comm, step, blocks=None):
+        """The log of a pass over `comm` (a round per device, its clock and
+        Traffic where it has them) running `step` (a `reference.step.Step`)."""
+        return cls(comm.size, step.label, clock=getattr(comm, "clock", None),
+                   traffic=getattr(comm, "traffic", None), blocks=blocks)
+
+    def rounds(self, count=None):
+        """Rounds 0 .. N - 1 (or the first `count`), each told to the Traffic as
+        it begins, so that what moves from then on is counted in that round."""
+        for t in range(len(self.source) if count is None else count):
+            if self.traffic is not None:
+                self.traffic.round = t
+            yield t
+
+    def record(self, t, counts, block, *, kept=None):
         """The step's counts (`reference.step.StepCounts`), the device `block`
-        started on (read from the block: it travels with it) and the bytes of
-        `sent`, `received` and `held` (K/V blocks: arrays or tuples of them)."""
+        started on (read from the block: it travels with it) and its bytes,
+        held with the block arriving meanwhile; `kept`: every block the device
+        holds in round t instead (the all-gather's)."""
         self.source[t] = int(to_host(block.source)[0])     # NumPy: no wait for the device
         self.tiles_computed[t] = counts.tiles_computed
         self.tiles_skipped[t] = counts.tiles_skipped
         self.pairs[t] = counts.pairs
-        self.bytes_sent[t] += _nbytes(sent)
-        self.bytes_received[t] += _nbytes(received)
-        self.kv_bytes[t] = _nbytes(held)
+        self.kv_bytes[t] += _nbytes(block if kept is None else kept)
+        self._kept[t] = kept is not None
 
-    def moved(self, t, *, sent=(), received=()):
-        """Bytes sent and received in round t besides the ring's blocks (a scheme's all-to-all)."""
-        self.bytes_sent[t] += _nbytes(sent)
-        self.bytes_received[t] += _nbytes(received)
+    def tally(self):
+        """Add the bytes the Traffic counted since the last tally: sent,
+        received, and the K/V blocks arriving (held beside the one attended to)."""
+        for t, tag, sent, received in self.traffic.take() if self.traffic is not None else ():
+            self.bytes_sent[t] += sent
+            self.bytes_received[t] += received
+            if tag == self.blocks and not self._kept[t]:
+                self.kv_bytes[t] += received
 
     @contextmanager
     def computing(self, t):
@@ -175,8 +228,10 @@ class RoundLog:
                 self.arrived_s[transfer.round] = transfer.arrived - self.began
 
     def close(self):
-        """With a clock: read the device times (this waits for the last step),
-        and drop the clock, so that the log pickles (MPI gathers it)."""
+        """Tally the bytes moved; with a clock, read the device times (this
+        waits for the last step), and drop the clock, so that the log pickles
+        (MPI gathers it)."""
+        self.tally()
         clock, self.clock = self.clock, None
         if not self._marks:
             return

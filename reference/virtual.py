@@ -24,7 +24,7 @@ from . import cores, schemes, steps
 from .call import check_call
 from .layouts import shard_at, unshard_at
 from .ring import DKV, KV
-from .trace import Trace
+from .trace import Trace, Traffic
 
 POLL_S = 0.05
 DEADLOCK_S = 2.0        # every device still running has waited this long, nothing on its way: none will move
@@ -36,21 +36,23 @@ class VirtualRing:
     previous device posted with the same tag; `turn` holds one of the cores
     while the device computes. `group(members)` is the same device's end of a
     smaller ring (the devices `members`, in their order), and `all_to_all`
-    trades a piece with every member of the group (a scheme's Ulysses group)."""
+    trades a piece with every member of the group (a scheme's Ulysses group).
+    Every group of a device counts the bytes it moves into the device's `traffic`."""
 
-    def __init__(self, rank, size, mailboxes, failed, turns=None, members=None, watchdog=None):
+    def __init__(self, rank, size, mailboxes, failed, turns=None, members=None, watchdog=None, traffic=None):
         self.rank, self.size = rank, size
         self.members = tuple(range(size)) if members is None else members
         self._mailboxes, self._failed = mailboxes, failed
         self._turns = turns
         self._watchdog = watchdog or Watchdog(())
         self._taken = {}            # (tag, group rank) -> messages taken from it: the round of the next
+        self.traffic = traffic or Traffic()
 
     def group(self, members):
         """This device's end of the ring of `members` (global ranks, this device among them)."""
         me = self.members[self.rank]
         return VirtualRing(members.index(me), len(members), self._mailboxes, self._failed, self._turns,
-                           tuple(members), self._watchdog)
+                           tuple(members), self._watchdog, self.traffic)
 
     def turn(self):
         """A `with` block that computes on one of the cores: with more devices
@@ -58,20 +60,26 @@ class VirtualRing:
         return nullcontext() if self._turns is None else self._turns
 
     def start_shift(self, arrays, tag):
+        arrays = tuple(arrays)
         self._box((self.rank + 1) % self.size, tag).put(tuple(a.copy() for a in arrays))
+        self.traffic.moved(tag, sent=arrays if self.size > 1 else ())
         return tag
 
     def progress(self):
         """Nothing to move: `start_shift` posted a copy of the block at once."""
 
     def finish_shift(self, tag):
-        return self._take(self._box(self.rank, tag), tag, (self.rank - 1) % self.size)
+        arrived = self._take(self._box(self.rank, tag), tag, (self.rank - 1) % self.size)
+        self.traffic.moved(tag, received=arrived if self.size > 1 else ())
+        return arrived
 
     def all_to_all(self, pieces):
         """Piece i to group rank i; returns the piece each group rank sent here, in rank order."""
         for i, piece in enumerate(pieces):
             self._box(i, ("all_to_all", self.rank)).put(piece.copy())
-        return [self._take(self._box(self.rank, ("all_to_all", i)), "all_to_all", i) for i in range(self.size)]
+        got = [self._take(self._box(self.rank, ("all_to_all", i)), "all_to_all", i) for i in range(self.size)]
+        self.traffic.traded(pieces, got, self.rank)
+        return got
 
     def _box(self, rank, tag):
         """The mailbox of group rank `rank` for `tag` (made on first use; dict.setdefault is atomic)."""
@@ -237,7 +245,7 @@ def run_shards(call, shards, *, threads=None, blas_threads=None):
         comms = schemes.Comms(comm.group(scheme.ring_group(j)), comm.group(scheme.ulysses_group(j)))
         group_pos = np.concatenate([pos[g] for g in scheme.ulysses_group(j)])   # this ring rank's tokens
         return passes(*(s[j] for s in shards), group_pos, comms, scheme=scheme, scale=call.scale,
-                      tile_size=call.tile_size, step=step, mask=call.mask)
+                      tile_size=call.tile, step=step, mask=call.mask)
 
     with share.held():
         *results, logs = zip(*run_devices(scheme.n, device, at_once=share.at_once))

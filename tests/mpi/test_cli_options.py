@@ -1,5 +1,5 @@
 """The command line's mask options reach the ring: one rank in this process
-(no MPI launch) runs `mpi_impl.cli.time_passes` as `main` does, and its out is
+(no MPI launch) runs `mpi_impl.cli.time_passes` on its plan as `main` does, and its out is
 the dense formula's on the same inputs with those options, and differs from
 it with any one of them changed. The seed in particular picks both the inputs
 and the dropped pairs: a ring that kept the inputs' seed but dropped with
@@ -28,12 +28,14 @@ def ring_out(argv, monkeypatch):
     monkeypatch.setattr(cli, "_max", lambda: None)        # MPI.MAX: never import (start) MPI here
     args = cli.build_parser().parse_args(argv)
     assert cli.check_args(args, 1) is None
-    timed = cli.time_passes(args, "striped", cli.NUMPY, OneRankWorld())
+    plan, = cli.make_plans(args, cli.NUMPY, 1)
+    timed = cli.time_passes(args, plan, cli.NUMPY, OneRankWorld())
     q, k, v, _ = cli.inputs(args, np.arange(args.seq_len))
     return timed.out, (q, k, v)
 
 
-BASE = ["--seq-len", "24", "--heads", "2", "--head-dim", "4", "--tile-size", "4", "--dtype", "float64", "--no-warmup"]
+BASE = ["--seq-len", "24", "--heads", "2", "--head-dim", "4", "--tile-size", "4", "--dtype", "float64", "--no-warmup",
+        "--layout", "striped"]
 
 
 @pytest.mark.parametrize("argv, options, changed", [
@@ -59,25 +61,27 @@ def test_seed_picks_the_inputs_and_the_dropped_pairs(monkeypatch):
 
 def test_the_backward_runs_at_its_own_tile(monkeypatch):
     """--backward-tile-size reaches the backward alone (a fused forward's small
-    tile, a large one behind it); without it the backward takes --tile-size."""
+    tile, a large one behind it); without it the backward takes --tile-size.
+    Each pass's call carries its tile resolved, (tq, tk)."""
     monkeypatch.setattr(cli, "_max", lambda: None)
     tiles = []
 
-    def forward(q, k, v, *, tile_size, **options):
-        tiles.append(("forward", tile_size))
+    def forward(q, k, v, *, call, **options):
+        tiles.append(("forward", call.tile))
         return q, None, None
 
-    def backward(q, k, v, out, lse, dout, *, tile_size, **options):
-        tiles.append(("backward", tile_size))
+    def backward(q, k, v, out, lse, dout, *, call, **options):
+        tiles.append(("backward", call.tile))
         return q, k, v, None
 
     backend = cli.Backend("recording", forward, backward)
-    for argv, want in (([], 4), (["--backward-tile-size", "12"], 12)):
+    for argv, want in (([], (4, 4)), (["--backward-tile-size", "12x6"], (12, 6))):
         tiles.clear()
         args = cli.build_parser().parse_args(BASE + ["--backward"] + argv)
         assert cli.check_args(args, 1) is None
-        cli.time_passes(args, "striped", backend, OneRankWorld())
-        assert tiles == [("forward", 4), ("backward", want)]
+        plan, = cli.make_plans(args, backend, 1)
+        cli.time_passes(args, plan, backend, OneRankWorld())
+        assert tiles == [("forward", (4, 4)), ("backward", want)]
 
 
 def test_the_choice_line_prices_both_passes_at_the_link_given():
@@ -93,7 +97,7 @@ def test_the_choice_line_prices_both_passes_at_the_link_given():
     ring = Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
     fwd, bwd = (predict_scheme(ring, 256, "striped", backward=b, **scheme_args._shape(args, mask)) for b in (False, True))
     flops = fwd.totals()["critical_flops"] + bwd.totals()["critical_flops"]
-    assert scheme_args.measured_rate(args, 4, "striped", mask, 0.5) == pytest.approx(flops / 0.5)
+    assert scheme_args.measured_rate(args, ring, "striped", mask, 0.5) == pytest.approx(flops / 0.5)
     line = scheme_args.choice_line(args, 4, "striped", mask, 1e9)
     ms = (fwd.seconds(0.5e9, 1e9) + bwd.seconds(0.5e9, 1e9)) * 1e3
     assert f"[ring {ms:.0f} ms," in line and "link 0.5 GB/s" in line, line

@@ -114,7 +114,7 @@ def test_the_others_sleep_while_rank_0_checks_and_reports(monkeypatch):
     args = cli.build_parser().parse_args(["--seq-len", "16", "--heads", "1", "--head-dim", "4", "--tile-size", "4",
                                           "--layout", "all", "--check", "--no-warmup"])
     args.threads, args.blas_threads = 1, 1
-    rows, checker = cli.run(args, cli.NUMPY, world)
+    rows, checker = cli.run(args, cli.make_plans(args, cli.NUMPY, 1), cli.NUMPY, world)
     assert [r.error < 1e-5 for r in rows] == [True] * 3
     assert events.count("reference") == 3 and checker.want is not None
     # a wait at every layout's start, and after each check before anything else
@@ -149,5 +149,5 @@ def test_the_table_says_how_the_ranks_waited(monkeypatch, waits, crowded, quiet)
     monkeypatch.setattr(cli, "crowded", lambda comm: crowded)
     monkeypatch.setattr(cli, "rank_share", lambda comm, **k: cores.cores.share(1, cores=1))
     args = cli.build_parser().parse_args(["--seq-len", "16", "--waits", waits])
-    cli.hold_share(args, cli.NUMPY, OneRankWorld())
+    cli.hold_share(args, cli.make_plans(args, cli.NUMPY, 1), OneRankWorld())
     assert args.quiet_waits is quiet

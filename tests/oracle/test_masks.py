@@ -560,8 +560,13 @@ def test_gpu_impl_with_masks_through_its_cpu_stand_in(monkeypatch, fake_mpi, opt
 # -- the command line -----------------------------------------------------------
 
 def cli_problem(*argv, ranks=4):
-    from mpi_impl.cli import build_parser, check_args
-    return check_args(build_parser().parse_args(list(argv)), ranks)
+    """What the command line says before it runs: the options' check, then its plans'."""
+    from mpi_impl.cli import NUMPY, build_parser, check_args, make_plans
+    args = build_parser().parse_args(list(argv))
+    try:
+        return check_args(args, ranks) or make_plans(args, NUMPY, ranks) and None
+    except ValueError as e:
+        return str(e)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -22,11 +22,13 @@ largest status, as ``python -m mpi_impl`` would with any of them.
 """
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 
 import mpi_impl
 from mpi_impl.cli import Backend, main
+from reference.masks import CAUSAL
 
 # CPU seconds of each round, [repeat][rank] -> (round 0, round 1), on 2 ranks
 CANNED_CPU_S = [[(5.0, 1.0), (1.0, 4.0)],
@@ -51,7 +53,7 @@ def spoiled(scenario, comm, handed=None):
 
     def forward(q, k, v, **options):
         if scenario == "always-causal":
-            options["causal"] = True
+            options["call"] = replace(options["call"], mask=CAUSAL)       # the plan's call, made causal
         out, lse, log = mpi_impl.ring_attention(q, k, v, **options)
         if scenario == "nan-out" and on_rank_1:
             out = out.copy()
@@ -62,7 +64,7 @@ def spoiled(scenario, comm, handed=None):
 
     def backward(q, k, v, out, lse, dout, **options):
         if scenario == "always-causal":
-            options["causal"] = True
+            options["call"] = replace(options["call"], mask=CAUSAL)
         dq, dk, dv, log = mpi_impl.ring_attention_backward(q, k, v, out, lse, dout, **options)
         if scenario == "nan-dq" and on_rank_1:
             dq = dq.copy()
