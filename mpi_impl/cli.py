@@ -20,10 +20,8 @@ and rank 0 prints one row per layout (`mpi_impl.table`):
   predicted     the cost model's speedup (`reference.cost`, "tiles", same tile size)
 
 With more ranks than cores, wall time measures the scheduler; read the critical
-path. The ranks on one machine share its cores (`mpi_impl.cores`): each holds
-BLAS and a step's workers to its share, within the rank's own limit
-(OPENBLAS_NUM_THREADS=1 is one core); --threads and --blas-threads choose
-otherwise within it, and the table's first line says what ran.
+path. Ranks share the machine's cores (`mpi_impl.cores`, docs/mpi.md); --threads
+and --blas-threads choose within a rank's share; the first line says what ran.
 
 Another backend reuses the command line with a `Backend` of its own, whose
 forward and backward take this package's keyword arguments (`gpu_impl.__main__`:

@@ -137,7 +137,7 @@ def main(argv=None):
             ap.error(str(e))
         print(table)
         return
-    print(f"S={args.seq_len} N={args.n_devices} tile={tile_shape(args.tile_size)}"
+    print(f"S={args.seq_len} N={args.n_devices} tile={tuple(tile_shape(args.tile_size))}"
           + "".join(f" {k}={v}" for k, v in (("window", args.window), ("documents", args.doc_lengths)) if v)
           + ("" if args.causal else " not causal"))
     print(f"{'layout':<11} {'crit. tiles':>12} {'crit. pairs':>12} {'speedup tiles':>14} {'speedup pairs':>14}")

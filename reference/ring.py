@@ -13,13 +13,10 @@ the communication object differs. It has three verbs and two attributes:
     comm.progress()                          # let the transfers in flight move
 
 The step calls `progress` between its tiles: MPI moves a large message only
-inside MPI calls, so without it a transfer would wait for the end of the step.
-The object also counts the bytes it moves (``comm.traffic``, for the trace);
-the loops only tell it the round (`RoundLog.rounds`).
-
-A buffer passed to `start_shift` must not be written until `finish_shift`
-returns; the loops below never write a block after sending it.
-`reference.lockstep` is the same algorithm with all devices in one loop.
+inside MPI calls. The object counts the bytes it moves (``comm.traffic``); the
+loops only tell it the round (`RoundLog.rounds`). A buffer passed to `start_shift` must not be written until `finish_shift`
+returns; the loops never write a block after sending it (`reference.lockstep`:
+the same algorithm with all devices in one loop).
 
 On a GPU the step only queues kernels, and nothing here reads device memory
 on the host, so the next transfer starts without waiting for them (paper,

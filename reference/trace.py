@@ -14,8 +14,7 @@ Fields (all shape (N rounds, N devices)):
                   seconds spent waiting for a transfer (zero where not timed)
   start_s         when the step of round t started (host clock, seconds since the
                   device's ring began; the K/V transfer was posted just before)
-  arrived_s       when that transfer's block was seen complete, in the step's progress
-                  or in finish_shift (MPI ranks; NaN where not recorded, and in the last round)
+  arrived_s       when that transfer's block was seen complete (MPI ranks; NaN elsewhere)
 and `step`, the step version that ran (e.g. "v3, 2 workers"), and `threads`, how
 the virtual devices shared the cores (`reference.cores`; empty elsewhere). The first four
 are the `Work` that the cost model predicts without running (`reference.cost`).
@@ -23,10 +22,9 @@ Round t's step runs from start_s for compute_s, then the device waits wait_s; MP
 ranks start the ring together, after the call's agreement check, so their clocks
 line up to within it. `wait_parts` splits a forward's waits into blocks not yet
 sent and blocks still arriving. Each device keeps a `RoundLog` (one row of the
-trace); the bytes are counted where they move, each communication object
-counting into its `Traffic` in the round the loop is in (`RoundLog.rounds`,
-`RoundLog.tally`); `Trace.from_logs` stacks the logs, `Trace.table()` prints the work, and
-`write_trace` / `read_trace` keep traces in a JSON file (``--trace-out``).
+trace), its bytes counted by the communication objects' `Traffic`
+(`RoundLog.rounds`, `tally`); `Trace.from_logs` stacks the logs, `Trace.table()`
+prints the work, `write_trace` / `read_trace` keep traces in a file (``--trace-out``).
 
     out, lse, trace = reference.ring_attention(q, k, v, n_devices=4, trace=True)
     print(trace.table("striped"))

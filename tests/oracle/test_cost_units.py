@@ -136,7 +136,8 @@ def test_without_the_causal_mask_no_layout_is_predicted_faster():
     for causal, above_one in ((False, False), (True, True)):
         args = cli.build_parser().parse_args(["--seq-len", "256", "--heads", "4", "--head-dim", "16",
                                               "--tile-size", "16", "--causal" if causal else "--no-causal"])
-        predicted = scheme_args.predicted_speedup(args, 4, "striped", cli.mask_options(args))
+        scheme = scheme_args.scheme_of(args, 4)
+        predicted = scheme_args.predicted_speedup(args, scheme, "striped", cli.mask_options(args))
         assert (predicted > 1.05) == above_one and (causal or predicted == 1.0), (causal, predicted)
 
 

@@ -83,7 +83,7 @@ def run_scheme(name, u, n, layout, seed=0):
     call = check_call(q, k, v, n_devices=n, layout=layout, scheme=name, ulysses_degree=u, step="v1", tile_size=4)
     scheme, pos = call.scheme, call.positions
     shards = [shard_at(x, pos) for x in (q, k, v, out)] + [shard_at(lse, pos, axis=2), shard_at(dout, pos)]
-    opts = dict(scheme=scheme, scale=call.scale, tile_size=call.tile_size, step=call.step, mask=call.mask)
+    opts = dict(scheme=scheme, scale=call.scale, tile_size=call.tile, step=call.step, mask=call.mask)
 
     def device(j, world):
         ring_members, group = scheme.ring_group(j), scheme.ulysses_group(j)
