@@ -507,24 +507,25 @@ assert abs((lambda b: (b["Q"] + b["O"]) / sum(b.values()))(ulysses_forward_bytes
 # %% [markdown]
 # What the table says, per device and per layer:
 #
-# - **The all-gather** holds one layer's whole `K` and `V` while the layer runs: 4 GiB with 32
-#   K/V heads, half as much again as the 8 GiB of layer inputs the device keeps for the whole
-#   model (with 8 K/V heads, 1 GiB). In the backward it also computes a `dK, dV` for every
-#   gathered block before its reduce-scatter sums them over the devices; the project's keeps
-#   them all, in float32: 8 GiB more with 32 K/V heads. It sends what the ring sends, but before the
-#   first tile (and the reduce-scatter after the last), where no compute hides it: all its bytes
-#   are exposed.
+# - **The all-gather** holds one layer's whole `K` and `V` while the layer runs: 4 GiB with
+#   32 K/V heads, half as much again as the 8 GiB of layer inputs the device keeps for the
+#   whole model (with 8 K/V heads, 1 GiB). In the backward it also computes a `dK, dV` for
+#   every gathered block before its reduce-scatter sums them over the devices; the project's
+#   keeps them all, in float32: 8 GiB more with 32 K/V heads. It sends what the ring sends,
+#   but before the first tile (and the reduce-scatter after the last), where no compute
+#   hides it: all its bytes are exposed.
 # - **The ring** holds two blocks (1 GiB, or 0.25 GiB with GQA), whatever `N`, and sends each
 #   block while the device computes on another; it hides a transfer when a round's compute
 #   outlasts it (notebook 4 works out when). Per training step it sends the most: 15 GiB, as
 #   `dK, dV` travel round the ring in float32 beside `K, V`.
-# - **Ulysses** holds and sends least here (2.6 GiB a step), but all of it exposed, half of it
-#   `Q` and `O` (80% with GQA, where `K, V` are small), and it spreads heads: with 32 heads it
+# - **Ulysses** holds and sends least here (2.6 GiB a step), but all of it exposed; in the
+#   forward half of it is `Q` and `O` (80% with GQA, where `K, V` are small), in the backward
+#   `Q, O, dO, dQ` are four of its seven arrays. It spreads heads: with 32 heads it
 #   reaches at most 32 devices, and with 8 K/V heads it must copy each K/V head to several
 #   devices beyond 8. **USP** sits between: Ulysses in groups of `u`, the ring across them.
 #
 # Llama 3 was trained with the all-gather (*The Llama 3 Herd of Models*, 2024, arXiv:2407.21783,
-# section 3.3.2, "Context parallelism for long sequences"). Its authors say so against the
+# section 3.3.2, "Context parallelism for long sequences"). Its authors chose it over the
 # ring, knowing that its transfers are exposed, for two reasons: it is "easier and more
 # flexible to support different types of attention masks", "such as the document mask" (every
 # device holds every key, so a mask of packed documents is just a mask; on the ring each
@@ -555,17 +556,21 @@ ring_fwd, ring_bwd = costs[32]["ring"]
 assert ring_fwd.seconds(LINK, RATE) == ring_fwd.seconds(float("inf"), RATE)    # the forward's blocks hide
 assert ring_bwd.seconds(LINK, RATE) > ring_bwd.seconds(float("inf"), RATE)     # the backward's do not, quite
 assert all(costs[8]["ring"][b].seconds(LINK, RATE) == costs[8]["ring"][b].seconds(float("inf"), RATE) for b in (0, 1))
+compute_only = {label: sum(c.seconds(float("inf"), RATE) for c in pair) for label, pair in costs[32].items()}
+assert 0.85 < compute_only["ulysses (u=8)"] / compute_only["ring"] < 0.95   # a tenth less compute
 
 # %% [markdown]
 # At this size the ring's forward hides every block; its backward, sending 1.5 GiB a round
 # with 32 K/V heads, waits a little on this link, and with 8 K/V heads hides everything. The
-# all-gather pays for all its bytes on top of the compute, and Ulysses for its (fewer) ones;
-# Ulysses also computes a little less, as each device attends whole heads with no causal
-# imbalance between devices. One link for every transfer is the simplest machine: real ones
-# have fast links inside a node and slower ones between nodes, and a scheme's time then depends
-# on which of its transfers cross which. `python -m reference.cost --scheme all` prints the
-# same table for any shape, link and compute rate. Other people's Ulysses and USP (Ulysses x
-# ring) implementations are checked against this project's oracle by its conformance kit:
+# all-gather pays for all its bytes on top of the compute, and Ulysses for its (fewer) ones.
+# Ulysses also computes a tenth less here: each device attends its heads over one causal
+# triangle of the whole sequence, whose masked diagonal tiles it pays once, where the striped
+# ring pays a diagonal band in every round (notebook 4). One link for every transfer is the
+# simplest machine: real ones have fast links inside a node and slower ones between nodes,
+# and a scheme's time then depends on which of its transfers cross which.
+# `python -m reference.cost --scheme all` prints the same table for any shape, link and
+# compute rate. Other people's Ulysses and USP (Ulysses x ring) implementations are checked
+# against this project's oracle by its conformance kit:
 # `CONFORMANCE.md` at the top of the repository lists what each gave, and
 # `docs/conformance/yunchang.md` the Ulysses and USP rings of one of them.
 

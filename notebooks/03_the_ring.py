@@ -333,7 +333,7 @@ assert np.allclose(unshard([o for o, _ in held_runs], "contiguous"), dense_out, 
 
 # %% [markdown]
 # With transfers taken as instant and every device equally fast, the ring then takes at least
-# its busiest device's total (it never waits) and at most the sum over rounds of each round's
+# its busiest device's total and at most the sum over rounds of each round's
 # busiest device, the **critical path**: each round starts no later than under the "finish"
 # rule, which a round's busiest device bounds. For the three layouts and this causal mask the
 # two bounds coincide (the busiest device is busiest in every round), so both rules give the

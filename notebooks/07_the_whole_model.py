@@ -428,15 +428,16 @@ display(Markdown(
 # printed table and the chart are this run's, and change with the next). `BENCHMARKS.md`
 # records a careful run at more sequence lengths, with the machine it ran on and its load.
 #
-# Why `h` moves: it is measured, not a constant of the machine, and at these sizes the
-# ring's CPU time grows more slowly than its tile FLOPs (the growth printed above), so its
-# cost per FLOP falls as the blocks grow. Which part of the ring's time does not grow with
-# the tiles' area is **open** here: candidates are the work each call does once per round
-# or per block whatever its size (the ranks checking their arguments together, regrouping
-# heads, planning tiles, posting and testing transfers), the masked tiles on each block's
-# diagonal (two of striped's three computed tiles at `c = 512`, four of ten at `c = 1024`;
-# notebook 6 fits a masked tile dearer than a full one), and the time ranks spend waiting
-# (they spin, so it is CPU time).
+# Why `h` moves: it is the ratio of two costs per FLOP measured in the run, and both move
+# with `S` (the growth printed above). The ring's falls as its blocks grow: its CPU time grows
+# more slowly than its tile FLOPs. Which part of the ring's time does not grow with the
+# tiles' area, and how much the cost outside the ring moves on its side (the linear layers,
+# with the norms, the loss, the allreduce and Adam charged to them), is **open** here.
+# Candidates for the ring are the work each call does once per round or per block whatever
+# its size (the ranks checking their arguments together, regrouping heads, planning tiles,
+# posting and testing transfers), the masked tiles on each block's diagonal (two of striped's
+# three computed tiles at `c = 512`, four of ten at `c = 1024`; notebook 6 fits a masked tile
+# dearer than a full one), and the time ranks spend waiting (they spin, so it is CPU time).
 # This notebook does not separate them; `python -m bench.block_shapes` measures a tile's cost
 # by block shape in one process. What it changes here: each row's TMS uses its own `h`. The
 # pair-counted TMS is never below the tile-aware one: a kernel that skips whole tiles computes
