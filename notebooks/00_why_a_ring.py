@@ -292,7 +292,7 @@ assert gathered_kv == N * own_kv
 # %%
 out, lse, trace = ring_attention(q, k, v, n_devices=N, layout="striped", trace=True)
 assert np.allclose(out, attention(q, k, v)[0], rtol=0, atol=1e-12)
-block_msg = own_kv + pos[0].nbytes + 8                  # K, V, their positions, the owner's id
+block_msg = own_kv + pos[0].nbytes + 8                  # K, V, their positions, the owner (two int32)
 print("bytes each device sent, per round (rows) and device (columns):\n", trace.bytes_sent)
 assert (trace.bytes_sent[:N - 1] == block_msg).all()    # one block per round
 assert (trace.bytes_sent[N - 1] == 0).all()             # nothing after the last round
