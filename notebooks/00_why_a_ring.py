@@ -19,7 +19,7 @@
 # attention over several devices at all: because of memory. We measure what attention and
 # a model keep as the sequence grows, see what one device can hold, cut the sequence over
 # devices, try the naive way of giving each device the keys it needs, and arrive at the
-# ring. The eight notebooks, in reading order:
+# ring. The nine notebooks, in reading order:
 #
 # 0. **why a ring** (this notebook): memory, context parallelism, the ring drawn;
 # 1. attention and the online softmax: one block of keys at a time, exactly;
@@ -28,7 +28,9 @@
 # 4. tiles, and the speed-up they turn balance into;
 # 5. the backward pass;
 # 6. real processes with MPI;
-# 7. the whole model: a transformer trained over the ring.
+# 7. the whole model: a transformer trained over the ring;
+# 8. around the ring: the collectives, data parallelism beside it, stock kernels, and the
+#    same ring in PyTorch.
 #
 # Every number on the way is computed by the project's code and checked with an `assert`.
 #
@@ -40,12 +42,13 @@ import tracemalloc
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
 
 from model import attention as model_attention
 from model import recipe, transformer
 from reference import attention, positions, ring_attention, shard, unshard
 from reference.tms import MODELS
+from reference.virtual import run_devices
 
 GiB = 2 ** 30
 COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]   # one colour per device, as in notebook 2
@@ -152,10 +155,40 @@ for d, f, H in [(64, 256, 4), (128, 256, 4), (64, 512, 2)]:
     assert per_layer[d, f, H] == 9 * d + 3 * f + H + 2
 
 # %% [markdown]
-# So this model keeps `9d + 3f + H + 2` numbers per token and layer: the normed inputs of
-# its two sublayers and their gains' statistics, `q`, `k`, `v`, the attention output (and a
-# copy of it in the output projection), `lse` (one per head), the MLP's input and its three
-# hidden arrays of width `f`. Built at the size of the paper's 7B model (its Table 1) and
+# So this model keeps `9d + 3f + H + 2` numbers per token and layer. Which arrays they are,
+# read from one layer's cache (the sizes are per token):
+
+# %%
+def one_layer_cache(config, S):
+    """The named arrays one layer keeps for its backward, for one sequence of S tokens."""
+    params = transformer.init_params(config, seed=0)
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (1, S + 1))
+    here = recipe.shift_then_shard(tokens, 1, "contiguous")[0]
+    _, (_, layers, *_) = transformer.forward(params, config, here.x, here.y, here.pos,
+                                             model_attention.Dense(), n_labels=S)
+    (xhat1, r1, _), attn, (xhat2, r2, _), ((mlp_in, _), (hidden, tanh), (gelu, _)) = layers[0]
+    (attn_in, _), _, _, _, q_rot, k_rot, v_, out_, lse_, (out_for_wo, _) = attn
+    return {"norm 1: x / rms(x)": xhat1, "norm 1: 1 / rms(x)": r1, "attention's input (x / rms times the gain)": attn_in,
+            "q, rotated": q_rot, "k, rotated": k_rot, "v": v_, "attention output": out_,
+            "lse (one per head)": lse_, "attention output again, laid out for W_O": out_for_wo,
+            "norm 2: x / rms(x)": xhat2, "norm 2: 1 / rms(x)": r2, "MLP input (x / rms times the gain)": mlp_in,
+            "MLP hidden, x W_1": hidden, "tanh inside the GELU": tanh, "GELU output": gelu}
+
+
+small = transformer.Config(vocab=16, d_model=64, n_head=4, n_layer=1, d_ff=256)
+kept = {name: a.size // 64 for name, a in one_layer_cache(small, 64).items()}        # numbers per token
+for name, width in kept.items():
+    print(f"{name:<44} {width:>4}")
+d, f, H = small.d_model, small.d_ff, small.n_head
+print(f"{'sum':<44} {sum(kept.values()):>4}  = 9d + 3f + H + 2 = {9 * d + 3 * f + H + 2}")
+assert sum(kept.values()) == 9 * d + 3 * f + H + 2 == per_layer[d, f, H]
+assert sorted(kept.values()).count(d) == 9 and sorted(kept.values()).count(f) == 3
+
+# %% [markdown]
+# Nine arrays of width `d`: each norm's normalised input and its scaled output (four),
+# `q`, `k`, `v`, and the attention output twice (as attention returns it, and re-laid out
+# for the output projection); two numbers for the norms' `1 / rms`; `H` for `lse`; three
+# of width `f` in the MLP. Built at the size of the paper's 7B model (its Table 1) and
 # kept in bfloat16, per token that is:
 
 # %%
@@ -259,7 +292,7 @@ assert gathered_kv == N * own_kv
 # %%
 out, lse, trace = ring_attention(q, k, v, n_devices=N, layout="striped", trace=True)
 assert np.allclose(out, attention(q, k, v)[0], rtol=0, atol=1e-12)
-block_msg = own_kv + pos[0].nbytes + 8                  # K, V, their positions, the owner's id
+block_msg = own_kv + pos[0].nbytes + 8                  # K, V, their positions, the owner (two int32)
 print("bytes each device sent, per round (rows) and device (columns):\n", trace.bytes_sent)
 assert (trace.bytes_sent[:N - 1] == block_msg).all()    # one block per round
 assert (trace.bytes_sent[N - 1] == 0).all()             # nothing after the last round
@@ -290,13 +323,75 @@ assert held["ring"] == [2 / n for n in n_devices]
 # ## Three ways to spread attention, side by side
 #
 # The all-gather and the ring are two of the three ways the field spreads attention over
-# devices. The third, **Ulysses**, cuts the other axis for attention alone: an all-to-all
-# trades each device's shard of every head for the whole sequence of `H / N` heads, each
-# device attends on its own, and a second all-to-all trades back. It needs the heads (and
-# the key/value heads) divisible by `N`. **USP** runs Ulysses in groups of `u` devices and
-# the ring across the `N / u` groups. All four run here (`scheme=`), and the project's cost
-# model (`reference.scheme_cost`) counts, per device, the K/V bytes each holds and the bytes
-# each sends, byte for byte as the runs' traces record them:
+# devices. The third, **Ulysses** (DeepSpeed-Ulysses), cuts the other axis, for attention
+# alone: an all-to-all trades each device's shard of every head for the whole sequence of
+# `H / N` heads, each device attends on its own, and a second all-to-all trades the output
+# back. Its devices must share out the heads (and the key/value heads) evenly. **USP** runs
+# Ulysses in groups of `u` devices and the ring across the `N / u` groups.
+#
+# Each moves data with a different *collective*: an operation that every device of a group
+# calls together. Here are the three, run on four of the project's virtual devices
+# (`reference.virtual.run_devices`, whose communication objects have the ring's `start_shift`
+# and `finish_shift`, and the `all_to_all` of a Ulysses group):
+#
+# - the ring's **shift**: each device sends its block to the next device and receives the
+#   previous device's (a pass makes `N - 1` of them);
+# - the **all-gather**: every device ends with every device's block (here made of `N - 1`
+#   shifts, each block kept);
+# - the **all-to-all**: device `j` holds one piece for each device `i` (for Ulysses, its
+#   tokens `t j` of head group `h i`) and ends with its own piece of every device (the
+#   whole sequence of its head group).
+
+# %%
+def collectives(j, comm):
+    """What device j holds after a ring shift, an all-gather and an all-to-all."""
+    (shifted,) = comm.finish_shift(comm.start_shift((np.array([j]),), 1))
+    gathered = [np.array([j])]
+    for _ in range(comm.size - 1):                       # the all-gather: N - 1 shifts, each block kept
+        (arrived,) = comm.finish_shift(comm.start_shift((gathered[-1],), 2))
+        gathered.append(arrived)
+    pieces = comm.all_to_all([np.array([j, i]) for i in range(comm.size)])   # piece i: (tokens j, heads i)
+    return int(shifted[0]), [int(g[0]) for g in gathered], [tuple(map(int, p)) for p in pieces]
+
+
+held_after = run_devices(4, collectives)
+for j, (shifted, gathered, pieces) in enumerate(held_after):
+    assert shifted == (j - 1) % 4                                   # the previous device's block
+    assert gathered == [(j - t) % 4 for t in range(4)]              # every block, the ring's order
+    assert pieces == [(i, j) for i in range(4)]                     # tokens of every device, heads j
+
+
+def draw_holdings(ax, holdings, title, rows):
+    """holdings[j]: the (device it came from, label) of each block device j holds, as a column
+    of up to `rows` cells."""
+    for j, cells in enumerate(holdings):
+        ax.text(j, 4.3, f"device {j}", ha="center", va="center", fontsize=8, weight="bold")
+        for row, (origin, label) in enumerate(cells):
+            ax.add_patch(Rectangle((j - 0.42, 3.1 - row), 0.84, 0.84, facecolor=COLORS[origin], edgecolor="white"))
+            ax.text(j, 3.52 - row, label, ha="center", va="center", color="white", fontsize=8)
+    ax.set_xlim(-0.6, 3.6)
+    ax.set_ylim(4.05 - rows, 4.6)
+    ax.axis("off")
+    ax.set_title(title, fontsize=9)
+
+
+kv = lambda j: (j, f"K,V {j}")
+rows = [("ring shift (send, receive)", [[kv(j)] for j in range(4)], [[kv(s)] for s, _, _ in held_after]),
+        ("all-gather", [[kv(j)] for j in range(4)], [[kv(g) for g in gathered] for _, gathered, _ in held_after]),
+        ("all-to-all (Ulysses)", [[(j, f"t{j} h{i}") for i in range(4)] for j in range(4)],
+         [[(t, f"t{t} h{h}") for t, h in pieces] for _, _, pieces in held_after])]
+fig, axes = plt.subplots(3, 2, figsize=(8.5, 6.2), layout="constrained", height_ratios=(1.6, 4.6, 4.6))
+for (name, before, after), (ax_before, ax_after) in zip(rows, axes):
+    rows_drawn = max(map(len, before + after))
+    draw_holdings(ax_before, before, f"{name}: before", rows_drawn)
+    draw_holdings(ax_after, after, f"{name}: after", rows_drawn)
+fig.suptitle("What each device holds before and after a collective (colour: the device it came from)", fontsize=10)
+plt.show()
+
+# %% [markdown]
+# All four schemes run here (`scheme=`), and the project's cost model
+# (`reference.scheme_cost`) counts, per device, the K/V bytes each holds and the bytes each
+# sends, byte for byte as the runs' traces record them:
 
 # %%
 from reference.scheme_cost import predict_scheme
@@ -313,48 +408,171 @@ for name, u in PLANS:
     assert (tr.kv_bytes == cost4.kv_bytes).all() and (tr.bytes_sent == cost4.bytes_sent).all()
 
 # %% [markdown]
-# The same count at the paper's size: a 7B model (32 heads of 128, bfloat16), 256k tokens
-# on 8 devices, one attention layer's forward:
+# ## The four at the paper's size
+#
+# The same count for a 7B model (32 query heads of 128), 256k tokens on 8 devices, 2 bytes a
+# number, one attention layer: its forward, and a training step (forward and backward). Twice:
+# with 32 key/value heads, as the paper's model, and with 8 (grouped-query attention, GQA: 4
+# query heads share each key/value head, the shape of Llama 3 8B's attention). Beside them, what a
+# device holds anyway, so that each figure has something to be set against: each layer's
+# input for the backward (the least it keeps, above), divided over the 8 devices, and its own
+# share of one layer's `K` and `V`.
 
 # %%
 S7, N7, H7, D7 = 262144, 8, 32, 128
-costs = {}
-for name, u in PLANS:
-    scheme = Scheme.checked(name, u, n_devices=N7, Hq=H7, Hkv=H7)
-    costs[scheme.label] = predict_scheme(scheme, S7, "striped", B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16",
-                                         tile_size=4096).totals()
-print(f"{'scheme':<14} {'K/V held, GiB':>14} {'sent, GiB':>10}   (per device, one layer, forward)")
-for label, t in costs.items():
-    print(f"{label:<14} {t['peak_kv'] / GiB:>14.2f} {t['bytes_sent'] / GiB:>10.2f}")
-fig, axes = plt.subplots(1, 2, figsize=(8, 3))
-for ax, key, title in zip(axes, ("peak_kv", "bytes_sent"), ("K/V held per device", "bytes sent per device")):
-    ax.bar(list(costs), [t[key] / GiB for t in costs.values()], color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"])
+c7 = S7 // N7                                       # tokens per device
+KV_HEADS = (32, 8)                                  # the paper's 7B; the same with GQA
+
+
+def scheme_costs(Hkv):
+    """{label: (forward, backward)}: the cost model's SchemeCost of each scheme, one layer."""
+    costs = {}
+    for name, u in PLANS:
+        scheme = Scheme.checked(name, u, n_devices=N7, Hq=H7, Hkv=Hkv)
+        costs[scheme.label] = tuple(predict_scheme(scheme, S7, "striped", B=1, Hq=H7, Hkv=Hkv, D=D7,
+                                                   dtype="float16", tile_size=4096, backward=backward)
+                                    for backward in (False, True))      # float16: 2 bytes, as bfloat16
+    return costs
+
+
+costs = {Hkv: scheme_costs(Hkv) for Hkv in KV_HEADS}
+inputs_per_device = inputs_only * c7                 # every layer's input, this device's tokens
+own_kv = {Hkv: 2 * c7 * Hkv * D7 * BF16 for Hkv in KV_HEADS}
+print(f"per device, N = {N7}: each layer's input, all {L} layers: {inputs_per_device / GiB:.0f} GiB;  "
+      f"its own K, V of one layer: {own_kv[32] / GiB:.2f} GiB (32 K/V heads), {own_kv[8] / GiB:.3f} GiB (8)\n")
+print(f"{'scheme':<14} {'K/V heads':>9} {'K/V held':>9} {'sent, forward':>14} {'sent, training step':>20}"
+      f" {'of which exposed':>17}   (GiB per device, one layer)")
+table = {}
+for Hkv in KV_HEADS:
+    for label, (fwd, bwd) in costs[Hkv].items():
+        step = fwd.bytes_sent.sum(axis=0) + bwd.bytes_sent.sum(axis=0)                 # (devices,)
+        exposed = fwd.exposed.sum(axis=0) + bwd.exposed.sum(axis=0)
+        table[label, Hkv] = dict(held=max(fwd.totals()["peak_kv"], bwd.totals()["peak_kv"]) / GiB,
+                                 forward=fwd.totals()["bytes_sent"] / GiB, step=step.max() / GiB,
+                                 exposed=exposed.max() / GiB)
+        t = table[label, Hkv]
+        print(f"{label:<14} {Hkv:>9} {t['held']:>9.2f} {t['forward']:>14.2f} {t['step']:>20.2f} {t['exposed']:>17.2f}")
+
+labels = list(costs[32])
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), layout="constrained")
+for ax, key, title in zip(axes, ("held", "step"), ("K/V held per device", "sent per device, one training step")):
+    for i, Hkv in enumerate(KV_HEADS):
+        x = np.arange(len(labels)) + (i - 0.5) * 0.4
+        ax.bar(x, [table[label, Hkv][key] for label in labels], width=0.4, color=COLORS[i], label=f"{Hkv} K/V heads")
+        if key == "step":                                # the part no compute overlaps
+            ax.bar(x, [table[label, Hkv]["exposed"] for label in labels], width=0.4, fill=False, hatch="//",
+                   edgecolor="0.2", lw=0, label="exposed (no compute overlaps it)" if i == 0 else None)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_title(title + " (GiB)", fontsize=10)
-    ax.tick_params(axis="x", labelsize=8)
-plt.tight_layout()
+axes[0].axhline(inputs_per_device / GiB, color="k", ls="--", lw=1, label="each layer's input, kept per device")
+axes[0].axhline(own_kv[32] / GiB, color="k", ls=":", lw=1, label="its own K, V (32 heads)")
+axes[0].legend(fontsize=7)
+axes[1].legend(fontsize=7)
 plt.show()
-whole_layer_kv = 2 * S7 * H7 * D7 * BF16                                       # one layer's K and V
-assert whole_layer_kv == 4 * GiB and 4 * GiB < costs["all_gather"]["peak_kv"] < 4.01 * GiB
-assert costs["ring"]["peak_kv"] * 3.99 < costs["all_gather"]["peak_kv"]       # two blocks of eight
-assert costs["ulysses (u=8)"]["peak_kv"] < costs["ring"]["peak_kv"]            # its heads' whole sequence
-assert costs["ring"]["bytes_sent"] == costs["all_gather"]["bytes_sent"]        # the same blocks, moved once
-assert costs["ulysses (u=8)"]["bytes_sent"] * 3.9 < costs["ring"]["bytes_sent"]
+
+assert inputs_per_device == 8 * GiB and own_kv[32] == GiB / 2
+assert N7 * 2 * c7 * 32 * D7 * 4 == 8 * GiB                 # the all-gather's backward: every block's dK, dV, float32
+held_ag = table["all_gather", 32]["held"]
+assert 4 < held_ag < 4.01 and held_ag < 0.51 * inputs_per_device / GiB   # half again the layer inputs
+assert table["ring", 32]["held"] * 3.99 < held_ag                          # two blocks of eight
+for Hkv in KV_HEADS:
+    ring, gather, ulysses = (table[label, Hkv] for label in ("ring", "all_gather", "ulysses (u=8)"))
+    assert ring["forward"] == gather["forward"]                  # the same blocks, moved once
+    assert ring["exposed"] == 0 and gather["exposed"] == gather["step"] and ulysses["exposed"] == ulysses["step"]
+assert abs(table["ring", 8]["held"] - 0.25) < 0.01 and abs(table["ring", 8]["forward"] - 0.88) < 0.01
+assert abs(table["ring", 32]["step"] - 15.0) < 0.01 and abs(table["ulysses (u=8)", 32]["step"] - 2.63) < 0.01
 
 # %% [markdown]
-# So at 7B and 256k tokens the all-gather holds 4 GiB of one layer's keys and values while
-# that layer runs: a cost, but small beside the 64 GiB of layer inputs kept for the
-# backward (above), which is why it is used in practice (Llama 3 was trained with it). It
-# moves the same bytes as the ring, all before the first tile, so nothing hides them.
-# Ulysses holds and moves least, but only while the heads divide over the devices (32 heads:
-# at most 32 devices), and its two all-to-alls cannot overlap the compute. The ring holds
-# two blocks, whatever `N`, and hides each transfer behind a round of compute; it is the
-# one that keeps working when the sequence outgrows what a device can gather and the heads
-# run out. USP sits between them. These notebooks follow the ring, where the causal mask
-# creates the imbalance that striping removes; `python -m reference.cost --scheme all`
-# puts the four side by side for any shape and link. Other people's Ulysses and USP
-# (Ulysses x ring) implementations are checked against this project's oracle by its
-# conformance kit: `conformance/CONFORMANCE.md` lists what each gave,
-# and `conformance/pages/yunchang.md` the Ulysses and USP rings of one of them.
+# **Ulysses moves `Q` and `O` too.** The ring and the all-gather move only keys and values.
+# Ulysses' all-to-alls trade every array attention reads or writes: in the forward, `Q`, `K`
+# and `V` before and the output `O` (and `lse`) after, `(u - 1) / u` of each; in the backward,
+# `Q, K, V, O, dO, lse` before and `dQ, dK, dV` after. Named, its forward at this size:
+
+# %%
+def ulysses_forward_bytes(Hkv):
+    """Bytes one device sends in Ulysses' two all-to-alls of the forward, by array."""
+    share = (N7 - 1) / N7                             # of each array, to the group's 7 others
+    q_or_o, k_or_v = c7 * H7 * D7 * BF16, c7 * Hkv * D7 * BF16
+    return {"Q": share * q_or_o, "K": share * k_or_v, "V": share * k_or_v, "O": share * q_or_o,
+            "lse": share * c7 * H7 * 4}              # lse travels in float32
+
+
+for Hkv in KV_HEADS:
+    named = ulysses_forward_bytes(Hkv)
+    print(f"{Hkv} K/V heads: " + ", ".join(f"{k} {b / GiB:.3f}" for k, b in named.items())
+          + f" GiB; Q and O: {(named['Q'] + named['O']) / sum(named.values()):.0%}")
+    assert abs(sum(named.values()) - costs[Hkv]["ulysses (u=8)"][0].totals()["bytes_sent"]) < 8
+assert abs((lambda b: (b["Q"] + b["O"]) / sum(b.values()))(ulysses_forward_bytes(8)) - 0.8) < 0.01
+
+# %% [markdown]
+# What the table says, per device and per layer:
+#
+# - **The all-gather** holds one layer's whole `K` and `V` while the layer runs: 4 GiB with
+#   32 K/V heads, half as much again as the 8 GiB of layer inputs the device keeps for the
+#   whole model (with 8 K/V heads, 1 GiB). In the backward it also computes a `dK, dV` for
+#   every gathered block before its reduce-scatter sums them over the devices; the project's
+#   keeps them all, in float32: 8 GiB more with 32 K/V heads. It sends what the ring sends,
+#   but before the first tile (and the reduce-scatter after the last), where no compute
+#   hides it: all its bytes are exposed.
+# - **The ring** holds two blocks (1 GiB, or 0.25 GiB with GQA), whatever `N`, and sends each
+#   block while the device computes on another; it hides a transfer when a round's compute
+#   outlasts it (notebook 4 works out when). Per training step it sends the most: 15 GiB, as
+#   `dK, dV` travel round the ring in float32 beside `K, V`.
+# - **Ulysses** holds and sends least here (2.6 GiB a step), but all of it exposed; in the
+#   forward half of it is `Q` and `O` (80% with GQA, where `K, V` are small), in the backward
+#   `Q, O, dO, dQ` are four of its seven arrays. It spreads heads: with 32 heads it
+#   reaches at most 32 devices, and with 8 K/V heads it must copy each K/V head to several
+#   devices beyond 8. **USP** sits between: Ulysses in groups of `u`, the ring across them.
+#
+# Llama 3 was trained with the all-gather (*The Llama 3 Herd of Models*, 2024, arXiv:2407.21783,
+# section 3.3.2, "Context parallelism for long sequences"). Its authors chose it over the
+# ring, knowing that its transfers are exposed, for two reasons: it is "easier and more
+# flexible to support different types of attention masks", "such as the document mask" (every
+# device holds every key, so a mask of packed documents is just a mask; on the ring each
+# round's work depends on where documents fall), and the exposed all-gather is small because
+# with GQA the "K and V tensors are much smaller than Q tensor" (Llama 3 405B: 8 K/V heads for
+# 128 query heads), against attention's compute, quadratic in the sequence. They deal the
+# tokens as zigzag does, `2 x CP` chunks, rank `i` holding chunks `i` and `2 x CP - 1 - i`,
+# "for better load balancing" (notebook 2). These notebooks follow the ring, where the causal
+# mask creates the imbalance that striping removes.
+#
+# ### From bytes to time
+#
+# Bytes cost time at the speed of the link they cross. The cost model turns its counts into a
+# predicted time on one link for every transfer, given its bandwidth and a compute rate: per
+# round, the busiest device's compute or its overlapped transfer, whichever is longer, plus the
+# exposed ones. At 25 GB/s a direction (one 200 Gb/s port) and 400 TFLOP/s of attention, the
+# figures `python -m reference.cost --scheme all` uses unless told otherwise:
+
+# %%
+LINK, RATE = 25e9, 400e12                           # bytes/s each way, attention FLOP/s (assumed)
+print(f"{'scheme':<14} {'K/V heads':>9} {'forward ms':>11} {'backward ms':>12} {'compute alone, ms':>18}")
+for Hkv in KV_HEADS:
+    for label, (fwd, bwd) in costs[Hkv].items():
+        timed = [c.seconds(LINK, RATE) * 1e3 for c in (fwd, bwd)]
+        alone = sum(c.seconds(float("inf"), RATE) * 1e3 for c in (fwd, bwd))   # an infinitely fast link
+        print(f"{label:<14} {Hkv:>9} {timed[0]:>11.0f} {timed[1]:>12.0f} {alone:>18.0f}")
+ring_fwd, ring_bwd = costs[32]["ring"]
+assert ring_fwd.seconds(LINK, RATE) == ring_fwd.seconds(float("inf"), RATE)    # the forward's blocks hide
+assert ring_bwd.seconds(LINK, RATE) > ring_bwd.seconds(float("inf"), RATE)     # the backward's do not, quite
+assert all(costs[8]["ring"][b].seconds(LINK, RATE) == costs[8]["ring"][b].seconds(float("inf"), RATE) for b in (0, 1))
+compute_only = {label: sum(c.seconds(float("inf"), RATE) for c in pair) for label, pair in costs[32].items()}
+assert 0.85 < compute_only["ulysses (u=8)"] / compute_only["ring"] < 0.95   # a tenth less compute
+
+# %% [markdown]
+# At this size the ring's forward hides every block; its backward, sending 1.5 GiB a round
+# with 32 K/V heads, waits a little on this link, and with 8 K/V heads hides everything. The
+# all-gather pays for all its bytes on top of the compute, and Ulysses for its (fewer) ones.
+# Ulysses also computes a tenth less here: each device attends its heads over one causal
+# triangle of the whole sequence, whose masked diagonal tiles it pays once, where the striped
+# ring pays a diagonal band in every round (notebook 4). One link for every transfer is the
+# simplest machine: real ones have fast links inside a node and slower ones between nodes,
+# and a scheme's time then depends on which of its transfers cross which.
+# `python -m reference.cost --scheme all` prints the same table for any shape, link and
+# compute rate. Other people's Ulysses and USP (Ulysses x ring) implementations are checked
+# against this project's oracle by its conformance kit:
+# `conformance/CONFORMANCE.md` lists what each gave, and `conformance/pages/yunchang.md`
+# the Ulysses and USP rings of one of them.
 
 # %% [markdown]
 # ## The ring, drawn
@@ -438,22 +656,45 @@ print("busiest device per round, contiguous:", cont.max(axis=1), " striped:", st
 # %% [markdown]
 # ## Exercises
 #
-# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
-# the answer and checks it against the project.
+# Work each out by hand first. Exercises 1 and 3 ask for a prediction, then a run: change the
+# parameter in the cell under them and run it. The answers are in the cell after those
+# (collapsed in Jupyter: click to open), checked against the project.
 #
-# 1. One head of one layer at 64k tokens (65536): how many GiB do its bfloat16 scores take?
+# 1. The dense formula's peak memory grew about four times each time `S` doubled (the first
+#    plot, up to 53 MiB at `S = 2048`). Predict its peak at `S = 3072`; then set `S_TRY = 3072`
+#    in the cell below and run it (it measures).
 # 2. The 7B model at 256k tokens, on 16 devices instead of 8: how much K/V does the ring hold
 #    per device, and the all-gather? (Ignore the few bytes of positions.)
-# 3. With 32 heads, what is the largest number of devices Ulysses can use on its own, and
-#    what does the project say when asked for more?
+# 3. Predict how the bytes one device sends in a forward change from `N = 8` to `N = 16` (same
+#    `S`, 32 K/V heads): for the ring, and for Ulysses. Then set `N_TRY = 16` and run.
 # 4. The ring on `N` devices sends each device's block to every other device once. What
-#    fraction of the whole sequence's K and V does one device send in a forward pass, as
-#    `N` grows?
+#    fraction of one layer's `K` and `V` does one device send in a forward pass, as `N` grows?
+# 5. Write it: Ulysses' first all-to-all, `my_to_heads(shards)`. `shards` are the `N` devices'
+#    arrays `(B, S / N, H, D)`, device `j` holding tokens `j S / N .. (j + 1) S / N - 1` (the
+#    contiguous layout) of every head; return the `N` arrays `(B, S, H / N, D)` that the devices
+#    hold after it, device `i` holding head group `i` (heads `i H / N ..`) of every token, in
+#    token order. The last cell checks it: each device's attention on its heads must equal
+#    those heads of dense attention.
+
+# %%
+S_TRY = 3072                                       # exercise 1: the sequence length to measure
+q_try, k_try, v_try = (rng.standard_normal((1, S_TRY, 1, 32)).astype(np.float32) for _ in range(3))
+measured_try = peak_bytes(lambda: attention(q_try, k_try, v_try))
+print(f"dense attention at S = {S_TRY}: peak {measured_try / 2**20:.1f} MiB")
+
+# %%
+N_TRY = 16                                         # exercise 3: devices (a divisor of the 32 heads)
+for label, scheme in [("ring", Scheme.checked("ring", None, n_devices=N_TRY, Hq=H7, Hkv=H7)),
+                      ("ulysses", Scheme.checked("ulysses", None, n_devices=N_TRY, Hq=H7, Hkv=H7))]:
+    sent = predict_scheme(scheme, S7, "striped", B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16",
+                          tile_size=4096).totals()["bytes_sent"]
+    print(f"N = {N_TRY}, {label}: {sent / GiB:.2f} GiB sent per device, forward (N = 8: "
+          f"{table[label if label == 'ring' else 'ulysses (u=8)', 32]['forward']:.2f})")
 
 # %% jupyter={"source_hidden": true}
-# 1. 65536^2 scores x 2 bytes = 2^33 bytes = 8 GiB
-answer_1 = 8
-assert 65536 ** 2 * BF16 == answer_1 * GiB
+# 1. (3072 / 2048)^2 = 2.25 times the peak at 2048: about 120 MiB (the S x S scores dominate)
+answer_1 = dense_peak[-1] * (S_TRY / 2048) ** 2
+assert 0.9 < measured_try / answer_1 < 1.1
 
 # 2. the ring: two blocks of 1/16 of one layer's 4 GiB = 0.5 GiB; the all-gather: still all 4 GiB
 answer_2 = (0.5, 4.0)
@@ -462,28 +703,56 @@ for (name, held_gib) in zip(("ring", "all_gather"), answer_2):
                        B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16", tile_size=4096).totals()
     assert abs(t["peak_kv"] / GiB - held_gib) < 0.01 * held_gib
 
-# 3. 32: each device must get a whole number of heads; 64 devices is refused before any work
-answer_3 = 32
-Scheme.checked("ulysses", None, n_devices=answer_3, Hq=H7, Hkv=H7)
-try:
-    Scheme.checked("ulysses", None, n_devices=2 * answer_3, Hq=H7, Hkv=H7)
-    raise AssertionError("64 devices accepted")
-except ValueError as e:
-    print(e)
+# 3. the ring sends N - 1 blocks of 1/N of the layer's 4 GiB (and their positions): 3.50 -> 3.75 GiB,
+#    hardly less. Ulysses trades (N - 1) / N of this device's Q, K, V, O, each (S / N) H D x 2 bytes
+#    (and lse): its share of the sequence halves, so its bytes nearly halve, 0.88 -> 0.47 GiB
+whole_kv = 2 * S7 * H7 * D7 * BF16
+c_try = S7 // N_TRY
+answer_3 = {"ring": (N_TRY - 1) * (2 * c_try * H7 * D7 * BF16 + 8 * c_try + 8),     # K, V, positions, owner
+            "ulysses": (N_TRY - 1) / N_TRY * (4 * c_try * H7 * D7 * BF16 + c_try * H7 * 4)}
+for name, expected in answer_3.items():
+    t = predict_scheme(Scheme.checked(name, None, n_devices=N_TRY, Hq=H7, Hkv=H7), S7, "striped",
+                       B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16", tile_size=4096).totals()
+    assert abs(t["bytes_sent"] - expected) < 1e-4 * expected, name
 
 # 4. N - 1 of its N blocks' worth over the pass, each 1/N of the sequence: (N - 1) / N, close to all of it
 answer_4 = lambda n: (n - 1) / n
 for n in (4, 8):
     t = predict_scheme(Scheme.checked("ring", None, n_devices=n, Hq=H7, Hkv=H7), S7, "striped",
                        B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16", tile_size=4096).totals()
-    assert abs(t["bytes_sent"] / whole_layer_kv - answer_4(n)) < 0.01
+    assert abs(t["bytes_sent"] / whole_kv - answer_4(n)) < 0.01
+
+
+# 5. cut each device's array into N head groups; device i takes group i of every device, in order
+def my_to_heads(shards):
+    groups = [np.split(x, len(shards), axis=2) for x in shards]           # groups[j][i]: (B, S / N, H / N, D)
+    return [np.concatenate([groups[j][i] for j in range(len(shards))], axis=1) for i in range(len(shards))]
+
+
+# %%
+def check_to_heads(to_heads, S=32, N=4, H=8, D=4):
+    """Ulysses on N devices with `to_heads` as its all-to-all: each device's attention on the heads
+    it receives must be those heads of dense attention."""
+    q, k, v = (rng.standard_normal((1, S, H, D)) for _ in range(3))       # (B, S, H, D)
+    whole = attention(q, k, v)[0]
+    held = [to_heads(shard(x, N, "contiguous")) for x in (q, k, v)]      # each: N arrays (B, S, H / N, D)
+    for i in range(N):
+        group = slice(i * H // N, (i + 1) * H // N)
+        assert held[0][i].shape == (1, S, H // N, D), held[0][i].shape
+        assert np.allclose(attention(held[0][i], held[1][i], held[2][i])[0], whole[:, :, group], rtol=0, atol=1e-12)
+    return True
+
+
+print("my_to_heads is Ulysses' all-to-all:", check_to_heads(my_to_heads))
 
 # %% [markdown]
 # **What we have seen.** Memory grows with the sequence: quadratically for the scores,
 # which the online softmax removes, and linearly for everything else, which only cutting
 # the sequence over devices divides. Attention then needs other devices' keys: gathering
-# them all holds one layer's keys and values at a time, Ulysses trades the sequence for
-# heads, and passing them around a ring holds two blocks. A round
+# them all holds one layer's keys and values at a time and exposes its transfers, Ulysses
+# trades the sequence for heads and moves least (`Q` and `O` included) but all of it
+# exposed, and passing them around a ring holds two blocks and hides its transfers behind
+# the compute, while sending the most. A round
 # lasts as long as its busiest device, and under contiguous blocks that device has a full
 # block while others idle: the rest of these notebooks is about that imbalance and how
 # striping removes it. Next, `01_attention_and_online_softmax`: why one block at a time

@@ -14,7 +14,7 @@
 # %% [markdown]
 # # 1. Attention, the causal mask, and the online softmax
 #
-# The second of eight notebooks on Striped Attention (Brandon et al. 2023). Notebook 0
+# The second of nine notebooks on Striped Attention (Brandon et al. 2023). Notebook 0
 # showed why attention is spread over a ring of devices: one device cannot hold a long
 # sequence, so each holds a block of it and attends to the other blocks as they pass.
 # This notebook shows why that gives the exact answer:
@@ -27,9 +27,10 @@
 # 4. tiles, and the speed-up they turn balance into;
 # 5. the backward pass;
 # 6. real processes with MPI;
-# 7. the whole model: a transformer trained over the ring.
+# 7. the whole model: a transformer trained over the ring;
+# 8. around the ring: the collectives, data parallelism, stock kernels, PyTorch.
 #
-# Every claim here is followed by an `assert` or a picture (the timings of notebooks 6
+# Every claim here is followed by an `assert` or a picture (the timings of notebooks 5, 6
 # and 7 are printed and drawn, never asserted). Nothing is re-implemented here:
 # the notebooks call the project's own code (`reference`, pure NumPy; later `mpi_impl`
 # and `model`).
@@ -357,6 +358,11 @@ assert (partial[0][8:] <= lse[0, 0][8:] + 1e-12).all()   # more keys only add to
 #    number of rows `R` of one tile's score matrix?
 # 4. Queries and keys at positions `0..15`, `tile_size=4`, causal: how many of the 16 tiles
 #    does the step skip because no pair in them is visible, and how many need a mask?
+# 5. Write it: `my_merge(a, b)`, the merge of two partial results `a = (out_a, lse_a)` and
+#    `b = (out_b, lse_b)` over disjoint key blocks (`out` is `(B, S, H, D)`, `lse` is
+#    `(B, H, S)`), as the formulas above say. A row that sees no key of a block has `out = 0`,
+#    `lse = -inf` there; a row that sees no key of either must come out as `0` and `-inf`, not
+#    NaN. The cell after the answers checks it against dense attention.
 
 # %% jupyter={"source_hidden": true}
 # 1. shift by 800: exp(0) = 1 and exp(-1) = 0.368; weights 1 / 1.368 and 0.368 / 1.368
@@ -381,6 +387,36 @@ assert tile_rows(gq.q, slice(0, 64)).shape[2] == answer_3[1]      # the rows of 
 answer_4 = (6, 4)
 plan, skipped = tile_plan(pos, pos, tile_size=4)            # causal
 assert (skipped, sum(kind == MASKED for _, _, kind in plan)) == answer_4
+
+
+
+# 5. lse = log(e^lse_a + e^lse_b), then each output weighted by e^(its lse - lse); where both
+#    lse are -inf (no key in either block) the weights must be 0, not exp(-inf + inf) = NaN
+def my_merge(a, b):
+    (out_a, lse_a), (out_b, lse_b) = a, b                    # out (B, S, H, D), lse (B, H, S)
+    lse = np.logaddexp(lse_a, lse_b)                         # -inf only where both are
+    seen = np.where(np.isneginf(lse), 0.0, lse)              # subtract 0 where no key was seen
+    w_a, w_b = (np.exp(x - seen).transpose(0, 2, 1)[..., None] for x in (lse_a, lse_b))   # (B, S, H, 1)
+    return w_a * out_a + w_b * out_b, lse
+
+
+# %%
+def check_merge(merge_fn):
+    """merge_fn on partial results of two key blocks, in both orders, against dense attention on
+    both blocks; the keys 8..15 in two halves leave queries 0..7 with no visible key in either."""
+    for blocks in ((slice(0, 8), slice(8, 16)), (slice(8, 12), slice(12, 16))):
+        keys = np.arange(S)[blocks[0]].tolist() + np.arange(S)[blocks[1]].tolist()
+        whole = attention(q, k[:, keys], v[:, keys], q_pos=pos, k_pos=pos[keys])
+        parts = [attention(q, k[:, b], v[:, b], q_pos=pos, k_pos=pos[b]) for b in blocks]
+        for x, y in (parts, parts[::-1]):
+            out_m, lse_m = merge_fn(x, y)
+            assert not np.isnan(out_m).any() and not np.isnan(lse_m).any()
+            assert np.allclose(out_m, whole[0], rtol=0, atol=1e-12) and np.array_equal(np.isneginf(lse_m), np.isneginf(whole[1]))
+            assert np.allclose(lse_m[np.isfinite(lse_m)], whole[1][np.isfinite(whole[1])], rtol=0, atol=1e-12)
+    return True
+
+
+print("my_merge merges:", check_merge(my_merge), "  and so does reference.merge:", check_merge(merge))
 
 # %% [markdown]
 # **What we have seen.** A device can attend to keys one block at a time, in any order,

@@ -253,31 +253,71 @@ for layout in LAYOUTS:
 # %% [markdown]
 # ## Exercises
 #
-# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
-# the answer and checks it against the project.
+# Work each out by hand first. Exercise 2 asks for a prediction, then a run: change the
+# parameter in the cell under the list and run it. The answers are in the cell after it
+# (collapsed in Jupyter: click to open), checked against the project.
 #
 # 1. `S = 24` tokens on `N = 4` devices, striped. Which device holds token 13, and at
 #    which local index?
-# 2. Zigzag, `S = 16`, `N = 4`: how many visible pairs does each device compute in round 1,
-#    and why is it the same number for every device?
+# 2. Zigzag, `S = 32`, `N = 4` (twice the tokens of the pictures): predict how many visible
+#    pairs each device computes in round 1, and say why it is the same number for every
+#    device; then set `S_TRY = 32` in the cell below and run it.
 # 3. Striped, `S = 4096`, `N = 8`: how many visible pairs does the busiest device compute
 #    in each round? And contiguous's busiest device in round 1?
+# 4. Write it: `my_owner(p, S, N, layout)`, the device that holds global position `p` and its
+#    local index there, for each of the three layouts, from their definitions above (with `S` a
+#    multiple of `2N`). The cell after the answers checks it against `positions` for every
+#    position of several sizes.
+
+# %%
+S_TRY = 32                                       # exercise 2: tokens (a multiple of 2N = 8)
+zigzag_round_1 = cost.predict(S_TRY, N, "zigzag").pairs[1]          # (devices,) visible pairs
+print(f"zigzag, S = {S_TRY}, N = {N}, round 1: visible pairs per device {zigzag_round_1.tolist()}")
 
 # %% jupyter={"source_hidden": true}
 # 1. 13 = 3 * 4 + 1: device 13 mod 4 = 1, local index 13 // 4 = 3
 answer_1 = (1, 3)
 assert positions(24, 4, "striped")[answer_1] == 13
 
-# 2. c = 4 tokens in two chunks of 2; from round 1 on, the block held is half past and half
-#    future chunk by chunk: two of its four chunk-squares are fully visible, c^2 / 2 = 8 pairs
-answer_2 = 8
-assert all(masks["zigzag"][1][j].sum() == answer_2 for j in range(N))
+# 2. c = 8 tokens in two chunks of 4; from round 1 on, the block held is half past and half
+#    future chunk by chunk: two of its four chunk-squares are fully visible, c^2 / 2 = 32 pairs
+answer_2 = (S_TRY // N) ** 2 // 2
+assert (zigzag_round_1 == answer_2).all()
 
 # 3. c = 512; every round some device holds a block from a device before it (the diagonal
 #    included): c (c + 1) / 2 = 131328. Contiguous, round 1: a full past block, c^2 = 262144
 answer_3 = (131328, 262144)
 assert (cost.predict(4096, 8, "striped").pairs.max(axis=1) == answer_3[0]).all()
 assert cost.predict(4096, 8, "contiguous").pairs[1].max() == answer_3[1]
+
+
+
+# 4. contiguous: blocks of c; striped: dealt round-robin; zigzag: 2N chunks of c / 2, chunk k on
+#    device k (first half of its tokens) or, for k >= N, on device 2N - 1 - k (second half)
+def my_owner(p, S, N, layout):
+    c = S // N
+    if layout == "contiguous":
+        return p // c, p % c
+    if layout == "striped":
+        return p % N, p // N
+    half = c // 2
+    chunk = p // half
+    return (chunk, p % half) if chunk < N else (2 * N - 1 - chunk, half + p % half)
+
+
+# %%
+def check_owner(owner_fn):
+    """owner_fn(p, S, N, layout) -> (device, local index), against `positions` for every position."""
+    for S_, N_ in [(16, 4), (24, 2), (64, 8), (48, 3)]:
+        for layout in LAYOUTS:
+            pos = positions(S_, N_, layout)                        # (N, c): pos[device, local]
+            for p in range(S_):
+                device, local = owner_fn(p, S_, N_, layout)
+                assert pos[device, local] == p, (layout, S_, N_, p, device, local)
+    return True
+
+
+print("my_owner finds every token:", check_owner(my_owner))
 
 # %% [markdown]
 # **What we have seen.** Contiguous blocks put all of a round's work on some devices and

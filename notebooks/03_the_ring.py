@@ -50,8 +50,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import inspect
+import threading
 
-from reference import LAYOUTS, Trace, attention, cost, lockstep, positions, ring_attention, shard, unshard
+from reference import LAYOUTS, Trace, attention, cost, lockstep, merge, positions, ring_attention, shard, unshard
 from reference import ring, steps
 from reference.masks import CAUSAL
 from reference.virtual import run_devices
@@ -228,38 +229,146 @@ layout, (pos, sent, trace) = "contiguous", watched["contiguous"]
 # ## The work table
 #
 # `Trace.table()` prints the same per-(round, device) work compactly, with the busiest and
-# idlest device of each round. The ring has no barrier between rounds, but device `j`
-# starts round `t + 1` only when it has finished round `t` and its left neighbour has too
-# (it needs that neighbour's block). With transfers hidden and every device equally fast,
-# the ring therefore takes at least its busiest device's total and at most the sum over
-# rounds of each round's busiest device: that sum is the **critical path** counted below.
+# idlest device of each round.
 
 # %%
 print(trace.table(f"{layout}: S={S}, N={N}, tile={T}"))
 
 # %% [markdown]
-# The rule in code: finish times, round by round, with one visible pair as the unit of time.
-# For the three layouts here the ring takes exactly the critical path: a round does last as
-# long as its busiest device.
+# ## When a device may start its next round
+#
+# The ring has no barrier between rounds. Device `j` needs, for round `t + 1`, the block its
+# left neighbour `j - 1` held in round `t`, and `ring_forward` (above) posts that send at the
+# **start** of the neighbour's round, before its compute. So device `j` starts round `t + 1`
+# once it has finished round `t` itself and its left neighbour has *started* round `t`: it
+# never waits for the neighbour to finish. (The transfer itself takes time on a real link,
+# and notebook 6 measures it; here it is taken as instant.)
+#
+# A different rule is easy to believe: "wait for the neighbour to finish its round". The two
+# differ. Take two devices whose work is 10 units in round 0 for device 0 only, and 10 in
+# round 1 for device 1 only: device 1's round-1 block is device 0's own, sent as device 0
+# starts, so device 1 works at once and both finish at 10; under the other rule device 1
+# would wait for device 0's round and finish at 20. Both rules in code, with one unit of work
+# as the unit of time, and drawn:
 
 # %%
-def ring_finish(work):
-    """When each device finishes its last round: round t + 1 starts once the device and
-    its left neighbour have finished round t. work: (rounds, devices)."""
-    done = np.zeros(work.shape[1])
+def ring_schedule(work, rule="send"):
+    """(start, done): when each device starts and ends each round, with each round taking its
+    work. Round t + 1 starts once the device has finished round t and its left neighbour has
+    started round t (rule "send": the neighbour posts its block as it starts, as `ring_forward`
+    does), or finished it (rule "finish"). work: (rounds, devices)."""
+    start, done = np.zeros(work.shape, dtype=float), np.zeros(work.shape, dtype=float)
     for t, row in enumerate(work):
-        start = np.maximum(done, np.roll(done, 1)) if t else done   # np.roll: the left neighbour
-        done = start + row
-    return done
+        if t:
+            neighbour = start[t - 1] if rule == "send" else done[t - 1]
+            start[t] = np.maximum(done[t - 1], np.roll(neighbour, 1))      # np.roll: the left neighbour
+        done[t] = start[t] + row
+    return start, done
 
 
+def draw_schedule(ax, work, rule, title):
+    """One bar per (round, device) step with work, coloured and labelled by its round."""
+    start, done = ring_schedule(work, rule)
+    for (t, j), w in np.ndenumerate(work):
+        if w:                                      # a step with nothing to do takes no time: not drawn
+            ax.barh(j, w, left=start[t, j], color=COLORS[t % len(COLORS)], edgecolor="k", lw=0.5)
+            ax.text(start[t, j] + w / 2, j, f"round {t}" if w >= 0.06 * done.max() else str(t),
+                    ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(work.shape[1]), [f"device {j}" for j in range(work.shape[1])])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (units of work)")
+    ax.set_title(f"{title}: all done at {done[-1].max():.0f}", fontsize=9)
+
+
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"]            # one colour per round
+two = np.array([[10, 0],                                         # (round, device)
+                [0, 10]])
+fig, axes = plt.subplots(1, 2, figsize=(10, 2.2), sharex=True, layout="constrained")
+draw_schedule(axes[0], two, "send", "the code: after the neighbour's send")
+draw_schedule(axes[1], two, "finish", "the other rule: after the neighbour's round")
+plt.show()
+assert ring_schedule(two, "send")[1].max() == 10 and ring_schedule(two, "finish")[1].max() == 20
+
+# %% [markdown]
+# The code runs the first rule, and this can be checked on the threads themselves: below,
+# device 0's communication object holds device 0 inside its first round's step (in
+# `progress`, which the step calls between tiles) until device 1 has finished its whole pass.
+# Under the other rule device 1 could not finish before device 0's round 0 did, and the wait
+# would time out.
+
+# %%
+class HeldRing:
+    """Device 0's end of the ring, holding device 0's first step until device 1 is done; every
+    other call goes to the real communication object."""
+
+    def __init__(self, comm, device_1_done):
+        self.comm, self.device_1_done, self.waited = comm, device_1_done, None
+
+    def __getattr__(self, name):                   # rank, size, start_shift, finish_shift, ...
+        return getattr(self.comm, name)
+
+    def progress(self):
+        if self.comm.rank == 0 and self.waited is None:
+            self.waited = self.device_1_done.wait(timeout=60)
+        self.comm.progress()
+
+
+device_1_done = threading.Event()
+pos2 = positions(S, 2, "contiguous")                              # (2, c) on two devices
+q2, k2, v2 = (shard(x, 2, "contiguous") for x in (q, k, v))
+
+
+def held_device(j, comm):
+    held = HeldRing(comm, device_1_done)
+    out, lse, _ = ring.ring_forward(q2[j], k2[j], v2[j], pos2[j], pos2[j], held, scale=D ** -0.5,
+                                    tile_size=T, step=steps.get("v1"), mask=CAUSAL)
+    if j == 1:
+        device_1_done.set()                       # device 1 has done both its rounds
+    return out, held.waited
+
+
+held_runs = run_devices(2, held_device)
+print("device 0 waited inside its round 0 until device 1 had finished both rounds:", held_runs[0][1])
+assert held_runs[0][1] is True
+assert np.allclose(unshard([o for o, _ in held_runs], "contiguous"), dense_out, rtol=0, atol=1e-12)
+
+# %% [markdown]
+# With transfers taken as instant and every device equally fast, the ring then takes at least
+# its busiest device's total and at most the sum over rounds of each round's
+# busiest device, the **critical path**: each round starts no later than under the "finish"
+# rule, which a round's busiest device bounds. For the three layouts and this causal mask the
+# two bounds coincide (the busiest device is busiest in every round), so both rules give the
+# critical path:
+
+# %%
 for name in LAYOUTS:
     work = cost.predict(S, N, name, tile_size=T).pairs
-    finish = ring_finish(work).max()
-    assert work.sum(axis=0).max() <= finish <= work.max(axis=1).sum()    # the two bounds
-    assert finish == work.max(axis=1).sum(), name                         # and the upper one is met
-    print(f"{name:>10}: busiest device's total {work.sum(axis=0).max():4d}, ring {finish:5.0f}, "
+    finish = {rule: ring_schedule(work, rule)[1].max() for rule in ("send", "finish")}
+    assert work.sum(axis=0).max() <= finish["send"] <= finish["finish"] <= work.max(axis=1).sum()   # the bounds
+    assert finish["send"] == finish["finish"] == work.max(axis=1).sum(), name                      # both met
+    print(f"{name:>10}: busiest device's total {work.sum(axis=0).max():4d}, ring {finish['send']:5.0f}, "
           f"critical path {work.max(axis=1).sum():4d}")
+
+# %% [markdown]
+# Other masks separate them. Packed documents (`cu_seqlens`: three documents of 20, 7 and 5
+# tokens here) on contiguous blocks: in round 1 device 1 has a full block to do, and device 2
+# needs for its round 2 the block device 1 holds then. Under the code's rule device 2 gets it
+# as device 1 starts that long round; under the other it would wait for its end. The code's
+# rule gives the busiest device's total, 100 units; the other, the critical path, 132:
+
+# %%
+docs = cost.predict(S, N, "contiguous", tile_size=T, cu_seqlens=np.array([0, 20, 27, 32])).pairs
+print("visible pairs per (round, device), packed documents:\n", docs)
+finish_docs = {rule: ring_schedule(docs, rule)[1].max() for rule in ("send", "finish")}
+print(f"ring, the code's rule: {finish_docs['send']:.0f};  the other rule: {finish_docs['finish']:.0f};  "
+      f"busiest device's total {docs.sum(axis=0).max()}, critical path {docs.max(axis=1).sum()}")
+assert finish_docs["send"] == docs.sum(axis=0).max() == 100
+assert finish_docs["finish"] == docs.max(axis=1).sum() == 132
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 2.8), sharex=True, layout="constrained")
+draw_schedule(axes[0], docs, "send", "the code: after the neighbour's send")
+draw_schedule(axes[1], docs, "finish", "the other rule: after the neighbour's round")
+plt.show()
 
 # %% [markdown]
 # ## Every layout
@@ -339,29 +448,77 @@ assert (traces["zigzag"].pairs[1:] == c * c // 2).all()
 # %% [markdown]
 # ## Exercises
 #
-# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
-# the answer and checks it against the project.
+# Work each out by hand first. Exercise 2 asks for a prediction, then a run: change the
+# parameter in the cell under the list and run it. The answers are in the cell after it
+# (collapsed in Jupyter: click to open), checked against the project.
 #
-# 1. Striped, `S = 32` on `N = 4`: which device's block does device 2 hold in round 3, and
+# 1. Striped, `S = 64` on `N = 4`: which device's block does device 2 hold in round 3, and
 #    how many visible pairs does device 0 compute in round 1?
-# 2. Contiguous, same size, pairs skipped exactly: what is the critical path, in pairs?
+# 2. Contiguous, pairs skipped exactly: the critical path at `S = 32` is printed above (228).
+#    Predict it at `S = 64` (still `N = 4`); then set `S_TRY = 64` in the cell below and run
+#    it (the ring runs, and its trace counts).
 # 3. Device `j` sends a block in every round but the last. How many messages does the whole
 #    ring send in one forward pass?
+# 4. Write it: `my_ring(q_dev, k_dev, v_dev, pos)`, Algorithm 1 in lockstep from two of the
+#    project's functions, `attention` (with positions, the per-device oracle) and `merge`. Each
+#    device starts holding its own block; in each of the `N` rounds every device attends its
+#    queries to the block it holds and merges the result into its running `(out, lse)`, then
+#    every block moves one device on (device `j` receives device `j - 1`'s, with its
+#    positions). Return the `N` devices' `(out, lse)`. The last cell checks it on every layout.
+
+# %%
+S_TRY = 64                                       # exercise 2: tokens, on N = 4 devices
+*_, trace_try = ring_attention(*(rng.standard_normal((1, S_TRY, 1, 4)) for _ in range(3)), n_devices=N,
+                               layout="contiguous", tile_size=1, trace=True)
+print(f"contiguous, S = {S_TRY}, N = {N}: critical path {trace_try.critical_path('pairs'):.0f} pairs")
 
 # %% jupyter={"source_hidden": true}
-# 1. (2 - 3) mod 4 = 3; in round 1 device 0 holds device 3's block, all of whose keys come
-#    after its queries but for the diagonal it does not have: c (c - 1) / 2 = 28 pairs
-answer_1 = (3, 28)
-assert traces["striped"].source[3, 2] == answer_1[0] and traces["striped"].pairs[1, 0] == answer_1[1]
+# 1. (2 - 3) mod 4 = 3; in round 1 device 0 holds device 3's block. Key y of device 3 sits at
+#    position 4y + 3 and query x of device 0 at 4x: the key is visible iff 4y + 3 <= 4x, iff
+#    y < x. A strict triangle, the diagonal left out: c (c - 1) / 2 = 16 * 15 / 2 = 120 pairs
+answer_1 = (3, 120)
+p64 = cost.predict(64, 4, "striped")
+assert p64.source[3, 2] == answer_1[0] and p64.pairs[1, 0] == answer_1[1]
 
-# 2. round 0: a triangle with its diagonal, c (c + 1) / 2 = 36; then a full past block,
-#    c^2 = 64, on the busiest device of each of the 3 other rounds: 36 + 3 * 64
-answer_2 = 228
-assert crit["contiguous"] == answer_2
+# 2. round 0: a triangle with its diagonal, c (c + 1) / 2; then a full past block, c^2, on the
+#    busiest device of each of the 3 other rounds: at S = 64, c = 16: 136 + 3 * 256 = 904
+c_try = S_TRY // N
+answer_2 = c_try * (c_try + 1) // 2 + (N - 1) * c_try ** 2
+assert trace_try.critical_path("pairs") == answer_2
 
 # 3. N devices x (N - 1) rounds = 12
 answer_3 = 12
 assert (traces["striped"].bytes_sent > 0).sum() == answer_3
+
+
+# 4. the lockstep loop of Algorithm 1: attend, merge, shift
+def my_ring(q_dev, k_dev, v_dev, pos):
+    n = len(q_dev)
+    held = [(k_dev[j], v_dev[j], pos[j]) for j in range(n)]          # round 0: each device's own block
+    acc = [None] * n                                                   # each device's (out, lse) so far
+    for t in range(n):
+        for j in range(n):
+            k_b, v_b, pos_b = held[j]
+            part = attention(q_dev[j], k_b, v_b, q_pos=pos[j], k_pos=pos_b)
+            acc[j] = part if acc[j] is None else merge(acc[j], part)
+        held = [held[(j - 1) % n] for j in range(n)]                   # the shift: device j gets j - 1's
+    return acc
+
+
+# %%
+def check_ring(ring_fn):
+    """ring_fn on the shards of every layout (4 devices, 32 tokens, two query heads per K/V head)
+    must give dense attention, out and lse, once put back in natural order."""
+    for layout_ in LAYOUTS:
+        pos_ = positions(S, N, layout_)
+        shards_ = [shard(x, N, layout_) for x in (q, k, v)]
+        results = ring_fn(*shards_, pos_)
+        assert np.allclose(unshard([o for o, _ in results], layout_), dense_out, rtol=0, atol=1e-12), layout_
+        assert np.allclose(unshard([l for _, l in results], layout_, axis=2), dense_lse, rtol=0, atol=1e-12), layout_
+    return True
+
+
+print("my_ring is the ring:", check_ring(my_ring))
 
 # %% [markdown]
 # **What we have seen.** The ring is Algorithm 1 run by N copies of one function; every

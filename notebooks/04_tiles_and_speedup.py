@@ -473,6 +473,10 @@ assert by_tiles[-1] == cost.speedup(S_W, N_W, "striped", TILE_W)  # W = S: plain
 # 2. What is the ceiling of striped's speed-up on 8 devices?
 # 3. The link doubles to 50 GB/s, everything else as in "Communication against compute":
 #    from which block size `c` does striped hide its transfer, with tiles of 128?
+# 4. Write it: `my_tiles_computed(q_pos, k_pos, T)`, how many of the `(c / T)^2` tiles of one
+#    (query block, key block) pair a causal kernel computes, from the positions alone (tiles of
+#    `T x T` in local order; a tile is skipped when no pair in it is visible). The cell after
+#    the answers checks it against the cost model for every round and device of every layout.
 
 # %% jupyter={"source_hidden": true}
 # 1. u = T, c = 4T, A = (2N - 1) c = 28T: (A + u) / (N (c + u)) = 29T / 20T = 1.45
@@ -490,6 +494,28 @@ c_hide = np.arange(T_REAL, 16384 + 1, T_REAL)       # the first block size, in t
 work = np.array([cost.predict(N_ * c_, N_, "striped", T_REAL).tile_area[1:N_ - 1].max() for c_ in c_hide])
 hides = 4 * D_ * H_ * work / F_ATTN >= 2 * c_hide * H_ * D_ * WORD / 50e9
 assert abs(c_hide[np.argmax(hides)] - answer_3) < T_REAL
+
+
+
+# 4. a tile is skipped iff its latest query comes before its earliest key: max(pos_q) < min(pos_k)
+def my_tiles_computed(q_pos, k_pos, T):
+    q_tiles, k_tiles = q_pos.reshape(-1, T), k_pos.reshape(-1, T)          # (c / T, T): one row per tile
+    return int((q_tiles.max(axis=1)[:, None] >= k_tiles.min(axis=1)[None, :]).sum())
+
+
+# %%
+def check_tiles_computed(count_fn):
+    """count_fn(q_pos, k_pos, T) for every (round, device) block against `cost.predict`."""
+    for S_, N_, T_ in [(64, 4, 4), (96, 3, 8), (128, 8, 2)]:
+        for layout in ("contiguous", "striped", "zigzag"):
+            pos = positions(S_, N_, layout)                                 # (N, c)
+            expected = cost.predict(S_, N_, layout, T_).tiles_computed      # (rounds, devices)
+            for (t, j), n in np.ndenumerate(expected):
+                assert count_fn(pos[j], pos[(j - t) % N_], T_) == n, (layout, S_, N_, T_, t, j)
+    return True
+
+
+print("my_tiles_computed counts as the cost model does:", check_tiles_computed(my_tiles_computed))
 
 # %% [markdown]
 # **What we have seen.** Striped blocks skip the same fraction of tiles in every round, so

@@ -363,25 +363,64 @@ assert sorted(line.split(":")[0] for line in result.stdout.splitlines()) == [f"r
 # %% [markdown]
 # ## Exercises
 #
-# Work each out by hand first; the cell under it (collapsed in Jupyter: click to open) holds
-# the answer and checks it against the project.
+# Work each out by hand first. Exercise 2 asks for a prediction, then a run: change the
+# parameter in the cell under the list and run it. The answers are in the cell after it
+# (collapsed in Jupyter: click to open), checked against the project.
 #
 # 1. In the timing runs (`S = 4096` on 4 ranks, 4 heads of 64, float32), how many bytes does
 #    a rank send in each round but the last? (A block's positions are 8-byte integers, and
-#    one more 8-byte number says whose block it is.)
-# 2. Contiguous, 4 ranks: in how many of the 16 (round, rank) steps does a rank compute
-#    nothing, and how many tiles does the last rank compute over the pass?
+#    two 4-byte numbers say whose block it is and whether its `K, V` are finite.)
+# 2. Contiguous on 4 ranks left ranks idle in some steps and gave the last rank the most
+#    tiles (the heat map above). Predict both for 8 ranks, same `S = 4096` and tiles of 128:
+#    in how many of the 64 (round, rank) steps does a rank compute nothing, and how many tiles
+#    does the last rank compute over the pass? Then set `N_TRY = 8` in the cell below and run it
+#    (the cost model, which the ranks matched exactly above).
+# 3. Write it: `my_wait_parts(trace)`, the split of each wait of a forward trace into the time
+#    the block was not yet sent and the time it was in flight, as the timeline draws them, from
+#    the trace's `start_s`, `compute_s` and `wait_s` (arrays `[t, j]`, seconds on the ranks'
+#    common clock). Remember when the sender posts its block. The last cell checks it against
+#    `reference.trace.wait_parts` on every forward trace of the timing runs.
+
+# %%
+N_TRY = 8                                          # exercise 2: ranks
+tiles_try = cost.predict(S_BIG, N_TRY, "contiguous", T_BIG).tiles_computed      # (rounds, ranks)
+print(f"contiguous, S = {S_BIG}, {N_TRY} ranks, tiles of {T_BIG}: {(tiles_try == 0).sum()} idle steps; "
+      f"the last rank computes {tiles_try[:, -1].sum()} tiles")
 
 # %% jupyter={"source_hidden": true}
-# 1. K and V: 2 x 1024 tokens x 4 heads x 64 x 4 bytes = 2 MiB; positions 1024 x 8; owner 8
+# 1. K and V: 2 x 1024 tokens x 4 heads x 64 x 4 bytes = 2 MiB; positions 1024 x 8; owner 2 x 4
 answer_1 = 2 * 1024 * 4 * 64 * 4 + 1024 * 8 + 8
 assert (forward["striped"].bytes_sent[:-1] == answer_1).all()
 
-# 2. rank j holds a future block in rounds t > j: 0 + 1 + 2 + 3 = 6 idle steps; the last rank:
-#    a triangle of 8 x 9 / 2 = 36 tiles, then 3 full blocks of 64
-answer_2 = (6, 36 + 3 * 64)
-assert (forward["contiguous"].tiles_computed == 0).sum() == answer_2[0]
-assert forward["contiguous"].tiles_computed[:, -1].sum() == answer_2[1]
+# 2. rank j holds a future block in rounds t > j: 0 + 1 + ... + (N - 1) = N (N - 1) / 2 idle steps
+#    (28 for 8 ranks); the last rank: m = c / T tiles a side, a triangle of m (m + 1) / 2, then
+#    N - 1 full blocks of m^2: with c = 512, m = 4: 10 + 7 * 16 = 122
+m_try = S_BIG // N_TRY // T_BIG
+answer_2 = (N_TRY * (N_TRY - 1) // 2, m_try * (m_try + 1) // 2 + (N_TRY - 1) * m_try ** 2)
+assert ((tiles_try == 0).sum(), tiles_try[:, -1].sum()) == answer_2
+
+
+# 3. rank j starts waiting when its step ends; rank j - 1 posts the block as it STARTS round t
+#    (notebook 3), so the wait is "not yet sent" until then, "in flight" after it
+def my_wait_parts(trace):
+    begins = trace.start_s + trace.compute_s                  # [t, j]: rank j starts waiting
+    sent = np.roll(trace.start_s, 1, axis=1)                  # [t, j]: rank j - 1 starts round t
+    not_sent = np.clip(np.minimum(sent, begins + trace.wait_s) - begins, 0, None)
+    return not_sent, trace.wait_s - not_sent
+
+
+# %%
+def check_wait_parts(parts_fn):
+    """parts_fn(trace) against reference.trace.wait_parts on every forward trace of both timing launches."""
+    for launch_ in runs:
+        for layout in LAYOUTS:
+            tr = launch_[layout]["forward"]
+            for mine, theirs in zip(parts_fn(tr), wait_parts(tr)):
+                assert np.allclose(mine, theirs, rtol=0, atol=1e-9, equal_nan=True), layout
+    return True
+
+
+print("my_wait_parts splits the waits:", check_wait_parts(my_wait_parts))
 
 # %% [markdown]
 # **What we have seen.** The ring of notebook 3 runs unchanged on real processes: the

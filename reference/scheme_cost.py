@@ -195,9 +195,11 @@ def check_shape(**sizes):
 
 
 def check_rates(link_bytes_per_s, flops_per_s, memory_bytes=None):
-    """ValueError unless the link, the compute rate (and the memory, if given) are finite and above 0."""
-    for name, value in (("link_bytes_per_s", link_bytes_per_s), ("flops_per_s", flops_per_s),
-                        ("memory_bytes", memory_bytes)):
+    """ValueError unless the compute rate (and the memory, if given) are finite
+    and above 0, and the link above 0 (inf: an infinitely fast link, transfers free)."""
+    if not link_bytes_per_s > 0:                         # NaN fails this too
+        raise ValueError(f"link_bytes_per_s must be a number above 0 (inf: transfers free), got {link_bytes_per_s!r}")
+    for name, value in (("flops_per_s", flops_per_s), ("memory_bytes", memory_bytes)):
         if value is not None and not (np.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number above 0, got {value!r}")
 

@@ -7,13 +7,15 @@ naming no local path.
 The notebooks are jupytext percent files (`notebooks/NN_name.py`);
 `scripts/run_notebooks.py` turns each into a notebook in memory and executes it in
 a fresh `python3` kernel of this interpreter (nbclient). Every claim in a notebook
-is an `assert`, so a wrong claim fails here, but for timings: notebooks 6 and 7
-print and draw what they measure, and assert only what the run does, never how
+is an `assert`, so a wrong claim fails here, but for timings: notebooks 5, 6 and
+7 print and draw what they measure, and assert only what the run does, never how
 long it took.
 
-Notebooks teach with the real code: each of 1 to 6 prints the source of what it explains
-(`inspect.getsource`), and any excerpt typed into a notebook's text as a ```python block
-is checked, line by line, against the project's files.
+Notebooks teach with the real code: each of 1 to 6 and 8 prints the source of what it
+explains (`inspect.getsource`), and any excerpt typed into a notebook's text as a ```python
+block is checked, line by line, against the project's files. Each ends with exercises, one
+of which writes code that a `check_...` function of the notebook tests; notebooks/README.md
+and the README's table list every notebook.
 
 Run: python -m pytest tests/notebooks/test_notebooks.py -q      (a few minutes on 2 cores; `make
      notebooks` runs the same notebooks and rewrites the executed copies)
@@ -132,8 +134,15 @@ def project_lines():
 
 # -- tests --------------------------------------------------------------------------
 
-def test_eight_numbered_notebooks():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["00", "01", "02", "03", "04", "05", "06", "07"]
+def test_nine_numbered_notebooks():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["00", "01", "02", "03", "04", "05", "06", "07", "08"]
+
+
+def test_the_readmes_list_every_notebook():
+    listing, table = (ROOT / "notebooks" / "README.md").read_text(), (ROOT / "README.md").read_text()
+    for path in NOTEBOOKS:
+        assert f"`{path.stem}`" in listing, f"notebooks/README.md does not list {path.stem}"
+        assert f"| {path.stem.replace('_', ' ')} |" in table, f"README.md's notebook table has no row for {path.stem}"
 
 
 def test_the_checks_catch_a_redefinition():
@@ -155,9 +164,36 @@ def test_notebook_defines_no_exported_function(path):
     assert not clash, f"{path.name} re-defines {sorted(clash)}: import them from the project instead"
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if "01" <= p.name[:2] <= "06"], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if "01" <= p.name[:2] <= "06" or p.name[:2] == "08"],
+                         ids=lambda p: p.stem)
 def test_notebook_shows_the_code_it_teaches(path):
     assert shown_sources(path.read_text()), f"{path.name} never prints a project function's source"
+
+
+def code_exercise_checks(source):
+    """Names of the `check_...` functions a notebook defines and calls on a function it defines
+    (its code-writing exercise: the answer's function handed to the check)."""
+    tree = ast.parse(source)
+    defined = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    return {node.func.id for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith("check_")
+            and node.func.id in defined and any(isinstance(a, ast.Name) and a.id in defined for a in node.args)}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_ends_with_exercises_that_write_code(path):
+    source = path.read_text()
+    assert "# ## Exercises" in source, f"{path.name} has no exercises"
+    exercises = source[source.index("# ## Exercises"):]
+    assert "Write it:" in exercises, f"{path.name} has no exercise that writes code"
+    assert code_exercise_checks(exercises), f"{path.name}: no check_... cell runs the written code"
+
+
+def test_the_exercise_check_finds_a_check():
+    notebook = ("# ## Exercises\n# 1. Write it: my_f\ndef my_f(x):\n    return x\n"
+                "def check_f(fn):\n    assert fn(1) == 1\n    return True\nprint(check_f(my_f))\n")
+    assert code_exercise_checks(notebook) == {"check_f"}
+    assert code_exercise_checks(notebook.replace("print(check_f(my_f))", "print(check_f(len))")) == set()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

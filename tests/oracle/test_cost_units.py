@@ -119,9 +119,10 @@ def test_the_cost_model_refuses_rates_and_memory_that_are_not_positive(option, v
 def test_the_library_refuses_them_too():
     ring = Scheme.checked("ring", None, n_devices=2, Hq=4, Hkv=4)
     fwd = scheme_cost.predict_scheme(ring, 64, "striped", **SHAPE)
-    for link, rate in ((0.0, 1e9), (1e9, -1.0), (np.nan, 1e9)):
-        with pytest.raises(ValueError, match="must be a finite number above 0"):
+    for link, rate in ((0.0, 1e9), (1e9, -1.0), (np.nan, 1e9), (1e9, np.inf)):
+        with pytest.raises(ValueError, match="must be a (finite )?number above 0"):
             fwd.seconds(link, rate)
+    assert fwd.seconds(np.inf, 1e9) == fwd.work.tile_area.max(axis=1).sum() * fwd.flops_per_entry / 1e9   # compute alone
     with pytest.raises(ValueError, match=r"query heads Hq \(32\) must be a multiple of key/value heads Hkv \(5\)"):
         scheme_cost.predict_scheme(ring, 64, "striped", B=1, Hq=32, Hkv=5, D=16)
     with pytest.raises(ValueError, match="B must be a positive int, got 0"):
