@@ -37,7 +37,7 @@ def check_against_readable(cupy, seq=CHECK_SEQ, n=4, hq=8, hkv=2, make_v2=None):
     query shard accumulated over n striped blocks. `make_v2(kv_format)`: the
     Step to check (default `fused_v2.TensorCoreStep`; the tests pass the CPU
     emulation, with NumPy as `cupy`)."""
-    from gpu_impl.fused_v2 import HEAD_DIMS, TensorCoreStep
+    from gpu_impl.steps.fused_v2 import HEAD_DIMS, TensorCoreStep
     from reference import ring
     from reference.layouts import positions, shard
     from reference.masks import CAUSAL, make_mask
@@ -82,7 +82,7 @@ def backward_against_readable(cupy, seq=CHECK_SEQ, n=4, hq=8, hkv=2, make_v2=Non
     GPU: the last device's queries against n striped blocks, dQ over the
     rounds and each block's dK, dV, from the same rows (out and lse of the
     readable forward). `make_v2` as for `check_against_readable`."""
-    from gpu_impl.fused_v2 import HEAD_DIMS, TensorCoreStep
+    from gpu_impl.steps.fused_v2 import HEAD_DIMS, TensorCoreStep
     from reference import ring
     from reference.heads import q_from_heads, rows_from_heads
     from reference.layouts import positions, shard
@@ -139,7 +139,7 @@ def sanitizer_launches(cupy, make_v2=None):
     of 24 (tiles masked, skipped and full), a NaN in V (the guarded path), then the
     backward's two kernels on the block without its NaN; returns whether every out
     is finite where the NaN cannot reach and NaN where it does, and every gradient finite."""
-    from gpu_impl.fused_v2 import TensorCoreStep
+    from gpu_impl.steps.fused_v2 import TensorCoreStep
     from reference import ring
     from reference.masks import make_mask
     from reference.heads import q_from_heads, rows_from_heads
@@ -203,7 +203,7 @@ def torch_flash_seconds(c, hq, hkv, head_dim, kv_format, backward=False, repeat=
 def rates(cupy, c=RATE_BLOCK, hq=8, hkv=2, launches=10, make_v2=None, with_v1=True):
     """Markdown: v1, v2 and torch's flash attention on one block pair, every
     tile visible (`make_v2`, as `check_against_readable`; v1 takes float16 only)."""
-    from gpu_impl import fused_v2
+    from gpu_impl.steps import fused_v2
     from reference import ring, steps
     from reference.step import BackwardRows, ForwardAcc, Grads, Queries
     from reference.tiles import classify
@@ -256,7 +256,7 @@ def gpu_check(dry=False, small=False):
     """(ok, markdown) for scripts/gpu_check.py: check version 2 on the GPU,
     and only if it passes, time it beside version 1 and torch. `small`: tiny
     sizes (the check's --fake-gpu run on a GPU made of NumPy)."""
-    from gpu_impl import fused_v2
+    from gpu_impl.steps import fused_v2
     if dry:
         configs = [fused_v2.kernel_config(None, d, 4, f) for d in fused_v2.HEAD_DIMS for f in ("float16", "bfloat16")]
         return True, ("dry run: would check fused v2 (forward and backward) against the readable step and "

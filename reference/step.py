@@ -34,7 +34,7 @@ a key, count the work for the trace. The tiles read the mask from
 queries.mask)``); a version that applies dropout (``has_dropout``) weighs P V
 by `masks.keep_weights`, as version 1 does.
 Faster versions sit beside this one in the workshop (`reference.steps`: `v2` .. `v5`, each
-built from the pieces of `steps.parts` and `steps.units`; `gpu_impl.fused`), each checked
+built from the pieces of `steps.parts` and `steps.units`; `gpu_impl.steps.fused`), each checked
 against it (tests/steps/test_step.py).
 
 Rows without a visible key and NaN (docs/design.md):
@@ -78,7 +78,7 @@ class Queries:
     pos: np.ndarray      # (c,) int64
     mask: object = CAUSAL
     scale: object = None  # the scale q carries (None: not known); a kernel that rounds q
-                          # to 16 bits takes it off first (gpu_impl.fused_v2)
+                          # to 16 bits takes it off first (gpu_impl.steps.fused_v2)
     heads: object = None  # (Hq,) int: the global number of each query head held (None: 0..Hq-1);
                           # dropout keys on it, so a device holding some heads (Ulysses) drops as all do
 

@@ -104,7 +104,7 @@ def gpu_tests(ctx):
 
 def fused_against_readable(ctx):
     """Max |fused - readable| over |readable| at model shapes: 4 striped blocks, GQA 8/2."""
-    from gpu_impl import fused
+    from gpu_impl.steps import fused
     if ctx.dry:
         tiles = [fused.fused_tile(None, d) for d in ctx.sizes.fused_dims]
         return Result(True, f"dry run: fused tiles {tiles} fit at D = {ctx.sizes.fused_dims}")

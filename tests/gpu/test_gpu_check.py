@@ -371,7 +371,7 @@ def test_the_checks_ring_runs_forward_through_the_tensor_core_kernel():
     from reference import steps
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check_base as base
-    import gpu_impl.fused_v2  # noqa: F401 - registers fused_v2
+    import gpu_impl.steps.fused_v2  # noqa: F401 - registers fused_v2
     cupy = types.ModuleType("cupy")                     # only its name is read
     sizes = base.GPU_SIZES
     for argv in (sizes.realistic, sizes.traced):

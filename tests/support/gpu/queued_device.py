@@ -530,24 +530,24 @@ _PROCESS_GPU = []      # the installed context of install_for_process, kept for 
 
 
 def stand_in_for_the_kernel(acc, queries, block, tile, causal):
-    """gpu_impl.fused.launch_kernel on NumPy: the readable step does the kernel's work."""
+    """gpu_impl.steps.fused.launch_kernel on NumPy: the readable step does the kernel's work."""
     from reference.step import ReadableStep
     ReadableStep().forward(acc, queries, block, causal=causal, tile_size=tile)
 
 
 def stand_in_for_the_v2_kernel(acc, queries, block, plan):
-    """gpu_impl.fused_v2.launch_kernel on NumPy: the readable step at the
+    """gpu_impl.steps.fused_v2.launch_kernel on NumPy: the readable step at the
     kernel's tile, on K and V as float32 (from bfloat16's bits where they are uint16)."""
-    from gpu_impl.fused_v2 import float32_block
+    from gpu_impl.steps.fused_v2 import float32_block
     from reference.step import ReadableStep
     tile = (plan.config.queries(queries.q.shape[3]), plan.config.bn)
     ReadableStep().forward(acc, queries, float32_block(block, None), mask=queries.mask, tile_size=tile)
 
 
 def stand_in_for_the_v2_backward(grads, queries, rows, block, plan):
-    """gpu_impl.fused_v2.launch_backward_kernels on NumPy: the readable step at
+    """gpu_impl.steps.fused_v2.launch_backward_kernels on NumPy: the readable step at
     the kernels' tile, on K and V as float32."""
-    from gpu_impl.fused_v2 import float32_block
+    from gpu_impl.steps.fused_v2 import float32_block
     from reference.step import ReadableStep
     tile = (plan.config.queries(queries.q.shape[3]), plan.config.bn)
     ReadableStep().backward(grads, queries, rows, float32_block(block, None), mask=queries.mask, tile_size=tile)
@@ -557,7 +557,8 @@ def install_for_process(policy=None):
     """This process's GPU is a QueuedDevice from now on (policy by local rank
     unless given): `import cupy` gives the fake, gpu_impl's CupyDevice is this
     device, and the fused kernels' launches run the readable step."""
-    from gpu_impl import api, device, fused, fused_v2
+    from gpu_impl import api, device
+    from gpu_impl.steps import fused, fused_v2
     gpu = QueuedDevice(policy or POLICIES[(device.local_rank_from_env() or 0) % 2])
     installed = gpu.installed()
     installed.__enter__()

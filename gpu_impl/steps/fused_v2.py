@@ -1,9 +1,10 @@
-"""Step version "fused_v2": the forward of `reference.step`'s contract on the tensor cores.
+"""Step version "fused_v2": `reference.step`'s contract, forward and backward, on the tensor cores.
 
-Version 1 of the fused kernel (`gpu_impl.fused`, kernels/attend_block_v1.cu)
+Version 1 of the fused kernel (`gpu_impl.steps.fused`, kernels/attend_block_v1.cu)
 computes in float32 on the FP32 units, a thread per query row. Version 2
-(kernels/attend_block_v2.cu; its header says what changes and what that is
-expected to buy) is FlashAttention-2's dataflow: mma.sync on float16 or
+(kernels/attend_block_v2.cu, the backward's attend_block_v2_dkdv.cu and
+attend_block_v2_dq.cu, what they share in attend_block_v2.cuh; each opens with
+what it changes and what that is expected to buy) is FlashAttention-2's dataflow: mma.sync on float16 or
 bfloat16 operands with float32 accumulation, 16 query rows per warp, S and P in
 registers, the K/V tiles loaded with cp.async into swizzled shared memory and
 read with ldmatrix, the G query heads of a key/value head packed in one tile,
@@ -54,7 +55,10 @@ from reference.tiles import SKIP, classify, tile_shape
 from . import fused
 
 VERSION = 2
-SOURCE = Path(__file__).resolve().parent / "kernels" / f"attend_block_v{VERSION}.cu"
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+HEADER = KERNELS_DIR / f"attend_block_v{VERSION}.cuh"      # what the three kernels share
+KERNELS = {name: KERNELS_DIR / f"{name}.cu"                 # entry function -> its source
+           for name in (f"attend_block_v{VERSION}", f"attend_block_v{VERSION}_dkdv", f"attend_block_v{VERSION}_dq")}
 HEAD_DIMS = (64, 128)
 KEY_TILES = (16, 32, 64, 128)          # BN: keys per tile
 MAX_WARPS = 8                          # 16 rows each: at most 128 rows per CTA
@@ -314,10 +318,22 @@ def float32_block(block, kv_format):
     return converted(block, widen(block.k), widen(block.v), widened=False)
 
 
+def kernel_source(names=tuple(KERNELS)):
+    """The CUDA source of the kernels `names` (a name, or several: by default
+    all three) as one text, the shared header inlined once in place of their
+    `#include`: NVRTC compiles a string, and CuPy's kernel cache is keyed by
+    it, so a change to the header must change the text."""
+    names = (names,) if isinstance(names, str) else names
+    include = f'#include "{HEADER.name}"'
+    bodies = [KERNELS[name].read_text().replace(include, "") for name in names]
+    return HEADER.read_text() + "".join(f"\n// ---- {KERNELS[n].name}\n{b}" for n, b in zip(names, bodies))
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(config, name=f"attend_block_v{VERSION}"):
+    """One kernel of one Config, compiled by NVRTC (or read from CuPy's cache on disk)."""
     import cupy
-    kernel = cupy.RawKernel(SOURCE.read_text(), name, options=config.options())
+    kernel = cupy.RawKernel(kernel_source(name), name, options=config.options())
     # above 48 KiB only when opted in
     kernel.max_dynamic_shared_size_bytes = config.shared_bytes if name == f"attend_block_v{VERSION}" \
         else config.backward_shared_bytes
