@@ -189,6 +189,21 @@ def check_arrays(step, acc, queries, block):
     for name, x in (("q", q), ("acc.o", acc.o), ("acc.m", acc.m), ("acc.l", acc.l)):
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(f"step '{step}' needs C-contiguous float32 {name}, got {x.dtype}")
+    check_grid(step, B * Hkv, G)
+
+
+MAX_GRID_YZ = 65535        # CUDA's limit on grid.y and grid.z (grid.x allows 2**31 - 1)
+
+
+def check_grid(step, groups, G):
+    """A ValueError unless the launch's grid fits CUDA's limits: both kernels
+    launch a row of CTAs per batch and key/value head (version 1 on grid.z,
+    version 2 on grid.y), version 1 a CTA per query head of a group (grid.y)."""
+    if groups > MAX_GRID_YZ:
+        raise ValueError(f"step '{step}' launches a row of CTAs per batch x key/value head: B * Hkv = {groups} "
+                         f"is over CUDA's grid limit of {MAX_GRID_YZ}; split the batch into calls of fewer")
+    if G > MAX_GRID_YZ:
+        raise ValueError(f"step '{step}' takes at most {MAX_GRID_YZ} query heads per key/value head, got {G}")
 
 
 def launch_kernel(acc, queries, block, tile, causal):

@@ -158,42 +158,47 @@ def load(lib):
     return cdll
 
 
-GUARD_BYTES = 256        # either side of every array a launch gets
-POISON = 0xFF            # the guards' bytes: NaN as float16, bfloat16 and float32, -1 as an integer
+GUARD_BYTES = 4096       # either side of every array a launch gets
+# The guards' bytes, repeated: a signalling NaN as float32 (0x7fa5a5a5), which
+# arithmetic turns quiet, so that a read-modify-write (dK += ...) changes it
+# as a store does; a NaN in every other float16 or bfloat16 slot.
+POISON = np.frombuffer(b"\xa5\xa5\xa5\x7f", np.uint8)
 
 
 class Guarded:
     """The arrays of one launch, each copied into a buffer with a guard region
-    of POISON bytes either side (its address kept the same modulo 64, so a
+    of POISON either side (its address kept the same modulo 64, so a
     misaligned view stays misaligned), handed to the kernel by `pointer`.
     `finish` checks every guard and every input, then copies the outputs back:
     a kernel that wrote past an array's end (dK one key past the block), before
     its start, or into an input raises an EmulatorError naming it."""
 
     def __init__(self):
-        self.kept = []          # (name, array, buffer, start, is output)
+        self.kept = []          # (name, array, buffer, its poison, is output)
 
     def pointer(self, name, x, *, output=False):
         assert x.flags.c_contiguous, f"the kernel reads C-contiguous arrays, {name} is not"
         raw = np.empty(x.nbytes + 2 * GUARD_BYTES + 128, np.uint8)
         start = (-raw.ctypes.data) % 64 + GUARD_BYTES + x.ctypes.data % 64
         buffer = raw[start - GUARD_BYTES:start + x.nbytes + GUARD_BYTES]
-        buffer[:] = POISON
+        poison = np.resize(POISON, buffer.size)
+        buffer[:] = poison
         buffer[GUARD_BYTES:GUARD_BYTES + x.nbytes] = x.reshape(-1).view(np.uint8)
-        self.kept.append((name, x, buffer, output))
+        self.kept.append((name, x, buffer, poison, output))
         return ctypes.c_void_p(buffer[GUARD_BYTES:].ctypes.data)
 
     def finish(self, kernel):
         """After the launch of `kernel`: the guards and inputs unchanged, the outputs copied back."""
-        for name, x, buffer, output in self.kept:
-            for where, guard in (("before its start", buffer[:GUARD_BYTES][::-1]),
-                                 ("past its end", buffer[GUARD_BYTES + x.nbytes:])):
-                written = np.flatnonzero(guard != POISON)
+        for name, x, buffer, poison, output in self.kept:
+            end = GUARD_BYTES + x.nbytes
+            for where, written in (("before its start", GUARD_BYTES - 1 - np.flatnonzero(
+                                        buffer[:GUARD_BYTES] != poison[:GUARD_BYTES])[::-1]),
+                                   ("past its end", np.flatnonzero(buffer[end:] != poison[end:]))):
                 if written.size:
                     raise EmulatorError(f"{kernel} wrote {name} {where}: {written.size} bytes changed, the "
-                                        f"nearest {written[0]} bytes {where.split()[0]} it "
-                                        f"({name} {x.dtype} {x.shape}, {x.dtype.itemsize} bytes an element)")
-            inside = buffer[GUARD_BYTES:GUARD_BYTES + x.nbytes]
+                                        f"nearest in element {written[0] // x.dtype.itemsize + 1} "
+                                        f"{where.split()[0]} it ({name} {x.dtype} {x.shape})")
+            inside = buffer[GUARD_BYTES:end]
             if output:
                 x.reshape(-1).view(np.uint8)[:] = inside
             elif not np.array_equal(inside, x.reshape(-1).view(np.uint8)):
