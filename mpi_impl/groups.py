@@ -27,17 +27,25 @@ from .ranks import rank_name
 class AllToAll:
     """A Ulysses group's one verb: ``all_to_all(pieces)`` sends piece i to
     group rank i and returns the piece each group rank sent here, in rank
-    order. The pieces are of one shape and dtype (a scheme cuts an array into
-    u equal parts); device arrays (CuPy) go through host memory."""
+    order, as arrays of the pieces' module. The pieces are of one shape and
+    dtype (a scheme cuts an array into u equal parts). Host arrays go to MPI
+    as they are; device arrays (CuPy) through `memory`, the ring's memory
+    object, where it has an ``all_to_all`` (`gpu_impl.transfer`: device
+    buffers where MPI is CUDA-aware, pinned host memory with asynchronous
+    copies where it is not), else through host memory."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, memory=None):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.memory = memory
 
     def all_to_all(self, pieces):
         if len(pieces) != self.size:
             raise ValueError(f"{rank_name(self.comm)}: all_to_all takes one piece per group rank "
                              f"({self.size}), got {len(pieces)}")
         xp = array_module(pieces[0])
+        exchange = getattr(self.memory, "all_to_all", None)
+        if xp is not np and exchange is not None:
+            return exchange(self.comm, pieces)
         send = np.stack([to_host(p) for p in pieces])                 # (u, piece...): contiguous
         received = np.empty_like(send)
         self.comm.Alltoall(byte_view(send), byte_view(received))       # equal byte counts per rank
@@ -56,7 +64,7 @@ def scheme_comms(comm, scheme, make_ring):
     ring_comm, ulysses_comm = comm.Split(g % u, g // u), comm.Split(g // u, g % u)
     try:
         with make_ring(ring_comm) as ring:
-            yield Comms(ring, AllToAll(ulysses_comm))
+            yield Comms(ring, AllToAll(ulysses_comm, getattr(ring, "memory", None)))
     finally:
         ring_comm.Free()
         ulysses_comm.Free()

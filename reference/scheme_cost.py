@@ -50,6 +50,14 @@ class SchemeCost:
     kv_bytes: np.ndarray
     exposed: np.ndarray         # of bytes_sent and received (the larger), those no compute overlaps
     flops_per_entry: int        # x B x heads per device: the flops of one tile entry on a device
+    host_bytes: np.ndarray = None   # of bytes_sent and received, a block's positions and owner (host arrays)
+
+    def staged_copies(self):
+        """(downloads, uploads) (r, N): the bytes a GPU whose MPI is not
+        CUDA-aware copies between device and pinned host memory (gpu_impl's
+        staged path): every device byte it sends first, every one it receives
+        after; an all-to-all's own piece is copied on the device, unsent."""
+        return self.bytes_sent - self.host_bytes, self.bytes_received - self.host_bytes
 
     def seconds(self, link_bytes_per_s, flops_per_s):
         """Predicted wall seconds: per round the busiest device's compute or
@@ -109,7 +117,9 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
             received[t] += round(share * moved)
             exposed[t] += round(share * moved)
     flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
-    return SchemeCost(scheme, work, sent, received, held, exposed, flops)
+    host = np.zeros((r, n), dtype=np.int64)
+    host[:-1] = 8 * u * c + 8                                          # a block's positions and owner
+    return SchemeCost(scheme, work, sent, received, held, exposed, flops, host)
 
 
 def candidates(n_devices, Hq, Hkv):
