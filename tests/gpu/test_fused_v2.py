@@ -538,7 +538,8 @@ def test_gpu_check_step_runs_on_the_cpu(libraries):
     table = gpu_kernel_check.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1)
     assert table.count("fused v2 (tensor cores)") == 4 and table.count("the kernel alone") == 4, table
     assert table.count("fused v2 backward (two kernels)") == 4, table
-    assert gpu_kernel_check.gpu_check(dry=True)[0]
+    assert table.count("fused v2 backward, the kernels alone") == 4, table
+    assert gpu_kernel_check.check(dry=True)[0] and gpu_kernel_check.timings(dry=True)[0]
 
 
 def test_the_sanitizers_v2_launches_run_on_the_cpu(libraries):

@@ -1,4 +1,4 @@
-"""The fused kernels' CUDA source compiled for the CPU (emulate_cuda.cpp), built once and kept, and launched with guards.
+"""The fused kernels' CUDA source compiled for the CPU (emulate_cuda.cpp), built once, kept, launched with guards.
 
 A build is a shared library per kernel version and set of compile-time sizes,
 kept in a folder of the system's temporary directory under a name made from
