@@ -281,7 +281,7 @@ def read_section():
                 " and ".join(f"{backward[d]:.0f} (D = {d})" if backward[d] else f"? (D = {d})"
                              for d in fused_v2.HEAD_DIMS)),
         "",
-        "To be replaced by the rates measured on a first GPU (`make gpu-check`, step \"tensor cores\").", ""])
+        "To be replaced by the rates measured on a first GPU (`make gpu-check`, step \"rates\").", ""])
 
 
 def main(argv=None):
