@@ -219,9 +219,10 @@ def torch_flash_seconds(c, hq, hkv, head_dim, kv_format, backward=False, repeat=
                  repeat=repeat)
 
 
-def rates(cupy, c=RATE_BLOCK, hq=8, hkv=2, launches=10, make_v2=None, with_v1=True):
+def rates(cupy, c=RATE_BLOCK, hq=8, hkv=2, launches=10, make_v2=None, with_v1=True, repeat=5):
     """Markdown: v1, v2 and torch's flash attention on one block pair, every
-    tile visible (`make_v2`, as `check_against_readable`; v1 takes float16 only)."""
+    tile visible (`make_v2`, as `check_against_readable`; v1 takes float16
+    only), each the best of `repeat` runs after a warm-up."""
     from gpu_impl.steps import fused_v2
     from reference import ring, steps
     from reference.step import BackwardRows, ForwardAcc, Grads, Queries
@@ -240,17 +241,18 @@ def rates(cupy, c=RATE_BLOCK, hq=8, hkv=2, launches=10, make_v2=None, with_v1=Tr
             timings = []
             if kv_format == "float16" and with_v1:
                 v1 = steps.get("fused")
-                timings.append(("fused v1 (SIMT), one call", timed(sync, lambda: v1.forward(
+                timings.append(("fused v1 (SIMT), one call", timed(sync, repeat=repeat, fn=lambda: v1.forward(
                     acc, queries, block, causal=True, tile_size=None))))
             step = (make_v2 or fused_v2.TensorCoreStep)(kv_format=kv_format)
-            timings.append(("fused v2 (tensor cores), one call", timed(sync, lambda: step.forward(
+            timings.append(("fused v2 (tensor cores), one call", timed(sync, repeat=repeat, fn=lambda: step.forward(
                 acc, queries, block, causal=True, tile_size=None))))
             config = fused_v2.kernel_config(None, head_dim, hq // hkv, kv_format)
             kinds = classify(queries.pos, block.pos, (config.queries(hq // hkv), config.bn), True)
             plan = fused_v2.plan_launch(queries, block, queries.mask, config, kinds)
-            seconds = timed(sync, lambda: [step.launch(acc, queries, block, plan) for _ in range(launches)]) / launches
+            seconds = timed(sync, repeat=repeat, fn=lambda: [step.launch(acc, queries, block, plan)
+                                                             for _ in range(launches)]) / launches
             timings.append(("fused v2, the kernel alone", seconds))
-            flash = torch_flash_seconds(c, hq, hkv, head_dim, kv_format)
+            flash = torch_flash_seconds(c, hq, hkv, head_dim, kv_format, repeat=repeat)
             timings.append(("torch flash attention" if flash else "torch: not installed (or no CUDA)",
                             flash or float("nan")))
             for name, s in timings:
@@ -259,21 +261,21 @@ def rates(cupy, c=RATE_BLOCK, hq=8, hkv=2, launches=10, make_v2=None, with_v1=Tr
             rows_ = BackwardRows.prepare(q, np.zeros((1, hq, c), np.float32), q, hkv, np.float32)
             rows_ = BackwardRows(*(cupy.asarray(x) for x in (rows_.do, rows_.lse, rows_.delta)), finite=True)
             grads = Grads(*(cupy.asarray(np.zeros(x.shape, np.float32)) for x in (queries.q, block.k, block.v)))
-            back = [("fused v2 backward (two kernels), one call", timed(sync, lambda: step.backward(
+            back = [("fused v2 backward (two kernels), one call", timed(sync, repeat=repeat, fn=lambda: step.backward(
                 grads, queries, rows_, block, causal=True, tile_size=None)))]
             # the kernels alone: planned once, no host work (the plan, the finiteness look) in the loop
             config = fused_v2.kernel_config(None, head_dim, hq // hkv, kv_format, backward=True)
             kinds = classify(queries.pos, block.pos, (config.queries(hq // hkv), config.bn), True)
             plan = fused_v2.plan_launch(queries, block, queries.mask, config, kinds)
-            back.append(("fused v2 backward, the kernels alone", timed(sync, lambda: [
+            back.append(("fused v2 backward, the kernels alone", timed(sync, repeat=repeat, fn=lambda: [
                 step.launch_backward(grads, queries, rows_, block, plan) for _ in range(launches)]) / launches))
-            flash = torch_flash_seconds(c, hq, hkv, head_dim, kv_format, backward=True)
+            flash = torch_flash_seconds(c, hq, hkv, head_dim, kv_format, backward=True, repeat=repeat)
             back.append(("torch flash attention backward" if flash else "torch: not installed (or no CUDA)",
                          flash or float("nan")))
             for name, s in back:
                 rows.append([head_dim, kv_format, "backward", name, f"{s * 1e3:.3f}", f"{2.5 * useful / s / 1e12:.1f}"])
     return (f"One block pair, every tile visible: {c} queries x {c} keys, Hq = {hq}, Hkv = {hkv}; useful FLOPs "
-            "4 D per pair per query head forward, 10 D backward; best of 5, after a warm-up.\n\n"
+            f"4 D per pair per query head forward, 10 D backward; best of {repeat}, after a warm-up.\n\n"
             + markdown_table(["D", "K/V", "pass", "what", "ms", "TFLOP/s (useful)"], rows, "rlllrr"))
 
 

@@ -282,37 +282,14 @@ def check_launch(acc, queries, block, kv_format):
         if not takes or x.dtype != block.k.dtype or not x.flags.c_contiguous:
             raise ValueError(f"step 'fused_v2' needs C-contiguous {kv_format} k and v of one dtype, "
                              f"got {name} {x.dtype}")
-    check_aligned(("q", queries.q), ("k", block.k), ("v", block.v), ("acc.o", acc.o))
-
-
-# the bytes each array's loads or stores take at once: float4 loads of q and
-# dO rows, cp.async of 16 bytes from K and V rows, float2 stores of O, dQ, dK, dV
-ALIGNMENT = {"q": 16, "k": 16, "v": 16, "rows.do": 16, "acc.o": 8, "grads.dq": 8, "grads.dk": 8, "grads.dv": 8}
-
-
-def address(x):
-    """The address of an array's first element, on a GPU or on the host."""
-    if hasattr(x, "__cuda_array_interface__"):
-        return x.__cuda_array_interface__["data"][0]
-    return x.__array_interface__["data"][0]
-
-
-def check_aligned(*named):
-    """A ValueError unless each (name, array), named as in `ALIGNMENT`, starts
-    at an address its loads can read: a C-contiguous view at an offset (x[1:]
-    of a flat buffer) passes every shape check and faults on the GPU."""
-    for name, x in named:
-        n = ALIGNMENT[name]
-        if address(x) % n:
-            raise ValueError(f"step 'fused_v2' reads and writes {name} {n} bytes at a time, but it starts at "
-                             f"address {address(x):#x}, not a multiple of {n} (a view at an offset?): pass a copy")
+    fused.check_aligned(("q", queries.q), ("k", block.k), ("v", block.v), ("acc.o", acc.o))
 
 
 def check_backward_launch(grads, queries, rows, block, kv_format):
     """A ValueError unless the arrays are what the backward kernels index: q, k,
     v and positions as the forward's (`check_launch`, with dQ as the output),
     dO as q, lse and delta as its rows, dK and dV as k; float32, C-contiguous."""
-    check_aligned(("grads.dq", grads.dq))              # before check_launch, which calls it acc.o
+    fused.check_aligned(("grads.dq", grads.dq))        # before check_launch, which calls it acc.o
     check_launch(ForwardAcc(grads.dq, rows.lse, rows.delta, None), queries, block, kv_format)
     q, k = queries.q, block.k
     for name, x, shape in (("rows.do", rows.do, q.shape), ("grads.dq", grads.dq, q.shape),
@@ -321,7 +298,7 @@ def check_backward_launch(grads, queries, rows, block, kv_format):
         if tuple(x.shape) != tuple(shape) or x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(f"step 'fused_v2' needs C-contiguous float32 {name} of shape {tuple(shape)}, "
                              f"got {x.dtype} {tuple(x.shape)}")
-    check_aligned(("rows.do", rows.do), ("grads.dk", grads.dk), ("grads.dv", grads.dv))
+    fused.check_aligned(("rows.do", rows.do), ("grads.dk", grads.dk), ("grads.dv", grads.dv))
 
 
 def finite_inputs(queries, rows, block, kv_format):

@@ -535,7 +535,7 @@ def test_gpu_check_step_runs_on_the_cpu(libraries):
     assert ok and text.count("| ok |") == 8, text
     ok, text = gpu_kernel_check.backward_against_readable(NumpyAsCupy, seq=256, make_v2=make)
     assert ok and text.count("| ok |") == 8, text
-    table = gpu_kernel_check.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1)
+    table = gpu_kernel_check.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1, repeat=1)
     assert table.count("fused v2 (tensor cores)") == 4 and table.count("the kernel alone") == 4, table
     assert table.count("fused v2 backward (two kernels)") == 4, table
     assert table.count("fused v2 backward, the kernels alone") == 4, table

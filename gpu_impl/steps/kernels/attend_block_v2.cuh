@@ -109,7 +109,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row
 
 // Asynchronous copies to shared memory; `valid` false writes zeros (reads nothing).
 // Hazard: the source must be aligned to the copy's size (16 bytes: a K or V row
-// of a view at an odd offset faults); the host checks it (fused_v2.check_aligned).
+// of a view at an odd offset faults); the host checks it (fused.check_aligned).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
@@ -222,7 +222,7 @@ __device__ __forceinline__ void load_positions(int* kpos, int* kdoc, const int* 
 // Rows row0 .. row0 + BM - 1 of a float32 (all_rows, HEAD_DIM) array (q or dO)
 // into a swizzled 16-bit tile, each value times `factor`; rows past `rows` (the
 // CTA's) or past `all_rows` are zeros. Hazard: float4 loads need rows 16-byte
-// aligned (the host checks the array's address, fused_v2.check_aligned).
+// aligned (the host checks the array's address, fused.check_aligned).
 __device__ __forceinline__ void load_rows(uint4* tile, const float* src, long long row0, int rows,
                                           long long all_rows, float factor, int tid, int threads)
 {
