@@ -5,7 +5,7 @@ skipped tiles are skipped for real. On one machine this measures, side by side:
 
 1. the block step on one GPU, one (query shard, key block) pair with every tile
    visible: the plain step (reference/step.py on CuPy) at two tile sizes and
-   the fused kernel (gpu_impl/kernels/attend_block_v1.cu), as TFLOP/s on useful
+   the fused kernel (gpu_impl/steps/kernels/attend_block_v1.cu), as TFLOP/s on useful
    FLOPs (4*D per visible pair per head) and as a share of the same GPU's
    cuBLAS float32 matmul rate; error against the float64 plain step;
 2. the ring, N ranks under mpiexec sharing this node's GPUs (by local rank),
@@ -134,7 +134,7 @@ def blas_table(blas):
 
 def step_table(cupy, cfg, blas32):
     """The readable step (two tile sizes) and the fused kernel on one fully visible block pair."""
-    from gpu_impl import fused
+    from gpu_impl.steps import fused
     from reference import steps
     from reference.step import ForwardAcc, KVBlock, Queries, finish_forward
     c, H, D = cfg["block"], cfg["heads"], cfg["head_dim"]

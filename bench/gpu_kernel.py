@@ -1,4 +1,4 @@
-"""The tensor-core kernel (gpu_impl.fused_v2), read before it runs, and measured where there is a GPU.
+"""The tensor-core kernel (gpu_impl.steps.fused_v2), read before it runs, and measured where there is a GPU.
 
 Without a GPU this reads what nvcc makes of the fused kernels for sm_90 (the
 H100/H200's architecture): registers, spills, shared memory and occupancy
@@ -208,15 +208,17 @@ def read_section():
                      sass.get("total", "?"), f"{loop[1] or '?'} of {loop[0]}" if loop else "-"])
 
     with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "attend_block_v2_all.cu"       # the three kernels, their header inlined
+        source.write_text(fused_v2.kernel_source())
         for head_dim in fused_v2.HEAD_DIMS:
             for bf16 in (False, True):
                 kind = "bfloat16" if bf16 else "float16"
                 config = fused_v2.Config(head_dim, *fused_v2.DEFAULT_CONFIG[head_dim], bf16)
-                r = compile_reports(fused_v2.SOURCE, config.options(), tmp)["attend_block_v2"]
+                r = compile_reports(source, config.options(), tmp)["attend_block_v2"]
                 row(f"v2 {kind}", head_dim, f"{config.rows} x {config.bn}, {config.warps} warps", r,
                     config.threads, config.shared_bytes, full_tile(config, config.threads))
                 config = fused_v2.Config(head_dim, *fused_v2.BACKWARD_CONFIG[head_dim], bf16)
-                reports = compile_reports(fused_v2.SOURCE, config.options(), tmp)
+                reports = compile_reports(source, config.options(), tmp)
                 row(f"v2 backward dK, dV {kind}", head_dim, f"{dkdv_rows(config)} x {config.bn} at a time, "
                     f"{config.bn // 16} warps", reports["attend_block_v2_dkdv"], config.kv_threads,
                     config.backward_shared_bytes, {"MUFU": dkdv_rows(config) // 2})
@@ -279,7 +281,7 @@ def read_section():
                 " and ".join(f"{backward[d]:.0f} (D = {d})" if backward[d] else f"? (D = {d})"
                              for d in fused_v2.HEAD_DIMS)),
         "",
-        "To be replaced by the rates measured on a first GPU (`make gpu-check`, step \"tensor cores\").", ""])
+        "To be replaced by the rates measured on a first GPU (`make gpu-check`, step \"rates\").", ""])
 
 
 def main(argv=None):

@@ -19,7 +19,8 @@ import sys
 
 from mpi_impl import cli
 
-from . import api, fused
+from . import api
+from .steps import fused
 from .device import GpuUnavailable, local_rank_from_env, require_cupy, use_local_device
 from .transfer import TRANSFERS, choose_transfer
 

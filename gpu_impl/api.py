@@ -1,7 +1,7 @@
 """ring_attention and ring_attention_backward on this rank's CuPy shards: mpi_impl's, on a GPU.
 
 The per-device loop (`reference.ring`, Algorithm 1), the step (`reference.step`,
-or the fused kernel, ``step="fused"``), the collective checks and the
+or a fused kernel of `gpu_impl.steps`, ``step="fused"`` or ``"fused_v2"``), the collective checks and the
 communication object (`mpi_impl.comm.RingComm`) are mpi_impl's, run with CuPy
 arrays. What this module adds is what only a GPU needs: every rank checks that
 CuPy finds a GPU and that its arrays are CuPy arrays on one device, all ranks
@@ -40,7 +40,7 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     (float16: "fused_v2" where it takes the call, else "v1"), "v1", "fused",
     "fused_v2" or a `reference.step.Step`; `seq_len`, the mask options (window,
     cu_seqlens, segment_ids, dropout, seed) and ``scheme=``, ``ulysses_degree=``
-    (`reference.schemes`: the all-to-all goes through host memory) as in mpi_impl. Collective."""
+    (`reference.schemes`: the all-to-all takes the transfer path too) as in mpi_impl. Collective."""
     device, make_ring = _gpu_ring(comm, (q, k, v), (), transfer=transfer)
     with device:
         return mpi_impl.ring_attention(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,

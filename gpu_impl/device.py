@@ -143,6 +143,11 @@ class CupyDevice:
         """Work queued on `stream` from now on starts after `event` completes (the host does not wait)."""
         stream.wait_event(event)
 
+    def host_wait(self, event):
+        """The host waits until `event` has completed (cudaEventSynchronize):
+        only where MPI must read or write memory that queued work uses."""
+        event.synchronize()
+
     def elapsed(self, start, end):
         """Seconds between two timing events (waits for `end`)."""
         end.synchronize()

@@ -47,6 +47,16 @@ send buffers and the device buffers arrivals are uploaded into:
   step is already queued. A pinned send buffer still read by an earlier send
   is RingComm's to wait for (before it hands the set out again).
 
+The schemes' all-to-all (`mpi_impl.groups.AllToAll`, Ulysses and USP) takes
+the ring's memory object and moves device pieces the same two ways
+(``all_to_all``): the pieces stacked in a device buffer that MPI reads and
+writes (cuda-aware), or downloaded asynchronously into pinned host memory on
+the copy stream and uploaded from it after the exchange (staged); the rank's
+own piece is a device copy, never sent. MPI reads and writes those buffers
+outside stream order, so the host waits for the kernels (cuda-aware) or the
+downloads (staged) first: the all-to-all is a blocking collective before the
+ring's first round or after its last, not inside a round.
+
 ``transfer="auto"`` asks the MPI library (`mpi_cuda_support`: MPICH and Open
 MPI export ``MPIX_Query_cuda_support``) and sends device buffers only where
 it says yes; ``cuda-aware`` asked of a library that says no fails at once.
@@ -59,7 +69,7 @@ import ctypes
 
 import numpy as np
 
-from mpi_impl.memory import BufferSet
+from mpi_impl.memory import BufferSet, byte_view
 
 TRANSFERS = ("auto", "cuda-aware", "staged", "cuda-aware-unchecked")
 
@@ -151,6 +161,31 @@ class DeviceBuffers:
     def arrived(self, buffers):
         return buffers.receive
 
+    def all_to_all(self, comm, pieces):
+        """`AllToAll`'s exchange in device memory: the pieces stacked into one
+        device buffer, read by MPI, the others' written into another."""
+        dev, rank = self.device, comm.Get_rank()
+        send = dev.xp.stack(pieces)                         # (u, piece...) on the compute stream
+        received = dev.empty(send.shape, send.dtype)
+        received[rank] = pieces[rank]                       # the rank's own piece: a device copy, never sent
+        # Hazard: MPI reads `send` and writes `received` outside stream order: the
+        # kernels that wrote them, or still read memory the pool gave `received`, first
+        dev.host_wait(dev.event(dev.compute))
+        exchange(comm, send, received)
+        return list(received)
+
+
+def exchange(comm, send, received):
+    """MPI's all-to-all of rows: row i of `send` to group rank i, rank j's row
+    into row j of `received`; the rank's own row is left out (its caller copies
+    it on the device). `send` and `received` (u, piece...) C-contiguous, host
+    or device, as MPI reads them."""
+    from mpi4py import MPI
+    rank, row = comm.Get_rank(), send[0].nbytes
+    counts = [0 if i == rank else row for i in range(comm.Get_size())]
+    displs = [i * row for i in range(comm.Get_size())]
+    comm.Alltoallv([byte_view(send), counts, displs, MPI.BYTE], [byte_view(received), counts, displs, MPI.BYTE])
+
 
 class StagedBuffers:
     """staged: device arrays travel as pinned host copies (module docstring's hazards)."""
@@ -158,6 +193,7 @@ class StagedBuffers:
     def __init__(self, device):
         self.device, self.clock = device, EventClock(device)
         self._uploaded = []         # the device buffers uploads write (kept: they are compared by identity)
+        self._pinned = {}           # (shape, dtype) -> the all-to-all's pinned send and receive buffers
 
     def buffer_set(self, like):
         """For each device array of `like`: a pinned receive buffer, a device
@@ -209,3 +245,30 @@ class StagedBuffers:
                 dev.upload(pinned, d, dev.copy)
         dev.wait(dev.compute, dev.event(dev.copy))          # the step reads them after the copies
         return buffers.handed
+
+    def all_to_all(self, comm, pieces):
+        """`AllToAll`'s exchange through pinned host memory: the others' pieces
+        downloaded on the copy stream, exchanged by MPI, uploaded on the copy
+        stream into a device buffer the compute stream waits for; the rank's
+        own piece copied on the device. The pinned buffers are kept and reused
+        in copy-stream order (a download into them follows every upload from them)."""
+        dev, rank = self.device, comm.Get_rank()
+        shape, dtype = (len(pieces),) + tuple(pieces[0].shape), pieces[0].dtype
+        key = (shape, str(dtype))
+        if key not in self._pinned:
+            self._pinned[key] = (dev.pinned_empty(shape, dtype), dev.pinned_empty(shape, dtype))
+        send, received = self._pinned[key]
+        out = dev.empty(shape, dtype)
+        out[rank] = pieces[rank]                            # a device copy, never sent
+        # after the kernels that wrote the pieces, and those still reading memory the pool gave `out`
+        dev.wait(dev.copy, dev.event(dev.compute))
+        for i, piece in enumerate(pieces):
+            if i != rank:
+                dev.download(piece, send[i], dev.copy)
+        dev.host_wait(dev.event(dev.copy))                  # MPI reads the copies: they must have landed
+        exchange(comm, send, received)
+        for i in range(len(pieces)):
+            if i != rank:
+                dev.upload(received[i], out[i], dev.copy)
+        dev.wait(dev.compute, dev.event(dev.copy))          # what reads them waits for the uploads
+        return list(out)

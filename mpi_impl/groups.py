@@ -28,12 +28,17 @@ from .ranks import rank_name
 class AllToAll:
     """A Ulysses group's one verb: ``all_to_all(pieces)`` sends piece i to
     group rank i and returns the piece each group rank sent here, in rank
-    order. The pieces are of one shape and dtype (a scheme cuts an array into
-    u equal parts); device arrays (CuPy) go through host memory. The bytes it
-    moves count into `traffic` (the ring's, when the ring shares it)."""
+    order, as arrays of the pieces' module. The pieces are of one shape and
+    dtype (a scheme cuts an array into u equal parts). Host arrays go to MPI
+    as they are; device arrays (CuPy) through `memory`, the ring's memory
+    object, where it has an ``all_to_all`` (`gpu_impl.transfer`: device
+    buffers where MPI is CUDA-aware, pinned host memory with asynchronous
+    copies where it is not), else through host memory. The bytes it moves
+    count into `traffic` (the ring's, when the ring shares it)."""
 
-    def __init__(self, comm, traffic=None):
+    def __init__(self, comm, memory=None, traffic=None):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.memory = memory
         self.traffic = traffic or Traffic()
 
     def all_to_all(self, pieces):
@@ -41,10 +46,14 @@ class AllToAll:
             raise ValueError(f"{rank_name(self.comm)}: all_to_all takes one piece per group rank "
                              f"({self.size}), got {len(pieces)}")
         xp = array_module(pieces[0])
-        send = np.stack([to_host(p) for p in pieces])                 # (u, piece...): contiguous
-        received = np.empty_like(send)
-        self.comm.Alltoall(byte_view(send), byte_view(received))       # equal byte counts per rank
-        got = [xp.asarray(piece) for piece in received]
+        exchange = getattr(self.memory, "all_to_all", None)
+        if xp is not np and exchange is not None:
+            got = exchange(self.comm, pieces)
+        else:
+            send = np.stack([to_host(p) for p in pieces])             # (u, piece...): contiguous
+            received = np.empty_like(send)
+            self.comm.Alltoall(byte_view(send), byte_view(received))   # equal byte counts per rank
+            got = [xp.asarray(piece) for piece in received]
         self.traffic.traded(pieces, got, self.rank)
         return got
 
@@ -61,7 +70,8 @@ def scheme_comms(comm, scheme, make_ring):
     ring_comm, ulysses_comm = comm.Split(g % u, g // u), comm.Split(g // u, g % u)
     try:
         with make_ring(ring_comm) as ring:
-            yield Comms(ring, AllToAll(ulysses_comm, getattr(ring, "traffic", None)))
+            a2a = AllToAll(ulysses_comm, getattr(ring, "memory", None), getattr(ring, "traffic", None))
+            yield Comms(ring, a2a)
     finally:
         ring_comm.Free()
         ulysses_comm.Free()

@@ -81,6 +81,14 @@ class SchemeCost:
     moves: Moves
     kv_bytes: np.ndarray
     flops_per_entry: int        # x B x heads per device: the flops of one tile entry on a device
+    host_bytes: np.ndarray = None   # of bytes_sent and received, a block's positions and owner (host arrays)
+
+    def staged_copies(self):
+        """(downloads, uploads) (r, N): the bytes a GPU whose MPI is not
+        CUDA-aware copies between device and pinned host memory (gpu_impl's
+        staged path): every device byte it sends first, every one it receives
+        after; an all-to-all's own piece is copied on the device, unsent."""
+        return self.bytes_sent - self.host_bytes, self.bytes_received - self.host_bytes
 
     @property
     def bytes_sent(self):
@@ -148,7 +156,9 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
             after = B * c * Hq * D * e + lse
         rows += all_to_all_moves(scheme, 0, before) + all_to_all_moves(scheme, r - 1, after)
     flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
-    return SchemeCost(scheme, work, Moves.of(rows), held, flops)
+    host = np.zeros((r, n), dtype=np.int64)
+    host[:-1] = 8 * u * c + 8                                          # a block's positions and owner
+    return SchemeCost(scheme, work, Moves.of(rows), held, flops, host)
 
 
 def ring_moves(scheme, block, dkv):

@@ -54,7 +54,7 @@ class Queries:
     pos: np.ndarray      # (c,) int64
     mask: object = CAUSAL
     scale: object = None  # the scale q carries (None: not known); a kernel that rounds q
-                          # to 16 bits takes it off first (gpu_impl.fused_v2)
+                          # to 16 bits takes it off first (gpu_impl.steps.fused_v2)
     heads: object = None  # (Hq,) int: the global number of each query head held (None: 0..Hq-1);
                           # dropout keys on it, so a device holding some heads (Ulysses) drops as all do
 

@@ -3,39 +3,48 @@
     python scripts/gpu_check.py                        # what `make gpu-check` runs (bash scripts/gpu_check.sh)
     python scripts/gpu_check.py --dry-run              # any machine: every step starts, nothing is measured
     python scripts/gpu_check.py --fake-gpu             # any machine: every step runs on a GPU made of NumPy
-    python scripts/gpu_check.py --only fused rates     # some steps
+    python scripts/gpu_check.py --only kernels rates   # some steps
     bash scripts/gpu_check.sh --wheels DIR             # first install carried wheels (make gpu-wheels; no index)
 
 For one machine with a CUDA 13 GPU, CuPy and mpi4py, and no package index:
-nothing is installed here (scripts/gpu_check.sh installs carried wheels). Each
-step runs in a process of its own, killed when its time is up: its own limit,
-never past what is left of the whole run's --minutes (9). After every step the
-results file (default bench/results/gpu_check.md, which BENCHMARKS.md includes
-through `bench.gpu_bench`) is written again and the step's section printed, so a
-run stopped part-way leaves what it measured:
+nothing is installed here (scripts/gpu_check.sh installs carried wheels). A lent
+GPU gives one command 10 minutes, so the steps come in the order a first run
+needs them, what matters first and the long timings last, and each has a time
+limit (`STEPS`) such that their sum, with the install and a margin, fits the
+cap (--minutes, 9): every step gets its whole limit. Each runs in a process of
+its own, killed when its time is up. After every step the results file
+(default bench/results/gpu_check.md, which BENCHMARKS.md includes through
+`bench.gpu_bench`) is written again and the step's section printed, so a run
+stopped part-way leaves what it measured:
 
- 1. environment     GPU, CUDA, CuPy, MPI library and its CUDA-awareness, mpiexec
-                    (required: without it the ring tests cannot run), tools;
- 2. race probe      the staged path with kernels, then copies, slowed down on purpose;
- 3. GPU tests       tests/gpu/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
-                    GPU, both transfer paths, the fused kernel; any skip fails;
- 4. fused kernel    against the readable step at D = 64 and 128, GQA, float16 and float32;
- 5. tensor cores    fused v2 against the readable step (D = 64 and 128, float16 and
-                    bfloat16, GQA, masks), then timed beside v1 and torch's flash
-                    attention on one block (bench.gpu_kernel_check.gpu_check);
- 6. checked run     S = 65,536, Hq = 8 (where the GPU lags the host most), Hkv = 2,
-                    D = 128, float16, forward and backward on 4 ranks, against
-                    float64 attention and gradients computed on the GPU itself;
- 7. command line    S = 65,536, D = 128, float16, GQA, backward, --check (rank 0
-                    checks on the CPU in float64, so 2 query heads);
- 8. trace           per round and rank: the step's GPU time and the GPU's idle
-                    time before the next step, at 8 query heads: do transfers overlap?;
- 9. sanitizer       compute-sanitizer racecheck, synccheck and memcheck on one small fused launch;
-10. rates           plain and fused steps against torch's flash attention, one block.
+ 1. environment   GPU, CUDA, CuPy, MPI library and its CUDA-awareness, mpiexec
+                  (required: without it the ring tests cannot run), tools; one
+                  kernel compiled by NVRTC and one cuBLAS matmul;
+ 2. compile       every fused kernel the check launches (version 2's forward and
+                  both backward kernels, version 1), and the readable step's CuPy
+                  kernels, compiled once in parallel into CuPy's cache on disk;
+ 3. kernels       the cheapest check of every kernel against the readable step:
+                  version 1, version 2's forward and both backward kernels
+                  (D = 64 and 128, float16 and bfloat16, GQA, masks);
+ 4. sanitizer     compute-sanitizer racecheck, synccheck and memcheck on small
+                  launches of all three kernels of version 2 (a NaN in V, forward
+                  and backward) and of version 1;
+ 5. race probe    the staged path with kernels, then copies, slowed down on purpose;
+ 6. GPU tests     tests/gpu/test_gpu.py -m gpu: 1, 2 and 4 MPI ranks sharing the
+                  GPU, both transfer paths, the fused kernels; any skip fails;
+ 7. checked run   S = 65,536, Hq = 8, Hkv = 2, D = 128, float16, forward and
+                  backward on 4 ranks, against float64 attention and gradients
+                  computed on the GPU itself;
+ 8. command line  S = 16,384, D = 128, float16, GQA, backward, --check (rank 0
+                  checks on the CPU in float64, so 2 query heads);
+ 9. trace         per round and rank: the step's GPU time and the GPU's idle
+                  time before the next step, at 8 query heads: do transfers overlap?;
+10. rates         the long timings: the readable step, versions 1 and 2 and
+                  torch's flash attention, forward and backward, one block.
 
 --fake-gpu runs the same steps, at small sizes, on tests/support/gpu/queued_device.py
 (a GPU made of NumPy whose streams run later; the readable step stands in for
-the fused kernel): it checks this script, and measures nothing. The GPU tests
+the fused kernels): it checks this script, and measures nothing. The GPU tests
 skip there, so those two steps fail, as they must on a GPU where tests skip.
 
 Exit status: 0 every step passed; 1 a step failed; 2 no GPU (nothing was checked).
@@ -51,10 +60,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # its step modules beside it
 
-from gpu_check_base import (MARGIN_S, QUEUED_GPU, ROOT, WHOLE_S, Context, Result, fenced,  # noqa: E402,F401
-                            run)
-from gpu_check_kernels import (environment, fused_against_readable, gpu_tests, one_fused_launch,  # noqa: E402
-                               race_probe, rates, sanitizer, tensor_cores)
+from gpu_check_base import (INSTALL_S, MARGIN_S, QUEUED_GPU, ROOT, WHOLE_S, Context, Result,  # noqa: E402,F401
+                            fenced, run)
+from gpu_check_kernels import (compile_builds, compile_kernels, environment, gpu_tests, kernel_checks,  # noqa: E402
+                               one_fused_launch, race_probe, rates, sanitizer, warm_readable_step)
 from gpu_check_rings import (checked_run, checked_run_worker, command_line, dense_reference_gpu,  # noqa: E402,F401
                              time_shifts, trace)
 
@@ -65,13 +74,23 @@ OUT = ROOT / "bench" / "results" / "gpu_check.md"
 
 # -- the run ------------------------------------------------------------------------------------
 
-STEPS = {"environment": (environment, 60), "race probe": (race_probe, 90), "GPU tests": (gpu_tests, 220),
-         "fused kernel": (fused_against_readable, 90), "tensor cores": (tensor_cores, 120),
-         "checked run": (checked_run, 240), "command line": (command_line, 180),
-         "trace": (trace, 180), "sanitizer": (sanitizer, 130), "rates": (rates, 90)}     # name: (step, limit s)
-SHORT = {"environment": "env", "race probe": "race", "GPU tests": "tests", "fused kernel": "fused",
-         "tensor cores": "tensor", "checked run": "checked", "command line": "cli", "trace": "trace",
-         "sanitizer": "sanitizer", "rates": "rates"}
+# name: (step, short name for --only, limit in seconds), in the order a first run needs them
+STEPS = {"environment": (environment, "env", 30), "compile": (compile_kernels, "compile", 45),
+         "kernels": (kernel_checks, "kernels", 45), "sanitizer": (sanitizer, "sanitizer", 75),
+         "race probe": (race_probe, "race", 25), "GPU tests": (gpu_tests, "tests", 75),
+         "checked run": (checked_run, "checked", 50), "command line": (command_line, "cli", 40),
+         "trace": (trace, "trace", 40), "rates": (rates, "rates", 50)}
+SHORT = {name: short for name, (_, short, _) in STEPS.items()}
+
+
+def plan(minutes):
+    """The steps' limits in their order, and their sum against what the cap leaves them."""
+    budget = minutes * 60 - MARGIN_S - INSTALL_S
+    total = sum(limit for _, _, limit in STEPS.values())
+    steps = ", ".join(f"{name} {limit} s" for name, (_, _, limit) in STEPS.items())
+    return (f"Plan: {steps}; {total} s in all, {'within' if total <= budget else 'OVER'} the {budget:.0f} s "
+            f"the cap of {minutes * 60:.0f} s leaves after {INSTALL_S} s for installing wheels and "
+            f"{MARGIN_S} s kept back.")
 
 
 def run_step(ctx, name, limit, result_file):
@@ -121,7 +140,7 @@ def write_results(path, ctx, sections, failed, started, steps_left):
             f" of `make gpu-check` (scripts/gpu_check.py), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
             f"{time.time() - started:.0f} s; {state}.\n")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(head + "\n" + "\n".join(sections))
+    Path(path).write_text(head + "\n" + ctx.notes.get("plan", "") + "\n\n" + "\n".join(sections))
     return head
 
 
@@ -145,6 +164,8 @@ def parse_args(argv=None):
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     ap.add_argument("--one-fused-launch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-builds", help=argparse.SUPPRESS)        # indices into gpu_check_kernels.kernel_builds()
+    ap.add_argument("--warm-readable", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--time-shifts", nargs=2, metavar=("OUT", "BYTES"), help=argparse.SUPPRESS)
     ap.add_argument("--checked-run", nargs=2, metavar=("OUT", "CONFIG"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -157,6 +178,12 @@ def main(argv=None):
         return 0
     if args.checked_run:
         checked_run_worker(args.checked_run[0], json.loads(args.checked_run[1]))
+        return 0
+    if args.compile_builds:
+        compile_builds([int(i) for i in args.compile_builds.split(",")])
+        return 0
+    if args.warm_readable:
+        warm_readable_step()
         return 0
     if args.one_fused_launch:
         if args.dry_run:
@@ -175,11 +202,13 @@ def main(argv=None):
         print(f"gpu-check: no usable GPU here, nothing was checked: {reason}", file=sys.stderr)
         return 2
     names = [n for n in STEPS if not args.only or SHORT[n] in args.only]
+    ctx.notes["plan"] = plan(args.minutes)
+    print(ctx.notes["plan"], flush=True)
     sections, failed = [], []
     for i, name in enumerate(names):
         t0 = time.time()
         print(f"== {name} ({t0 - started:.0f} s; {ctx.left():.0f} s left)", flush=True)
-        limit = min(STEPS[name][1], ctx.left())
+        limit = min(STEPS[name][2], ctx.left())
         if limit < 10:
             result = Result(False, f"not started: the whole run's {args.minutes * 60:.0f} s are spent "
                                    f"(rerun it alone: --only {SHORT[name]})")

@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh --python PATH ...  # another interpreter (default: .venv/bin/python, else the
 #                                                # first of python3, python that imports cupy, else python3)
 #   bash scripts/gpu_check.sh --venv DIR ...     # where --wheels installs (default: .gpu-venv)
+#   bash scripts/gpu_check.sh --help             # these options, then scripts/gpu_check.py's
 #
 # Every other option goes to scripts/gpu_check.py (--out FILE, --only STEP..., --mpiexec PATH,
 # --fake-gpu). The interpreter needs NumPy, CuPy, mpi4py, pytest and hypothesis; mpiexec must
@@ -19,7 +20,7 @@
 # mpi4py always, the rest of DIR/requirements.txt only where missing; and runs the check with
 # that venv's Python. So mpiexec lies beside that Python, and mpi4py finds the mpich wheel's
 # libmpi.so.12 in the venv's lib/ (where `pip install --target` would drop it). The 9
-# minutes of the check count from here, the install included.
+# minutes of the check count from here, the install included (45 s are kept for it).
 # Exit status: 0 passed, 1 a step failed (or mpiexec is missing), 2 no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,12 +29,14 @@ started=$(date +%s)
 PY=""
 wheels=""
 venv=.gpu-venv
+help=""
 args=()
 while (( $# )); do
     case "$1" in
         --wheels) wheels="$2"; shift 2 ;;
         --python) PY="$2"; shift 2 ;;
         --venv) venv="$2"; shift 2 ;;
+        -h|--help) help=1; shift ;;
         *) args+=("$1"); shift ;;
     esac
 done
@@ -47,6 +50,12 @@ if [[ -z "$PY" ]]; then     # .venv's, else the first of python3, python that ha
             fi
         done
     fi
+fi
+
+if [[ -n "$help" ]]; then        # this script's own options (its header), then the Python's
+    sed -n '2,/^set -euo/p' "$0" | grep -v '^set -euo' | sed 's/^# \{0,1\}//'
+    echo
+    exec "$PY" scripts/gpu_check.py --help
 fi
 
 if [[ -n "$wheels" ]]; then

@@ -22,8 +22,10 @@ SCRIPT = Path(__file__).resolve().parent / "gpu_check.py"   # the steps launch i
 OUT = ROOT / "bench" / "results" / "gpu_check.md"
 QUEUED_GPU = ROOT / "tests" / "support" / "gpu" / "queued_device.py"
 RANKS = 4
-WHOLE_S = 9 * 60        # the whole check, wheels installed included (scripts/gpu_check.sh starts the clock)
+WHOLE_S = 9 * 60        # the whole check, wheels installed included (scripts/gpu_check.sh starts the clock):
+                        # one command of a lent GPU (10 minutes), with a minute to spare
 MARGIN_S = 20           # kept back for writing the results, and for killing a step that ran over
+INSTALL_S = 45          # kept back for gpu_check.sh's install of carried wheels (--wheels), before the steps
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,12 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(          # forward and backward at tiles fused_v2 takes (auto picks it both ways)
-    realistic=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
+    realistic=("--seq-len", "16384", "--head-dim", "128", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
                "--layout", "striped", "--backward", "--check", "--tile-size", "64x64", "--backward-tile-size", "32x64",
                "--no-warmup"),
     traced=("--seq-len", "65536", "--head-dim", "128", "--dtype", "float16", "--heads", "8", "--kv-heads", "2",
             "--layout", "all", "--backward", "--tile-size", "32x64", "--backward-tile-size", "16x64", "--repeat", "2"),
-    fused_seq=4096, fused_dims=(64, 128), rate_block=4096,
+    fused_seq=1024, fused_dims=(64, 128), rate_block=4096,
     checked=dict(seq_len=65536, heads=8, kv_heads=2, head_dim=128, tile=(32, 64), backward_tile=(16, 64)))
 FAKE_SIZES = Sizes(
     realistic=("--seq-len", "256", "--head-dim", "16", "--dtype", "float16", "--kv-heads", "1", "--heads", "2",
@@ -94,12 +96,7 @@ def run(ctx, cmd, limit):
     timeout = min(limit, ctx.left())
     if timeout < 1:
         return 124, "[not started: no time left]"
-    full_env = dict(os.environ)
-    for name, value in OPEN_MPI_AS_ROOT.items():
-        full_env.setdefault(name, value)
-    full_env.update(PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
-                    OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
-                    MPIEXEC_TIMEOUT=str(max(1, int(timeout) - 5)))    # mpiexec ends its ranks first
+    full_env = _environment(timeout)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -109,6 +106,37 @@ def run(ctx, cmd, limit):
         out, _ = proc.communicate()
         return 124, (out or "") + f"\n[timed out after {timeout:.0f} s]"
     return proc.returncode, out
+
+
+def _environment(timeout):
+    env = dict(os.environ)
+    for name, value in OPEN_MPI_AS_ROOT.items():
+        env.setdefault(name, value)
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+               OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "4"),
+               MPIEXEC_TIMEOUT=str(max(1, int(timeout) - 5)))    # mpiexec ends its ranks first
+    return env
+
+
+def run_all(ctx, cmds, limit):
+    """[(returncode, stdout + stderr)] of commands run side by side, each
+    killed with its process group (124) once `limit` seconds or the step's
+    time left (the smaller) have passed."""
+    timeout = min(limit, ctx.left())
+    if timeout < 1:
+        return [(124, "[not started: no time left]")] * len(cmds)
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_environment(timeout), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for cmd in cmds]
+    end, results = time.time() + timeout, []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, end - time.time()))
+            results.append((proc.returncode, out))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            results.append((124, (out or "") + f"\n[timed out after {timeout:.0f} s]"))
+    return results
 
 
 def fenced(text, limit=60):

@@ -1,15 +1,17 @@
-"""make gpu-check's steps on the kernels: 1 environment, 2-3 the GPU tests,
-4 the fused kernel, 5 the tensor cores, 9 compute-sanitizer, 10 rates
-(scripts/gpu_check.py runs them).
+"""make gpu-check's steps on the kernels: the environment, compiling every
+kernel once, the cheapest check of each kernel, compute-sanitizer, the GPU
+tests, and last the rates (scripts/gpu_check.py runs them).
 """
 
+import os
 import sys
+import time
 
 import numpy as np
 
-from gpu_check_base import FUSED_DTYPES, SCRIPT, Result, fenced, find_sanitizer, module_version, run
+from gpu_check_base import FUSED_DTYPES, SCRIPT, Result, fenced, find_sanitizer, module_version, run, run_all
 
-# -- 1. environment --------------------------------------------------------------------
+# -- environment --------------------------------------------------------------------
 
 def environment(ctx):
     rows = [("python", sys.version.split()[0] + f" ({ctx.python})")]
@@ -74,7 +76,95 @@ def cuda_probe(ctx):
                    "(for example /usr/local/cuda), or LD_LIBRARY_PATH to the folders of libnvrtc and libcublas.")
 
 
-# -- 2, 3. the tests -------------------------------------------------------------------
+# -- compile: every kernel once, at the start ---------------------------------------------
+
+def kernel_builds():
+    """Every build of the fused kernels the later steps launch, as
+    (label, version, arguments): version 2's forward and its two backward
+    kernels at their default tiles (every tile the check's rings and timings
+    use is one of them), version 1 at its tile, D = 64 and 128."""
+    from gpu_impl.steps import fused, fused_v2
+    builds = []
+    for d in fused_v2.HEAD_DIMS:
+        for bf16 in (False, True):
+            for table, names in ((fused_v2.DEFAULT_CONFIG, ("attend_block_v2",)),
+                                 (fused_v2.BACKWARD_CONFIG, ("attend_block_v2_dkdv", "attend_block_v2_dq"))):
+                config = fused_v2.Config(d, *table[d], bf16)
+                builds += [(f"{name} D={d} {'bf16' if bf16 else 'f16'} {config.rows}x{config.bn}", 2,
+                            (d, *table[d], bf16, name)) for name in names]
+        for kv_half in (False, True):
+            builds.append((f"attend_block_v1 D={d} {'f16' if kv_half else 'f32'} K/V {fused.DEFAULT_TILE}", 1,
+                           (d, *fused.DEFAULT_TILE, kv_half)))
+    return builds
+
+
+def compile_builds(indices):
+    """In a process of its own: compile `kernel_builds()[i]` for each i (NVRTC,
+    into CuPy's kernel cache on disk, where every later step's process finds
+    it); print each one's seconds."""
+    from gpu_impl.steps import fused, fused_v2
+    builds = kernel_builds()
+    for i in indices:
+        label, version, args = builds[i]
+        start = time.perf_counter()
+        if version == 2:
+            fused_v2._kernel(fused_v2.Config(*args[:4]), args[4])       # compiles: it sets the shared memory size
+        else:
+            fused._kernel(*args)
+        print(f"| {label} | {time.perf_counter() - start:.1f} |", flush=True)
+
+
+def warm_readable_step():
+    """In a process of its own: the readable step on CuPy, forward and
+    backward, float32 and float64, causal and windowed, on a tiny block: CuPy
+    compiles its own kernels for it once, into its cache, for the later steps."""
+    import cupy
+
+    from reference.masks import make_mask
+    from reference.heads import q_from_heads, rows_from_heads
+    from reference.ring import own_block
+    from reference.step import BackwardRows, ForwardAcc, Grads, Queries, ReadableStep, finish_forward
+    start = time.perf_counter()
+    for dtype in (np.float32, np.float64):
+        x = cupy.asarray(np.random.default_rng(0).standard_normal((1, 8, 2, 4)).astype(dtype))
+        for mask in (make_mask(), make_mask(window=3)):
+            queries = Queries.prepare(x, 1, np.arange(8), 0.5)
+            block = own_block(x[:, :, :1].copy(), x[:, :, 1:].copy(), np.arange(8), 0)
+            acc = ForwardAcc.zeros(queries.q)
+            ReadableStep().forward(acc, queries, block, mask=mask, tile_size=4)
+            out, lse = finish_forward(acc)
+            rows = BackwardRows.prepare(q_from_heads(out), rows_from_heads(lse), x, 1, queries.q.dtype)
+            grads = Grads(cupy.zeros_like(queries.q), cupy.zeros_like(block.k), cupy.zeros_like(block.v))
+            ReadableStep().backward(grads, queries, rows, block, mask=mask, tile_size=4)
+    cupy.cuda.Device().synchronize()
+    print(f"| the readable step's CuPy kernels (float32, float64) | {time.perf_counter() - start:.1f} |", flush=True)
+
+
+def compile_kernels(ctx):
+    """Every fused kernel the check launches, compiled once by NVRTC, and the
+    readable step's CuPy kernels, in parallel processes: CuPy keeps them in its
+    cache on disk, so that no later step (each a process of its own) spends
+    its time compiling."""
+    builds = kernel_builds()
+    head = "| build | seconds |\n| :--- | ---: |\n"
+    if ctx.dry:
+        return Result(True, f"dry run: would compile {len(builds)} builds\n\n" + head
+                      + "\n".join(f"| {label} | - |" for label, *_ in builds))
+    workers = 0 if ctx.fake else max(1, min(8, (os.cpu_count() or 2) - 1, len(builds)))   # the fake compiles nothing
+    groups = [list(range(i, len(builds), workers)) for i in range(workers)]
+    cmds = [[ctx.python, str(SCRIPT), "--compile-builds", ",".join(map(str, g))] for g in groups]
+    cmds.append([*ctx.gpu_python(), str(SCRIPT), "--warm-readable"])
+    start = time.perf_counter()
+    results = run_all(ctx, cmds, ctx.left())
+    ok = all(rc == 0 for rc, _ in results)
+    rows = [line for _, out in results for line in out.splitlines() if line.startswith("| ")]
+    failed = [fenced(out, 20) for rc, out in results if rc != 0]
+    return Result(ok, f"{len(builds) if workers else 0} builds of the fused kernels and the readable step's kernels, "
+                      f"{len(cmds)} processes side by side, {time.perf_counter() - start:.0f} s\n\n" + head
+                  + "\n".join(rows) + ("\n\nFAILED:\n\n" + "\n\n".join(failed) if failed else ""))
+
+
+# -- the GPU tests -------------------------------------------------------------------
 
 def pytest_step(ctx, selection):
     """tests/gpu/test_gpu.py -m gpu with `selection`; fails on any failure or skip."""
@@ -100,14 +190,23 @@ def gpu_tests(ctx):
     return pytest_step(ctx, "not race_probe")
 
 
-# -- 4. fused against readable -----------------------------------------------------------
+# -- kernels: the cheapest check of every kernel, before any timing --------------------
+
+def kernel_checks(ctx):
+    """Version 1 against the readable step, then version 2's forward and both
+    backward kernels (bench.gpu_kernel_check.check), at small sizes."""
+    from bench import gpu_kernel_check
+    ok1, v1 = fused_against_readable(ctx)
+    ok2, v2 = gpu_kernel_check.check(dry=ctx.dry, small=ctx.fake)
+    return Result(ok1 and ok2, v1 + "\n\n" + v2)
+
 
 def fused_against_readable(ctx):
-    """Max |fused - readable| over |readable| at model shapes: 4 striped blocks, GQA 8/2."""
-    from gpu_impl import fused
+    """(ok, markdown): max |fused - readable| over |readable|: 4 striped blocks, GQA 8/2."""
+    from gpu_impl.steps import fused
     if ctx.dry:
         tiles = [fused.fused_tile(None, d) for d in ctx.sizes.fused_dims]
-        return Result(True, f"dry run: fused tiles {tiles} fit at D = {ctx.sizes.fused_dims}")
+        return True, f"dry run: would check fused v1 (attend_block_v1) at tiles {tiles}, D = {ctx.sizes.fused_dims}"
     import cupy
     from reference import ring, steps
     from reference.layouts import positions, shard
@@ -133,26 +232,18 @@ def fused_against_readable(ctx):
         ok &= good
         rows.append(f"| {head_dim} | {np.dtype(dtype).name} | {fused.fused_tile(None, head_dim)} | {err:.1e} | "
                     f"{'ok' if good else 'FAILED'} |")
-    head = (f"Fused kernel against the readable step (both accumulate in float32), S = {seq} on 4 striped "
+    head = (f"Fused v1 against the readable step (both accumulate in float32), S = {seq} on 4 striped "
             "blocks, Hq = 8, Hkv = 2, causal; error scaled by max(1, |readable|), limit 1e-4.\n\n"
             "| D | inputs | fused tile | max error | |\n| ---: | :--- | :--- | ---: | :--- |\n")
-    return Result(ok, head + "\n".join(rows))
+    return ok, head + "\n".join(rows)
 
 
-# -- 5. the tensor-core kernel -------------------------------------------------------------
-
-def tensor_cores(ctx):
-    """fused v2 checked against the readable step on the GPU, then timed (bench.gpu_kernel_check)."""
-    from bench import gpu_kernel_check
-    ok, text = gpu_kernel_check.gpu_check(dry=ctx.dry, small=ctx.fake)
-    return Result(ok, text)
-
-
-# -- 9. compute-sanitizer -------------------------------------------------------------------
+# -- compute-sanitizer, on all three kernels of version 2 and on version 1 --------------------
 
 def one_fused_launch():
-    """One small fused launch per K/V dtype (what the sanitizer watches): a
-    partly masked block of 96 keys, D = 64, GQA, tiles cut short at both ends."""
+    """What the sanitizer watches: one small launch of version 1 per K/V
+    dtype (a partly masked block of 96 keys, D = 64, GQA, tiles cut short at
+    both ends), then version 2's three kernels (bench.gpu_kernel_check.sanitizer_launches)."""
     import cupy
 
     import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
@@ -171,13 +262,15 @@ def one_fused_launch():
     finite_where_it_should_be = sanitizer_launches(cupy)            # fused_v2: D = 128, float16 and bfloat16
     cupy.cuda.Device().synchronize()
     print("one fused launch per dtype: done")
-    print(f"fused_v2 launches (D = 128, float16 and bfloat16, a window, a NaN in V): "
+    print(f"fused_v2 launches (D = 128, float16 and bfloat16, a window, a NaN in V; its backward, and both "
+          f"backward kernels): "
           f"{'done' if finite_where_it_should_be else 'FAILED: NaN where it cannot reach, or none where it does'}")
     if not finite_where_it_should_be:
         raise SystemExit(1)
 
 
 def sanitizer(ctx):
+    """compute-sanitizer's racecheck, synccheck and memcheck on `one_fused_launch`."""
     tool = find_sanitizer()
     me = [*ctx.gpu_python(), str(SCRIPT), "--one-fused-launch"]
     if ctx.dry:
@@ -189,8 +282,9 @@ def sanitizer(ctx):
         return Result(rc == 0, "compute-sanitizer not found (CUDA_HOME/bin, /usr/local/cuda/bin, PATH); "
                                "the launch alone:\n\n" + fenced(out, 20), skipped="compute-sanitizer not found")
     parts, ok = [], True
-    for name in ("racecheck", "synccheck", "memcheck"):
-        rc, out = run(ctx, [tool, "--tool", name, "--error-exitcode", "99", *me], 60)
+    tools = ("racecheck", "synccheck", "memcheck")
+    for i, name in enumerate(tools):             # the step's time shared by the tools still to run
+        rc, out = run(ctx, [tool, "--tool", name, "--error-exitcode", "99", *me], ctx.left() / (len(tools) - i))
         good = rc == 0
         ok &= good
         summary = [line for line in out.splitlines() if "SUMMARY" in line or "done" in line]
@@ -198,12 +292,16 @@ def sanitizer(ctx):
     return Result(ok, "\n\n".join(parts))
 
 
-# -- 10. rates --------------------------------------------------------------------------------
+# -- rates: the long timings, last ------------------------------------------------------------
 
 def rates(ctx):
-    """One block pair, every tile visible: rate_block queries x keys, Hq = 8, Hkv = 2, float16."""
+    """The long timings, last: one block pair, every tile visible,
+    rate_block queries x keys, Hq = 8, Hkv = 2, float16: the readable step and
+    version 1, then version 2 and torch's flash attention, forward and
+    backward (bench.gpu_kernel_check.timings)."""
+    from bench import gpu_kernel_check
     if ctx.dry:
-        return Result(True, f"dry run: torch {module_version('torch')}")
+        return Result(True, f"dry run: torch {module_version('torch')}; {gpu_kernel_check.timings(dry=True)[1]}")
     import cupy
 
     import gpu_impl  # noqa: F401 - registers its CUDA steps ("fused") with reference.steps
@@ -226,33 +324,9 @@ def rates(ctx):
             seconds = gpu_bench.timed(cupy.cuda.Device().synchronize, lambda: step.forward(
                 ForwardAcc.zeros(queries.q), queries, b, causal=True, tile_size=tile), repeat=3)
             rows.append((head_dim, name, seconds, useful / seconds / 1e12))
-        flash = torch_flash(c, hq, hkv, head_dim)
-        rows.append((head_dim, "torch flash attention" if flash else "torch: not installed (or no CUDA)",
-                     flash or float("nan"), useful / flash / 1e12 if flash else float("nan")))
     table = "| D | step | ms | TFLOP/s (useful) |\n| ---: | :--- | ---: | ---: |\n" + "\n".join(
         f"| {d} | {name} | {s * 1e3:.2f} | {r:.1f} |" for d, name, s, r in rows)
-    return Result(True, f"One block pair, every tile visible: {c} queries x {c} keys, Hq = 8, Hkv = 2, "
-                        "float16 inputs; useful FLOPs 4 D per pair per query head.\n\n" + table)
-
-
-def torch_flash(c, hq, hkv, head_dim):
-    """Seconds of torch's flash attention on the same block, or None without torch."""
-    try:
-        import torch
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    q = torch.randn(1, hq, c, head_dim, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(1, hkv, c, head_dim, device="cuda", dtype=torch.float16).repeat_interleave(hq // hkv, 1)
-            for _ in range(2))
-
-    def fn():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            F.scaled_dot_product_attention(q, k, v)
-    from bench import gpu_bench
-    return gpu_bench.timed(torch.cuda.synchronize, fn)
-
-
+    ok, v2 = gpu_kernel_check.timings(small=ctx.fake)
+    return Result(ok, f"The readable step and version 1 on one block pair, every tile visible: {c} queries x {c} "
+                      "keys, Hq = 8, Hkv = 2, float16 inputs; useful FLOPs 4 D per pair per query head.\n\n"
+                      + table + "\n\n" + v2)

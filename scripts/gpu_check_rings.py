@@ -1,5 +1,5 @@
-"""make gpu-check's steps on the ring: 6 a checked run where the GPU lags,
-7 the command line, 8 the trace (scripts/gpu_check.py runs them).
+"""make gpu-check's steps on the ring: a checked run where the GPU lags,
+the command line, the trace (scripts/gpu_check.py runs them).
 """
 
 import json
@@ -10,7 +10,7 @@ import numpy as np
 
 from gpu_check_base import RANKS, SCRIPT, Result, fenced, mpirun, run
 
-# -- 6. a checked run where the GPU lags ----------------------------------------------------------
+# -- a checked run where the GPU lags ----------------------------------------------------------
 
 CHECK_SEED = 7
 CHECK_LIMIT = 1e-2      # float16 inputs, float32 accumulation: a stream race gives errors of order 1
@@ -28,8 +28,7 @@ def checked_run(ctx):
     if ctx.dry:
         return Result(True, f"dry run: {what}")
     path = ctx.work / "checked.json"
-    rc, out = run(ctx, mpirun(ctx, str(SCRIPT), "--checked-run", str(path), json.dumps(cfg)),
-                  300)
+    rc, out = run(ctx, mpirun(ctx, str(SCRIPT), "--checked-run", str(path), json.dumps(cfg)), ctx.left())
     if rc != 0 or not path.exists():
         return Result(False, f"{what}\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
     doc = json.loads(path.read_text())
@@ -113,7 +112,7 @@ def dense_reference_gpu(cupy, q, k, v, dout, chunk=4096):
     return res
 
 
-# -- 7, 8. the command line -------------------------------------------------------------------
+# -- the command line and its trace -------------------------------------------------------------------
 
 def parse_cli(args):
     """gpu_impl's parser and mpi_impl's option check on these arguments (no MPI, no GPU)."""
@@ -132,8 +131,11 @@ def command_line(ctx):
     if ctx.dry:
         parse_cli(realistic)
         return Result(True, f"dry run: `{shown}` parses")
-    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *realistic), 170)
+    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *realistic), ctx.left())
     return Result(rc == 0, f"`{shown}`\n\n" + fenced(out, 30) + ("" if rc == 0 else f"\n\nFAILED: exit status {rc}"))
+
+
+SHIFT_S = 15        # of the trace step's time, kept for timing a shift alone
 
 
 def trace(ctx):
@@ -146,15 +148,14 @@ def trace(ctx):
         table = overlap_table(example_trace_doc(), {"seconds": 1e-3, "bytes": 1, "path": "staged"})
         return Result("transfers overlap the steps" in table, f"dry run: `{shown}` parses; the overlap "
                                                               f"table is drawn from a trace")
-    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *args), 110)
+    rc, out = run(ctx, mpirun(ctx, "-m", "gpu_impl", *args), ctx.left() - SHIFT_S)
     if rc != 0:
         return Result(False, f"`{shown}`\n\n" + fenced(out, 30) + f"\n\nFAILED: exit status {rc}")
     from reference.trace import read_trace
     doc = read_trace(path)
     nbytes = int(doc["layouts"]["striped"]["forward"].bytes_sent[0].max())
     alone = ctx.work / "shift.json"
-    rc, shift_out = run(ctx, mpirun(ctx, str(SCRIPT), "--time-shifts", str(alone), str(nbytes)),
-                        60)
+    rc, shift_out = run(ctx, mpirun(ctx, str(SCRIPT), "--time-shifts", str(alone), str(nbytes)), ctx.left())
     shift = json.loads(alone.read_text()) if rc == 0 else None
     text = f"`{shown}`\n\n" + fenced(out, 12) + "\n\n" + overlap_table(doc, shift)
     return Result(True, text if shift else text + "\n\ntiming a shift alone failed:\n\n" + fenced(shift_out, 20))

@@ -1,4 +1,4 @@
-"""gpu_impl.fused_v2 (kernels/attend_block_v2.cu) without a GPU: its source run
+"""gpu_impl.steps.fused_v2 (kernels/attend_block_v2.cu) without a GPU: its source run
 on the CPU against the readable step, and compiled for sm_90 and read.
 
 - The kernel on the CPU (tests/support/gpu/emulate_cuda.cpp: a fiber per CUDA thread,
@@ -44,8 +44,8 @@ from hypothesis import strategies as st
 
 from bench import gpu_kernel, gpu_kernel_check
 from conftest import BFLOAT16, Case, assert_close, cases
-from gpu_impl import fused_v2
-from gpu_impl.fused_v2 import Config
+from gpu_impl.steps import fused_v2
+from gpu_impl.steps.fused_v2 import Config
 from reference import attention, ring, ring_attention, steps
 from reference.layouts import positions, shard
 from reference.masks import CAUSAL, make_mask
@@ -352,10 +352,10 @@ PLANTS = [
 def planted_fails(libraries, name, old, new):
     """True when the kernel with the plant fails a check of this file: out or
     lse off, NaN where there should be none, or an error of the emulator."""
-    source = fused_v2.SOURCE.read_text()
+    source = fused_v2.kernel_source()
     assert source.count(old) == 1, f"plant {name!r}: the text to replace is not in the kernel once"
     config = SMALL[0]
-    lib = emulator.build(fused_v2.SOURCE, config.options(), 2, text=source.replace(old, new))
+    lib = emulator.build(source.replace(old, new), config.options(), 2, optimize=False)
     step = emulator.EmulatedTensorCoreStep({config: lib})
     case = Case(layout="striped", n_devices=2, B=1, S=192, Hq=4, Hkv=2, D=64, tile_size=None, causal=True,
                 scale=None, dtype=np.float16, kind="gaussian", seed=7)
@@ -378,12 +378,12 @@ def test_a_planted_bug_fails_the_checks(libraries, name, old, new):
 
 def test_dropping_the_swizzle_gives_bank_conflicts(libraries):
     """Rows of 128 bytes unswizzled: an ldmatrix's 8 rows share one bank group."""
-    source = fused_v2.SOURCE.read_text()
+    source = fused_v2.kernel_source()
     plain = source.replace("return row * CHUNKS + (chunk ^ (row & 7));", "return row * CHUNKS + chunk;")
     plain = plain.replace("(((lane / 8) % 2) ^ (lane % 8))", "((lane / 8) % 2)").replace(
         "((lane / 16) ^ (lane % 8))", "(lane / 16)")
     config = SMALL[0]
-    lib = emulator.build(fused_v2.SOURCE, config.options(), 2, text=plain)
+    lib = emulator.build(plain, config.options(), 2, optimize=False)
     step = emulator.EmulatedTensorCoreStep({config: lib})
     case = Case(layout="striped", n_devices=1, B=1, S=64, Hq=2, Hkv=1, D=64, tile_size=None, causal=True,
                 scale=None, dtype=np.float16, kind="gaussian", seed=1)
@@ -423,12 +423,12 @@ def test_emulator_conversions_are_numpys(libraries):
 def test_emulator_reports_lanes_at_different_warp_operations(libraries):
     """A shuffle that half of a warp skips hangs a GPU (or reads undefined
     values); the emulator says which lines the lanes are at."""
-    source = fused_v2.SOURCE.read_text()
+    source = fused_v2.kernel_source()
     old = "            mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));"
     assert source.count(old) == 1
     config = SMALL[0]
-    lib = emulator.build(fused_v2.SOURCE, config.options(), 2,
-                         text=source.replace(old, "            if (lane < 16)\n    " + old))
+    lib = emulator.build(source.replace(old, "            if (lane < 16)\n    " + old), config.options(), 2,
+                         optimize=False)
     step = emulator.EmulatedTensorCoreStep({config: lib})
     case = Case(layout="striped", n_devices=1, B=1, S=64, Hq=2, Hkv=1, D=64, tile_size=None, causal=True,
                 scale=None, dtype=np.float16, kind="gaussian", seed=1)
@@ -535,10 +535,11 @@ def test_gpu_check_step_runs_on_the_cpu(libraries):
     assert ok and text.count("| ok |") == 8, text
     ok, text = gpu_kernel_check.backward_against_readable(NumpyAsCupy, seq=256, make_v2=make)
     assert ok and text.count("| ok |") == 8, text
-    table = gpu_kernel_check.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1)
+    table = gpu_kernel_check.rates(NumpyAsCupy, c=64, make_v2=make, with_v1=False, launches=1, repeat=1)
     assert table.count("fused v2 (tensor cores)") == 4 and table.count("the kernel alone") == 4, table
     assert table.count("fused v2 backward (two kernels)") == 4, table
-    assert gpu_kernel_check.gpu_check(dry=True)[0]
+    assert table.count("fused v2 backward, the kernels alone") == 4, table
+    assert gpu_kernel_check.check(dry=True)[0] and gpu_kernel_check.timings(dry=True)[0]
 
 
 def test_the_sanitizers_v2_launches_run_on_the_cpu(libraries):
@@ -566,7 +567,7 @@ def test_v2_compiles_for_sm90_on_the_tensor_cores(config):
     cuobjdump, the SASS of each holds HMMA (the tensor cores), at least its
     products per tile, and LDSM (ldmatrix) and LDGSTS (cp.async), all on
     one pass of the loop that holds them (what bench.gpu_kernel counts)."""
-    cubin, report = emulator.nvcc_cubin(fused_v2.SOURCE, config.options())
+    cubin, report = emulator.nvcc_cubin(fused_v2.kernel_source(), config.options())
     entries = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
                          report, re.S)
     assert sorted(name for name, *_ in entries) == ["attend_block_v2", "attend_block_v2_dkdv", "attend_block_v2_dq"]

@@ -1,4 +1,4 @@
-"""gpu_impl.fused_v2's backward (attend_block_v2_dkdv and attend_block_v2_dq) without a GPU.
+"""gpu_impl.steps.fused_v2's backward (attend_block_v2_dkdv and attend_block_v2_dq) without a GPU.
 
 The kernels' CUDA source runs on the CPU (tests/support/gpu/emulate_cuda.cpp:
 warp-level operations in the hardware's fragment layouts, cp.async landing as
@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BFLOAT16, Case, assert_close, cases
-from gpu_impl import fused_v2
-from gpu_impl.fused_v2 import Config
+from gpu_impl.steps import fused_v2
+from gpu_impl.steps.fused_v2 import Config
 from reference import ring
 from reference.heads import q_from_heads, rows_from_heads
 from reference.layouts import positions, shard
@@ -175,8 +175,8 @@ def test_v2_backward_hands_non_finite_blocks_to_the_readable_step(libraries, mon
 # -- planted bugs: each is caught ---------------------------------------------------------
 
 PLANTS = {
-    "the mask ignored in dK, dV": ("const bool hidden = masked && (t >= nk || !(kpos[t] >= row_lo[r]",
-                                   "const bool hidden = false && (t >= nk || !(kpos[t] >= row_lo[r]"),
+    "the mask ignored in dK, dV": ("const bool hidden = masked && (t >= nk || !sees(RowMask{row_lo[r]",
+                                   "const bool hidden = false && (t >= nk || !sees(RowMask{row_lo[r]"),
     "the mask ignored in dQ": ("const bool hidden = masked && (t >= nk || !sees(mask[h], kpos[t], kdoc[t], has_docs));",
                                "const bool hidden = false;"),
     "delta left out of dS^T": ("dp[nt][e] = p * (dp[nt][e] - row_delta[r]);", "dp[nt][e] = p * dp[nt][e];"),
@@ -200,10 +200,10 @@ def test_planted_backward_bugs_are_caught(plant):
     """Each plant, compiled into the emulator: the comparison with the readable
     step fails (or the emulator reports the launch as broken)."""
     old, new = PLANTS[plant]
-    source = fused_v2.SOURCE.read_text()
+    source = fused_v2.kernel_source()
     assert source.count(old) == 1, f"the plant's line is not in the source once: {old!r}"
     config = SMALL[0]
-    lib = emulator.build(fused_v2.SOURCE, config.options(), 2, text=source.replace(old, new))
+    lib = emulator.build(source.replace(old, new), config.options(), 2, optimize=False)
     step = emulator.EmulatedTensorCoreStep({config: lib})
     case = Case(layout="striped", n_devices=2, B=1, S=96, Hq=4, Hkv=2, D=64, tile_size=None, causal=True,
                 scale=None, dtype=np.float16, kind="gaussian", seed=11)

@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 
 import gpu_impl
 from conftest import Case, assert_close, cases
-from gpu_impl import fused
+from gpu_impl.steps import fused
 from gpu_impl.device import GpuUnavailable, device_for_local_rank, local_rank_from_env
 from gpu_impl.transfer import choose_transfer, memory_for
 from mpi_impl.comm import RingComm
@@ -724,38 +724,21 @@ EMULATED = [(16, (8, 4), np.float32), (5, fused.DEFAULT_TILE, np.float32), (8, (
 
 @pytest.fixture(scope="module")
 def emulated_kernels():
-    """{(D, tile, dtype): the fused kernel's launch function, compiled for the CPU}."""
-    import ctypes
-
+    """{(D, tile, dtype): the fused kernel's library, compiled for the CPU (`emulator.load`)}."""
     import emulator
     if GXX is None:
         pytest.skip("g++ not found")
     libraries = emulator.build_all({
-        (head_dim, (tq, tk), dtype): (fused.SOURCE, [f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}",
-                                                     f"-DKV_HALF={int(dtype == np.float16)}"], 1)
+        (head_dim, (tq, tk), dtype): (fused.kernel_source(), [f"-DHEAD_DIM={head_dim}", f"-DTQ={tq}", f"-DTK={tk}",
+                                                              f"-DKV_HALF={int(dtype == np.float16)}"], 1)
         for head_dim, (tq, tk), dtype in EMULATED})
-    kernels = {}
-    for key, lib in libraries.items():
-        library = ctypes.CDLL(str(lib))
-        kernels[key] = library.launch_attend_block_v1
-        kernels[key].library = library                  # emu_last_error, emu_flush_to_zero
-    return kernels
+    return {key: emulator.load(lib) for key, lib in libraries.items()}
 
 
-def emulated_attend_block(launch, acc, queries, block, *, causal, tile):
-    """fused.launch_kernel on the CPU: the same checks, grid and arguments."""
-    import ctypes
-    fused.check_launch(acc, queries, block)
-    q = queries.q
-    B, Hkv, c, G, D = q.shape
-    arrays = [np.ascontiguousarray(x) for x in (q, block.k, block.v, queries.pos.astype(np.int64),
-                                                block.pos.astype(np.int64))]
-    pointers = [x.ctypes.data_as(ctypes.c_void_p) for x in arrays + [acc.o, acc.m, acc.l]]
-    ints = [ctypes.c_int(i) for i in (c, block.k.shape[2], G, int(causal))]
-    grid = [ctypes.c_int(i) for i in ((c + tile[0] - 1) // tile[0], G, B * Hkv)]
-    if launch(*grid, *pointers, *ints) != 0:
-        launch.library.emu_last_error.restype = ctypes.c_char_p
-        raise RuntimeError(f"emulated launch: {launch.library.emu_last_error().decode()}")
+def emulated_attend_block(library, acc, queries, block, *, causal, tile):
+    """fused.launch_kernel on the CPU: the same checks, grid and arguments (`emulator.launch_v1`)."""
+    import emulator
+    emulator.launch_v1(library, acc, queries, block, causal=causal, tile=tile)
 
 
 def plain_and_emulated(launch, case, tile, inputs=None):
@@ -872,11 +855,11 @@ def test_fused_kernel_emulated_flushes_subnormals(emulated_kernels):
             if flush is None:
                 ReadableStep().forward(acc, queries, block, causal=True, tile_size=tile)
             else:
-                launch.library.emu_flush_to_zero(flush)
+                launch.emu_flush_to_zero(flush)
                 try:
                     emulated_attend_block(launch, acc, queries, block, causal=True, tile=tile)
                 finally:
-                    launch.library.emu_flush_to_zero(1)
+                    launch.emu_flush_to_zero(1)
             outs[name] = finish_forward(acc)[0][0, 0, 0, 0, 0]
     assert np.isposinf(outs["readable"]) and np.isnan(outs["flushed"]) and np.isposinf(outs["not flushed"])
 
@@ -939,7 +922,7 @@ def test_fused_launches_read_positions_uploaded_on_their_stream(version, monkeyp
     made current) gets arrays of its own, never those the compute stream's
     launches read (kept per GPU, an upload on one stream would be read on
     another with no event between them)."""
-    from gpu_impl import fused_v2
+    from gpu_impl.steps import fused_v2
     from reference import steps
     module = {"fused": fused, "fused_v2": fused_v2}[version]
     read = []

@@ -12,7 +12,12 @@
 - the results file is written after every step; a step starts only while time
   is left, and its commands are killed, process group and all, when it is up;
 - the check's venv finds the machine's NVRTC and cuBLAS as CuPy 14 looks for
-  them (cuda-pathfinder, over site.getsitepackages());
+  them (cuda-pathfinder, over site.getsitepackages()), Debian's dist-packages too;
+- the steps' limits sum within the cap (a lent GPU's 10-minute command), the
+  kernels compiled first, every kernel checked and the sanitizer run before
+  any timing, the long timings last; the dry run shows that plan;
+- the environment step probes CUDA on a GPU only, and fails naming pytest or
+  hypothesis where one is missing; gpu_check.sh --help names its own options;
 - no GPU: status 2, nothing checked; no mpiexec: status 1, said.
 
     .venv/bin/python -m pytest tests/gpu/test_gpu_check.py -q
@@ -37,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 GPU_CHECK_PY = ROOT / "scripts" / "gpu_check.py"
 GPU_WHEELS = ROOT / "scripts" / "gpu_wheels.py"
-STEPS = ("environment", "race probe", "GPU tests", "fused kernel", "tensor cores", "checked run", "command line",
-         "trace", "sanitizer", "rates")
+STEPS = ("environment", "compile", "kernels", "sanitizer", "race probe", "GPU tests", "checked run", "command line",
+         "trace", "rates")
 
 
 def _gpu_present():
@@ -141,7 +146,7 @@ def test_gpu_wheels_install_into_a_fresh_venv_and_every_step_starts(tmp_path):
     assert f"| mpiexec | {check_venv}/bin/mpiexec" in env and "| MPI library | MPICH" in env
     assert "test_gpu_ring_matches_reference[4-staged]" in text          # 4 ranks sharing the GPU
     assert "2 GPU tests collected" in text and "16 GPU tests collected" in text
-    assert "--seq-len 65536 --head-dim 128 --dtype float16" in text and "--backward --check" in text
+    assert "--seq-len 16384 --head-dim 128 --dtype float16" in text and "--backward --check" in text
 
 
 @without_gpu
@@ -162,18 +167,18 @@ def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
     text = out.read_text()
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert text.startswith("Fake GPU run (nothing measured)") and "FAILED: race probe, GPU tests." in text
-    assert headings(text) == [("environment", "ok"), ("race probe", "FAILED"), ("GPU tests", "FAILED"),
-                              ("fused kernel", "ok"), ("tensor cores", "ok"), ("checked run", "ok"),
-                              ("command line", "ok"), ("trace", "ok"),
-                              ("sanitizer", "skipped: compute-sanitizer not found"), ("rates", "ok")], text
+    assert headings(text) == [("environment", "ok"), ("compile", "ok"), ("kernels", "ok"),
+                              ("sanitizer", "skipped: compute-sanitizer not found"), ("race probe", "FAILED"),
+                              ("GPU tests", "FAILED"), ("checked run", "ok"), ("command line", "ok"), ("trace", "ok"),
+                              ("rates", "ok")], text
     assert "| GPU | 1 x QueuedDevice (NumPy)" in section(text, "environment")
     for name, count in (("race probe", 2), ("GPU tests", 16)):
         part = section(text, name)
         assert f"{count} skipped" in part and "needs a GPU" in part, part     # pytest ran them
         assert "FAILED: tests were skipped although a GPU is present" in part
-    assert section(text, "fused kernel").count("| ok |") == 4
-    tensor = section(text, "tensor cores")         # fused v2 checked (the readable step standing in), then timed
-    assert tensor.count("| ok |") == 16 and tensor.count("fused v2, the kernel alone") == 4, tensor
+    assert "| the readable step's CuPy kernels (float32, float64) |" in section(text, "compile")
+    kernels = section(text, "kernels")      # v1, then v2 forward and backward (the readable step standing in)
+    assert kernels.count("| ok |") == 4 + 16, kernels
     assert section(text, "checked run").count("| ok |") == 5                  # out, lse, dq, dk, dv
     cli = section(text, "command line")
     rows = [line.split() for line in cli.splitlines() if line.startswith("striped ")]
@@ -182,8 +187,11 @@ def test_gpu_check_runs_every_step_on_a_queued_gpu(tmp_path):
     traced = section(text, "trace")
     assert "forward, striped: per round" in traced and "backward, striped: per round" in traced
     assert "One block's shift alone" in traced
-    assert "one fused launch per dtype: done" in section(text, "sanitizer")
-    assert section(text, "rates").count("fused v1, its tile") == 2
+    launches = section(text, "sanitizer")
+    assert "one fused launch per dtype: done" in launches and "both backward kernels): done" in launches
+    timed = section(text, "rates")
+    assert timed.count("fused v1, its tile") == 2 and timed.count("fused v2, the kernel alone") == 4
+    assert timed.count("fused v2 backward, the kernels alone") == 4, timed
     for line in proc.stdout.splitlines():           # each section was printed too
         if line.startswith("### "):
             assert line in text
@@ -216,16 +224,16 @@ def test_steps_start_only_while_time_is_left(tmp_path):
     starts, and each says how to rerun it alone; a longer cap lets it start."""
     out = tmp_path / "gpu_check.md"
     proc = subprocess.run([sys.executable, str(GPU_CHECK_PY), "--dry-run", "--started", str(time.time() - 600),
-                           "--only", "fused", "rates", "--out", str(out)], cwd=ROOT, capture_output=True,
+                           "--only", "kernels", "rates", "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     text = out.read_text()
-    assert headings(text) == [("fused kernel", "FAILED"), ("rates", "FAILED")]
-    assert "not started: the whole run's 540 s are spent (rerun it alone: --only fused)" in text
+    assert headings(text) == [("kernels", "FAILED"), ("rates", "FAILED")]
+    assert "not started: the whole run's 540 s are spent (rerun it alone: --only kernels)" in text
     proc = subprocess.run([sys.executable, str(GPU_CHECK_PY), "--dry-run", "--started", str(time.time() - 600),
-                           "--minutes", "20", "--only", "fused", "--out", str(out)], cwd=ROOT,
+                           "--minutes", "20", "--only", "kernels", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and headings(out.read_text()) == [("fused kernel", "ok")], proc.stdout + proc.stderr
+    assert proc.returncode == 0 and headings(out.read_text()) == [("kernels", "ok")], proc.stdout + proc.stderr
 
 
 def test_a_command_is_killed_with_its_process_group_when_the_step_time_is_up(tmp_path):
@@ -371,7 +379,7 @@ def test_the_checks_ring_runs_forward_through_the_tensor_core_kernel():
     from reference import steps
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check_base as base
-    import gpu_impl.fused_v2  # noqa: F401 - registers fused_v2
+    import gpu_impl.steps.fused_v2  # noqa: F401 - registers fused_v2
     cupy = types.ModuleType("cupy")                     # only its name is read
     sizes = base.GPU_SIZES
     for argv in (sizes.realistic, sizes.traced):
@@ -387,3 +395,128 @@ def test_the_checks_ring_runs_forward_through_the_tensor_core_kernel():
     backward = call._replace(tile_size=tuple(c["backward_tile"]))
     assert steps.check_step("auto", cupy, call=backward, backward=True).name == "fused_v2"
     assert steps.check_step("auto", cupy, call=call._replace(tile_size=1024)).name == "v1"     # as it ran before
+
+
+# -- the first run's order and limits -------------------------------------------------------
+
+def test_the_steps_limits_fit_the_cap_in_the_order_a_first_run_needs():
+    """Every step gets its whole limit: their sum, with the install of the
+    wheels and the margin, is at most the cap (9 minutes, one 10-minute
+    command of a lent GPU). The cheapest check of every kernel and the
+    sanitizer come before any timing, the long timings last."""
+    gpu_check = load_gpu_check()
+    limits = [limit for _, _, limit in gpu_check.STEPS.values()]
+    assert sum(limits) + gpu_check.INSTALL_S + gpu_check.MARGIN_S <= gpu_check.WHOLE_S <= 9 * 60
+    order = list(gpu_check.STEPS)
+    assert order[:3] == ["environment", "compile", "kernels"] and order[-1] == "rates"
+    assert order.index("sanitizer") < min(order.index(n) for n in ("race probe", "GPU tests", "checked run", "rates"))
+
+
+def test_the_dry_run_shows_each_limit_their_sum_and_the_backward_kernels_before_the_timings(tmp_path):
+    """The dry run's plan names every step's limit and their sum within what
+    the cap leaves; the kernels step checks both backward kernels; the results
+    file holds the plan."""
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.run([sys.executable, str(GPU_CHECK_PY), "--dry-run", "--only", "kernels",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plan = proc.stdout.splitlines()[0]
+    found = dict((name, int(s)) for name, s in (part.rsplit(" ", 2)[:2] for part in
+                                                plan[len("Plan: "):plan.index(";")].split(", ")))
+    assert list(found) == list(STEPS), plan
+    assert f"; {sum(found.values())} s in all, within the 475 s the cap of 540 s leaves" in plan, plan
+    text = out.read_text()
+    assert plan in text and headings(text) == [("kernels", "ok")]
+    assert "attend_block_v2_dkdv" in section(text, "kernels") and "attend_block_v2_dq" in section(text, "kernels")
+
+
+def test_every_kernel_the_check_launches_is_compiled_first():
+    """The compile step's builds hold every (kernel, Config) that the kernels,
+    sanitizer, ring and rates steps launch, forward and backward, at the sizes
+    of a GPU run: none of those steps compiles on its own time."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_base as base
+    import gpu_check_kernels as kernels
+    from gpu_impl.steps import fused, fused_v2
+    built = {args for _, version, args in kernels.kernel_builds() if version == 2}
+    v1 = {args for _, version, args in kernels.kernel_builds() if version == 1}
+    c = base.GPU_SIZES.checked
+    calls = [(d, g, None, b) for d in fused_v2.HEAD_DIMS for g in (2, 4) for b in (False, True)]   # checks, rates
+    calls += [(c["head_dim"], c["heads"] // c["kv_heads"], tuple(c[t]), b)
+              for t, b in (("tile", False), ("backward_tile", True))]
+    for argv in (base.GPU_SIZES.realistic, base.GPU_SIZES.traced):
+        words = list(argv)
+        d, g = int(words[words.index("--head-dim") + 1]), int(words[words.index("--heads") + 1]) // int(
+            words[words.index("--kv-heads") + 1])
+        calls += [(d, g, tuple(int(x) for x in words[words.index(o) + 1].split("x")), b)
+                  for o, b in (("--tile-size", False), ("--backward-tile-size", True)) if o in words]
+    for d, g, tile, backward in calls:
+        names = ("attend_block_v2_dkdv", "attend_block_v2_dq") if backward else ("attend_block_v2",)
+        for kv_format in ("float16", "bfloat16"):
+            config = fused_v2.kernel_config(tile, d, g, kv_format, backward=backward)
+            for name in names:
+                assert (config.head_dim, config.warps, config.bn, config.bf16, name) in built, (config, name)
+    assert {(d, *fused.DEFAULT_TILE, half) for d in (64, 128) for half in (False, True)} <= v1
+
+
+MPI_ANSWER = "MPICH Version: 4.3.2\n0\n('staged', 'auto: MPIX_Query_cuda_support() = 0')\n"
+
+
+def test_the_cuda_probe_runs_on_a_gpu_only(tmp_path, monkeypatch):
+    """The environment step compiles and runs its probe on a GPU, not on the
+    fake GPU of --fake-gpu (whose CuPy compiles nothing) nor in a dry run."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "tests" / "support" / "gpu"))
+    import gpu_check_kernels as kernels
+    from queued_device import QueuedDevice
+    gpu_check = load_gpu_check()
+    probed = []
+    monkeypatch.setattr(kernels, "cuda_probe", lambda ctx: (probed.append(ctx.fake) or True, "probed"))
+    monkeypatch.setattr(kernels, "run", lambda ctx, cmd, limit: (0, MPI_ANSWER))       # the MPI library's answers
+    with QueuedDevice().installed():
+        for fake in (True, False):
+            ctx = gpu_check.Context(dry=False, python=sys.executable, mpiexec="mpiexec", work=tmp_path, fake=fake,
+                                    deadline=time.time() + 120)
+            result = kernels.environment(ctx)
+            assert result.ok, result.text
+    assert probed == [False]
+
+
+@pytest.mark.parametrize("missing", ["pytest", "hypothesis"])
+def test_a_missing_test_package_fails_the_environment_naming_it(missing, tmp_path, monkeypatch):
+    """The GPU tests need pytest and hypothesis: without either, the first
+    step fails, naming it and saying to carry its wheels."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_kernels as kernels
+    gpu_check = load_gpu_check()
+    real = kernels.module_version
+    monkeypatch.setattr(kernels, "module_version",
+                        lambda name: f"missing (ModuleNotFoundError: {name})" if name == missing else real(name))
+    monkeypatch.setattr(kernels, "run", lambda ctx, cmd, limit: (0, MPI_ANSWER))
+    ctx = gpu_check.Context(dry=True, python=sys.executable, mpiexec="mpiexec", work=tmp_path,
+                            deadline=time.time() + 120)
+    result = kernels.environment(ctx)
+    assert not result.ok and f"{missing} missing: carry their wheels" in result.text, result.text
+
+
+def test_the_pth_lists_debian_dist_packages(tmp_path):
+    """A Debian or Ubuntu system Python keeps its packages (CuPy, torch) in
+    dist-packages: the check venv's .pth lists such a folder as it lists
+    site-packages."""
+    debian, target = tmp_path / "usr" / "lib" / "python3" / "dist-packages", tmp_path / "target"
+    debian.mkdir(parents=True)
+    target.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(debian))
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "machine_pth.py"), str(target)], env=env, check=True,
+                   timeout=60)
+    line = (target / "machine-packages.pth").read_text()
+    assert repr(str(debian)) in line and "site-packages" in line, line
+
+
+def test_gpu_check_sh_help_names_its_own_options():
+    """--help shows gpu_check.sh's own options (--wheels, --python, --venv),
+    then those it passes on to scripts/gpu_check.py."""
+    proc = subprocess.run(["bash", str(GPU_CHECK), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--wheels DIR", "--python PATH", "--venv DIR", "--dry-run", "--fake-gpu", "--only", "--minutes"):
+        assert option in proc.stdout, option

@@ -24,8 +24,8 @@ import pytest
 
 import reference
 from conftest import BFLOAT16
-from gpu_impl import fused_v2
-from gpu_impl.fused_v2 import Config
+from gpu_impl.steps import fused_v2
+from gpu_impl.steps.fused_v2 import Config
 from reference import ring
 from reference.heads import kv_from_heads, q_from_heads, rows_from_heads
 from reference.masks import CAUSAL

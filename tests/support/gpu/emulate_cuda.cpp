@@ -38,7 +38,7 @@
 //
 //   g++ -std=c++20 -O1 -shared -fPIC -Wno-unknown-pragmas -DKERNEL_VERSION=2
 //       -DHEAD_DIM=64 -DWARPS=2 -DBN=32 -DKV_BF16=0
-//       -DKERNEL='"gpu_impl/kernels/attend_block_v2.cu"' -o emulated.so tests/support/gpu/emulate_cuda.cpp
+//       -DKERNEL='"gpu_impl/steps/kernels/attend_block_v2.cu"' -o emulated.so tests/support/gpu/emulate_cuda.cpp
 // (version 1: -DHEAD_DIM=16 -DTQ=64 -DTK=32 -DKV_HALF=0, KERNEL its source.)
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-"""The fused kernels' CUDA source compiled for the CPU (emulate_cuda.cpp), built once and kept.
+"""The fused kernels' CUDA source compiled for the CPU (emulate_cuda.cpp), built once, kept, launched with guards.
 
 A build is a shared library per kernel version and set of compile-time sizes,
 kept in a folder of the system's temporary directory under a name made from
@@ -9,8 +9,13 @@ headers are precompiled once (parsing them was most of a build), and a variant
 with a planted bug, which runs one small case, is built unoptimized: a third of
 the time of an optimized build, on a fresh machine where every build is new.
 
-    lib = emulator.build(fused_v2.SOURCE, fused_v2.Config(64, 2, 32, False).options(), version=2)
-    step = emulator.EmulatedTensorCoreStep(lib)        # fused_v2's Step, launched on the CPU
+Every launch hands the kernel copies of its arrays with a guard region either
+side (`Guarded`), filled with 0xff bytes: a read past an array's end reads NaN
+(or -1), and a write there, or into an input, fails the launch with an
+`EmulatorError` naming the array, instead of corrupting the heap.
+
+    lib = emulator.build(fused_v2.kernel_source(), fused_v2.Config(64, 2, 32, False).options(), version=2)
+    step = emulator.EmulatedTensorCoreStep({config: lib})    # fused_v2's Step, launched on the CPU
     step.forward(acc, queries, block, mask=mask, tile_size=(16, 32))
 """
 
@@ -24,7 +29,9 @@ import tempfile
 from pathlib import Path
 
 
-from gpu_impl import fused_v2
+import numpy as np
+
+from gpu_impl.steps import fused, fused_v2
 
 ROOT = Path(__file__).resolve().parents[3]
 EMULATOR = Path(__file__).resolve().parent / "emulate_cuda.cpp"
@@ -83,22 +90,20 @@ def standard_headers(optimize):
     return _kept("headers", [*includes, *flags, _version(GXX)], compile_to) / "std.h"
 
 
-def build_command(source, options, version, out, optimize=True):
+def build_command(kernel, options, version, out, optimize=True):
     defines = [o for o in options if o.startswith("-D")]
     return [GXX, *_flags(optimize), "-shared", "-include", str(standard_headers(optimize)),
-            f"-DKERNEL_VERSION={version}", *defines, f'-DKERNEL="{Path(source).resolve()}"',
+            f"-DKERNEL_VERSION={version}", *defines, f'-DKERNEL="{Path(kernel).resolve()}"',
             "-o", str(out), str(EMULATOR)]
 
 
-def build(source, options, version, *, text=None):
-    """Path of the library for this kernel `source` (or its `text`, for a
-    variant with a planted bug: built unoptimized) and options; compiled if
-    not already kept."""
-    optimize = text is None
-    text = Path(source).read_text() if text is None else text
-
+def build(text, options, version, *, optimize=True):
+    """Path of the library for the kernel source `text` (the whole translation
+    unit: `fused.kernel_source()`, `fused_v2.kernel_source()`, or a variant
+    with a planted bug, built with ``optimize=False``) and options; compiled
+    if not already kept."""
     def compile_to(out):
-        kernel = out.parent / Path(source).name
+        kernel = out.parent / "kernel.cu"
         kernel.write_text(text)
         proc = subprocess.run(build_command(kernel, options, version, out, optimize), capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
@@ -109,7 +114,7 @@ def build(source, options, version, *, text=None):
 
 
 def build_all(builds):
-    """{key: library} for {key: (source, options, version)}, compiled two at a
+    """{key: library} for {key: (text, options, version)}, compiled two at a
     time (the machine's cores), or found from an earlier session; a build that
     fails raises with the compiler's message."""
     from concurrent.futures import ThreadPoolExecutor
@@ -120,21 +125,23 @@ def build_all(builds):
 
 def build_v2(configs):
     """{Config: emulator library of fused_v2 with that config} (build_all)."""
-    return build_all({c: (fused_v2.SOURCE, c.options(), 2) for c in configs})
+    text = fused_v2.kernel_source()
+    return build_all({c: (text, c.options(), 2) for c in configs})
 
 
-def nvcc_cubin(source, options):
-    """(cubin path, ptxas -v report) of the kernel compiled by nvcc for sm_90, kept like the builds."""
+def nvcc_cubin(text, options):
+    """(cubin path, ptxas -v report) of the kernel source `text` compiled by nvcc for sm_90, kept like the builds."""
     from bench.gpu_kernel import nvcc_command, tool
 
     def compile_to(out):
         out.mkdir()
-        proc = subprocess.run(nvcc_command(source, options, out / "kernel.cubin"), capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
+        (out / "kernel.cu").write_text(text)
+        proc = subprocess.run(nvcc_command(out / "kernel.cu", options, out / "kernel.cubin"), capture_output=True,
+                              text=True, timeout=COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc fails:\n{proc.stderr[-4000:]}")
         (out / "ptxas.txt").write_text(proc.stderr)
-    kept = _kept("nvcc", [Path(source).read_text(), *options, _version(tool("nvcc"))], compile_to)
+    kept = _kept("nvcc", [text, *options, _version(tool("nvcc"))], compile_to)
     return kept / "kernel.cubin", (kept / "ptxas.txt").read_text()
 
 
@@ -151,51 +158,125 @@ def load(lib):
     return cdll
 
 
-def _pointer(x):
-    assert x.flags.c_contiguous, "the kernel reads C-contiguous arrays"
-    return ctypes.c_void_p(x.ctypes.data)
+GUARD_BYTES = 4096       # either side of every array a launch gets
+# The guards' bytes, repeated: a signalling NaN as float32 (0x7fa5a5a5), which
+# arithmetic turns quiet, so that a read-modify-write (dK += ...) changes it
+# as a store does; a NaN in every other float16 or bfloat16 slot.
+POISON = np.frombuffer(b"\xa5\xa5\xa5\x7f", np.uint8)
+
+
+class Guarded:
+    """The arrays of one launch, each copied into a buffer with a guard region
+    of POISON either side (its address kept the same modulo 64, so a
+    misaligned view stays misaligned), handed to the kernel by `pointer`.
+    `finish` checks every guard and every input, then copies the outputs back:
+    a kernel that wrote past an array's end (dK one key past the block), before
+    its start, or into an input raises an EmulatorError naming it."""
+
+    def __init__(self):
+        self.kept = []          # (name, array, buffer, its poison, is output)
+
+    def pointer(self, name, x, *, output=False):
+        assert x.flags.c_contiguous, f"the kernel reads C-contiguous arrays, {name} is not"
+        raw = np.empty(x.nbytes + 2 * GUARD_BYTES + 128, np.uint8)
+        start = (-raw.ctypes.data) % 64 + GUARD_BYTES + x.ctypes.data % 64
+        buffer = raw[start - GUARD_BYTES:start + x.nbytes + GUARD_BYTES]
+        poison = np.resize(POISON, buffer.size)
+        buffer[:] = poison
+        buffer[GUARD_BYTES:GUARD_BYTES + x.nbytes] = x.reshape(-1).view(np.uint8)
+        self.kept.append((name, x, buffer, poison, output))
+        return ctypes.c_void_p(buffer[GUARD_BYTES:].ctypes.data)
+
+    def finish(self, kernel):
+        """After the launch of `kernel`: the guards and inputs unchanged, the outputs copied back."""
+        for name, x, buffer, poison, output in self.kept:
+            end = GUARD_BYTES + x.nbytes
+            for where, written in (("before its start", GUARD_BYTES - 1 - np.flatnonzero(
+                                        buffer[:GUARD_BYTES] != poison[:GUARD_BYTES])[::-1]),
+                                   ("past its end", np.flatnonzero(buffer[end:] != poison[end:]))):
+                if written.size:
+                    raise EmulatorError(f"{kernel} wrote {name} {where}: {written.size} bytes changed, the "
+                                        f"nearest in element {written[0] // x.dtype.itemsize + 1} "
+                                        f"{where.split()[0]} it ({name} {x.dtype} {x.shape})")
+            inside = buffer[GUARD_BYTES:end]
+            if output:
+                x.reshape(-1).view(np.uint8)[:] = inside
+            elif not np.array_equal(inside, x.reshape(-1).view(np.uint8)):
+                raise EmulatorError(f"{kernel} wrote into its input {name} {x.dtype} {x.shape}")
+
+
+def _check(lib, rc, guarded, kernel):
+    if rc != 0:
+        raise EmulatorError(f"{kernel}: {lib.emu_last_error().decode()}")
+    guarded.finish(kernel)
+
+
+def _scalars(plan, c, ck, G):
+    scalars = plan.scalars(c, ck, G)
+    return [ctypes.c_int(int(x)) for x in scalars[:5]] + [ctypes.c_float(float(x)) for x in scalars[5:]]
+
+
+def _plan_arrays(guarded, plan):
+    return [guarded.pointer(name, getattr(plan, name)) for name in ("k_pos", "q_lo", "q_hi", "q_doc", "k_doc", "kinds")]
 
 
 class EmulatedTensorCoreStep(fused_v2.TensorCoreStep):
     """fused_v2's Step with its launch on the CPU: the same checks, plan and
-    arguments, NumPy arrays (K, V float16 or ml_dtypes bfloat16).
-    `libraries`: {Config: library} (`build`), one per tile the calls use."""
+    arguments, NumPy arrays (K, V float16 or ml_dtypes bfloat16), every array
+    guarded (`Guarded`). `libraries`: {Config: library} (`build`), one per
+    tile the calls use."""
     array_modules = ("numpy",)
 
     def __init__(self, libraries, kv_format=None):
         super().__init__(kv_format)
         self.libraries = {config: load(lib) for config, lib in libraries.items()}
 
-    def launch(self, acc, queries, block, plan):
-        lib = self.libraries.get(plan.config)
+    def _library(self, config):
+        lib = self.libraries.get(config)
         if lib is None:
-            raise KeyError(f"no emulator build for {plan.config}")
+            raise KeyError(f"no emulator build for {config}")
+        return lib
+
+    def launch(self, acc, queries, block, plan):
+        lib, guarded = self._library(plan.config), Guarded()
         B, Hkv, c, G, D = queries.q.shape
-        args = [_pointer(x) for x in (queries.q, block.k, block.v, plan.k_pos, plan.q_lo, plan.q_hi, plan.q_doc,
-                                      plan.k_doc, plan.kinds, acc.o, acc.m, acc.l)]
-        scalars = plan.scalars(c, block.k.shape[2], G)
-        args += [ctypes.c_int(int(x)) for x in scalars[:5]] + [ctypes.c_float(float(x)) for x in scalars[5:]]
+        args = [guarded.pointer(name, x) for name, x in (("q", queries.q), ("k", block.k), ("v", block.v))]
+        args += _plan_arrays(guarded, plan)
+        args += [guarded.pointer(name, x, output=True) for name, x in (("o", acc.o), ("m", acc.m), ("l", acc.l))]
         rc = lib.launch_attend_block_v2(ctypes.c_int(plan.grid[0]), ctypes.c_int(plan.grid[1]),
-                                        ctypes.c_int(plan.config.shared_bytes), *args)
-        if rc != 0:
-            raise EmulatorError(lib.emu_last_error().decode())
+                                        ctypes.c_int(plan.config.shared_bytes), *args,
+                                        *_scalars(plan, c, block.k.shape[2], G))
+        _check(lib, rc, guarded, "attend_block_v2")
 
     def launch_backward(self, grads, queries, rows, block, plan):
         """fused_v2's two backward launches, as `fused_v2.launch_backward_kernels` makes them."""
-        lib = self.libraries.get(plan.config)
-        if lib is None:
-            raise KeyError(f"no emulator build for {plan.config}")
+        lib = self._library(plan.config)
         B, Hkv, c, G, D = queries.q.shape
-        inputs = [_pointer(x) for x in (queries.q, rows.do, rows.lse, rows.delta, block.k, block.v, plan.k_pos,
-                                        plan.q_lo, plan.q_hi, plan.q_doc, plan.k_doc, plan.kinds)]
-        scalars = plan.scalars(c, block.k.shape[2], G)
-        scalars = [ctypes.c_int(int(x)) for x in scalars[:5]] + [ctypes.c_float(float(x)) for x in scalars[5:]]
         shared = ctypes.c_int(plan.config.backward_shared_bytes)
-        for rc in (lib.launch_attend_block_v2_dkdv(ctypes.c_int(plan.kinds.shape[1]), ctypes.c_int(plan.grid[1]),
-                                                   shared, *inputs, _pointer(grads.dk), _pointer(grads.dv),
-                                                   *scalars),
-                   lib.launch_attend_block_v2_dq(ctypes.c_int(plan.grid[0]), ctypes.c_int(plan.grid[1]), shared,
-                                                 *inputs, _pointer(grads.dq), *scalars)):
-            if rc != 0:
-                raise EmulatorError(lib.emu_last_error().decode())
+        scalars = _scalars(plan, c, block.k.shape[2], G)
+        for kernel, grid, outputs in (("attend_block_v2_dkdv", (plan.kinds.shape[1], plan.grid[1]),
+                                       (("dk", grads.dk), ("dv", grads.dv))),
+                                      ("attend_block_v2_dq", plan.grid, (("dq", grads.dq),))):
+            guarded = Guarded()
+            inputs = [guarded.pointer(name, x) for name, x in (("q", queries.q), ("do", rows.do), ("lse", rows.lse),
+                                                                ("delta", rows.delta), ("k", block.k), ("v", block.v))]
+            inputs += _plan_arrays(guarded, plan)
+            outs = [guarded.pointer(name, x, output=True) for name, x in outputs]
+            rc = getattr(lib, f"launch_{kernel}")(*(ctypes.c_int(i) for i in grid), shared, *inputs, *outs, *scalars)
+            _check(lib, rc, guarded, kernel)
 
+
+def launch_v1(lib, acc, queries, block, *, causal, tile):
+    """`fused.launch_kernel` on the CPU (version 1's library, `load`ed): the
+    same checks, grid and arguments, every array guarded."""
+    fused.check_launch(acc, queries, block)
+    guarded = Guarded()
+    B, Hkv, c, G, D = queries.q.shape
+    args = [guarded.pointer(name, np.ascontiguousarray(x)) for name, x in (
+        ("q", queries.q), ("k", block.k), ("v", block.v), ("q_pos", np.asarray(queries.pos, np.int64)),
+        ("k_pos", np.asarray(block.pos, np.int64)))]
+    args += [guarded.pointer(name, x, output=True) for name, x in (("o", acc.o), ("m", acc.m), ("l", acc.l))]
+    grid = ((c + tile[0] - 1) // tile[0], G, B * Hkv)
+    rc = lib.launch_attend_block_v1(*(ctypes.c_int(i) for i in grid), *args,
+                                    *(ctypes.c_int(i) for i in (c, block.k.shape[2], G, int(causal))))
+    _check(lib, rc, guarded, "attend_block_v1")

@@ -30,6 +30,10 @@ before it (the host waits, as for any result it reads). ``a.get()`` is a host
 read: it waits for the compute stream, and is counted in ``host_reads`` (and in
 ``host_reads_in_steps`` while a `CountedStep` runs). A reduction gives a 0-d
 device array, as CuPy's, so ``bool(xp.isfinite(x).all())`` is such a read.
+It counts what moves between host and device: ``copied_bytes`` by the copy
+verbs (``download``, ``upload``: pinned memory), ``pageable_bytes`` the floats
+that go through pageable memory (a ``get()``, or ``cupy.asarray`` of host
+data), so that a test can hold a path to "no piece through pageable memory".
 `QueuedStep` wraps a step: it plans and counts on the host at once (positions
 are NumPy) and queues the tiles' work as one kernel, with the positions copied
 at launch as a real launch copies its arguments. A "kernel" runs the NumPy
@@ -131,10 +135,12 @@ class DeviceArray(np.ndarray):
         return _device(_host(self).astype(dtype, *args, copy=copy, **kwargs))
 
     def get(self, stream=None, out=None, blocking=True):
-        """A host read, as CuPy's: waits for the compute stream."""
+        """A host read, as CuPy's: waits for the compute stream (a copy into
+        pageable memory: counted in ``pageable_bytes`` where it holds floats)."""
         gpu = _gpu()
         if gpu is not None:
             gpu.host_read()
+            gpu.count_pageable(self)
         return np.array(_host(self)) if out is None else np.copyto(out, _host(self)) or out
 
     def __bool__(self):
@@ -169,7 +175,16 @@ def fake_cupy():
             return _device(result) if isinstance(result, (np.ndarray, np.generic)) else result
         return kernel
 
-    cupy.__getattr__ = lambda name: wrap(getattr(np, name))
+    def from_host(fn):
+        def upload(x, *args, **kwargs):
+            gpu = _gpu()
+            if gpu is not None and not isinstance(x, DeviceArray):
+                gpu.count_pageable(np.asarray(x))
+            return wrap(fn)(x, *args, **kwargs)
+        return upload
+
+    uploads = {name: from_host(getattr(np, name)) for name in ("asarray", "array", "ascontiguousarray")}
+    cupy.__getattr__ = lambda name: uploads[name] if name in uploads else wrap(getattr(np, name))
     cupy.__version__ = "QueuedDevice (NumPy)"
     cupy.ndarray = DeviceArray
     cupy.asnumpy = lambda x: x.get() if isinstance(x, DeviceArray) else np.asarray(x)
@@ -324,6 +339,8 @@ class QueuedDevice:
         self.compute, self.copy = Stream(self, "compute"), Stream(self, "copy")
         self.clock = self.in_kernel = self.kernels_queued = self.kernels_run = 0
         self.host_reads, self.host_syncs, self.polls = 0, [], 0
+        self.pageable_bytes = 0             # floats moved between pageable host memory and the device
+        self.copied_bytes = {"download": 0, "upload": 0}    # by the copy verbs (pinned memory)
         self.in_step = self.host_reads_in_steps = 0     # CountedStep's
         self.current = [self.compute]       # the current stream (entered streams on top)
         self.pool = MemoryPool()
@@ -384,6 +401,12 @@ class QueuedDevice:
             self.host_reads_in_steps += bool(self.in_step)
             self.host_kernel()
 
+    def count_pageable(self, x):
+        """A copy of x between pageable host memory and the device: counted
+        where it moves floats (data, not a mask, positions or a scalar read)."""
+        if not self.in_kernel and x.dtype.kind == "f" and x.ndim > 0:
+            self.pageable_bytes += x.nbytes
+
     def queue_kernel(self, fn, stream=None):
         (stream or self.compute).items.append(("run", fn))
         self.kernels_queued += 1
@@ -418,6 +441,10 @@ class QueuedDevice:
     def wait(self, stream, event):
         stream.wait_event(event)
 
+    def host_wait(self, event):
+        self.host_syncs.append("event")
+        self.run_until(lambda: event.reached)
+
     def elapsed(self, start, end):
         self.run_until(lambda: end.reached)
         return (end.time - start.time) * 1e-3          # a kernel "takes" a millisecond
@@ -430,11 +457,13 @@ class QueuedDevice:
         return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype)
 
     def download(self, a, host, stream):
+        self.copied_bytes["download"] += a.nbytes
         a = self.pool.by_address(a)
         stream.items.append(("run", lambda: np.copyto(host, a)))
         self.eager()
 
     def upload(self, host, a, stream):
+        self.copied_bytes["upload"] += a.nbytes
         a = self.pool.by_address(a)
         stream.items.append(("run", lambda: np.copyto(a, host)))   # reads `host` when it runs
         self.eager()
@@ -531,24 +560,24 @@ _PROCESS_GPU = []      # the installed context of install_for_process, kept for 
 
 
 def stand_in_for_the_kernel(acc, queries, block, tile, causal):
-    """gpu_impl.fused.launch_kernel on NumPy: the readable step does the kernel's work."""
+    """gpu_impl.steps.fused.launch_kernel on NumPy: the readable step does the kernel's work."""
     from reference.step import ReadableStep
     ReadableStep().forward(acc, queries, block, causal=causal, tile_size=tile)
 
 
 def stand_in_for_the_v2_kernel(acc, queries, block, plan):
-    """gpu_impl.fused_v2.launch_kernel on NumPy: the readable step at the
+    """gpu_impl.steps.fused_v2.launch_kernel on NumPy: the readable step at the
     kernel's tile, on K and V as float32 (from bfloat16's bits where they are uint16)."""
-    from gpu_impl.fused_v2 import float32_block
+    from gpu_impl.steps.fused_v2 import float32_block
     from reference.step import ReadableStep
     tile = (plan.config.queries(queries.q.shape[3]), plan.config.bn)
     ReadableStep().forward(acc, queries, float32_block(block, None), mask=queries.mask, tile_size=tile)
 
 
 def stand_in_for_the_v2_backward(grads, queries, rows, block, plan):
-    """gpu_impl.fused_v2.launch_backward_kernels on NumPy: the readable step at
+    """gpu_impl.steps.fused_v2.launch_backward_kernels on NumPy: the readable step at
     the kernels' tile, on K and V as float32."""
-    from gpu_impl.fused_v2 import float32_block
+    from gpu_impl.steps.fused_v2 import float32_block
     from reference.step import ReadableStep
     tile = (plan.config.queries(queries.q.shape[3]), plan.config.bn)
     ReadableStep().backward(grads, queries, rows, float32_block(block, None), mask=queries.mask, tile_size=tile)
@@ -558,7 +587,8 @@ def install_for_process(policy=None):
     """This process's GPU is a QueuedDevice from now on (policy by local rank
     unless given): `import cupy` gives the fake, gpu_impl's CupyDevice is this
     device, and the fused kernels' launches run the readable step."""
-    from gpu_impl import api, device, fused, fused_v2
+    from gpu_impl import api, device
+    from gpu_impl.steps import fused, fused_v2
     gpu = QueuedDevice(policy or POLICIES[(device.local_rank_from_env() or 0) % 2])
     installed = gpu.installed()
     installed.__enter__()

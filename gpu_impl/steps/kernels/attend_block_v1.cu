@@ -6,12 +6,27 @@
 // accumulate. Paper, Algorithm 1 (AccumulateAttentionFragment) and section
 // 2.2.1 (skipping tiles that no query can see).
 //
-// Version 1, the simplest fused kernel: one thread per query row (its q and o
-// in registers), a tile of TK keys and values and the tile's scores in shared
-// memory, float32 arithmetic; K and V are read as they travel, float32 or
-// (with -DKV_HALF=1) float16, so float16 blocks are never cast in a copy.
-// Validated against the plain step by tests/test_gpu.py before it is timed
-// (like llm.c's dev/cuda kernels).
+// Check it, and run it:
+//   nvcc -arch=sm_90 -cubin -DHEAD_DIM=64 gpu_impl/steps/kernels/attend_block_v1.cu
+//   .venv/bin/python -m pytest tests/gpu/test_gpu.py -q -k emulated     # on the CPU, against the readable step
+//   gpu_impl.ring_attention(q, k, v, comm=comm, step="fused")
+//
+// What version 1 changes from the readable step on CuPy (reference/step.py's
+// step with CuPy arrays: a few array operations per tile, each a kernel that
+// writes the tile's scores to GPU memory and reads them back): the whole block
+// in one launch, the simplest fused kernel. One thread per query row (its q
+// and o in registers), a tile of TK keys and values and the tile's scores in
+// shared memory, float32 arithmetic; K and V are read as they travel, float32
+// or (with -DKV_HALF=1) float16, so float16 blocks are never cast in a copy;
+// tiles no query of the CTA can see skipped from positions on the GPU.
+//
+// What it bought: not measured yet, no GPU has run it. Expected on an H200
+// about 10-25 TFLOP/s of useful work at D = 64 and 6-15 at D = 128, estimated
+// from its SASS (bench/gpu_kernel.py): its products are a D-long chain of
+// dependent FP32 FMAs per key and thread, and its shared-memory scores are
+// bank-conflicted. Version 2 (attend_block_v2.cu) moves the products to the
+// tensor cores. Validated against the plain step before it is timed (like
+// llm.c's dev/cuda kernels).
 //
 // Compute layout (C-contiguous), BH = B * Hkv, G = Hq / Hkv:
 //   q, o  (BH, c, G, HEAD_DIM)   float32; q pre-scaled by the softmax scale
@@ -37,11 +52,10 @@
 // are read and written as 0. So a weight P = exp(S - m) with S - m below about
 // -87.3 is 0 here where NumPy's readable step keeps a subnormal: where V holds
 // inf at such a key, out is NaN (0 x inf) here and inf there. Every other case
-// of the rule is the same. (The CPU emulation, tests/gpu/emulate_cuda.cpp,
+// of the rule is the same. (The CPU emulation, tests/support/gpu/emulate_cuda.cpp,
 // flushes likewise.)
 //
-// Compile-time sizes (nvcc -D or NVRTC options): HEAD_DIM, TQ, TK.
-// Check: nvcc -arch=sm_90 -cubin -DHEAD_DIM=64 gpu_impl/kernels/attend_block_v1.cu
+// Compile-time sizes (nvcc -D or NVRTC options): HEAD_DIM, TQ, TK, KV_HALF.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64

@@ -1,9 +1,10 @@
-"""Step version "fused_v2": the forward of `reference.step`'s contract on the tensor cores.
+"""Step version "fused_v2": `reference.step`'s contract, forward and backward, on the tensor cores.
 
-Version 1 of the fused kernel (`gpu_impl.fused`, kernels/attend_block_v1.cu)
+Version 1 of the fused kernel (`gpu_impl.steps.fused`, kernels/attend_block_v1.cu)
 computes in float32 on the FP32 units, a thread per query row. Version 2
-(kernels/attend_block_v2.cu; its header says what changes and what that is
-expected to buy) is FlashAttention-2's dataflow: mma.sync on float16 or
+(kernels/attend_block_v2.cu, the backward's attend_block_v2_dkdv.cu and
+attend_block_v2_dq.cu, what they share in attend_block_v2.cuh; each opens with
+what it changes and what that is expected to buy) is FlashAttention-2's dataflow: mma.sync on float16 or
 bfloat16 operands with float32 accumulation, 16 query rows per warp, S and P in
 registers, the K/V tiles loaded with cp.async into swizzled shared memory and
 read with ldmatrix, the G query heads of a key/value head packed in one tile,
@@ -54,7 +55,10 @@ from reference.tiles import SKIP, classify, tile_shape
 from . import fused
 
 VERSION = 2
-SOURCE = Path(__file__).resolve().parent / "kernels" / f"attend_block_v{VERSION}.cu"
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+HEADER = KERNELS_DIR / f"attend_block_v{VERSION}.cuh"      # what the three kernels share
+KERNELS = {name: KERNELS_DIR / f"{name}.cu"                 # entry function -> its source
+           for name in (f"attend_block_v{VERSION}", f"attend_block_v{VERSION}_dkdv", f"attend_block_v{VERSION}_dq")}
 HEAD_DIMS = (64, 128)
 KEY_TILES = (16, 32, 64, 128)          # BN: keys per tile
 MAX_WARPS = 8                          # 16 rows each: at most 128 rows per CTA
@@ -278,12 +282,14 @@ def check_launch(acc, queries, block, kv_format):
         if not takes or x.dtype != block.k.dtype or not x.flags.c_contiguous:
             raise ValueError(f"step 'fused_v2' needs C-contiguous {kv_format} k and v of one dtype, "
                              f"got {name} {x.dtype}")
+    fused.check_aligned(("q", queries.q), ("k", block.k), ("v", block.v), ("acc.o", acc.o))
 
 
 def check_backward_launch(grads, queries, rows, block, kv_format):
     """A ValueError unless the arrays are what the backward kernels index: q, k,
     v and positions as the forward's (`check_launch`, with dQ as the output),
     dO as q, lse and delta as its rows, dK and dV as k; float32, C-contiguous."""
+    fused.check_aligned(("grads.dq", grads.dq))        # before check_launch, which calls it acc.o
     check_launch(ForwardAcc(grads.dq, rows.lse, rows.delta, None), queries, block, kv_format)
     q, k = queries.q, block.k
     for name, x, shape in (("rows.do", rows.do, q.shape), ("grads.dq", grads.dq, q.shape),
@@ -292,6 +298,7 @@ def check_backward_launch(grads, queries, rows, block, kv_format):
         if tuple(x.shape) != tuple(shape) or x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(f"step 'fused_v2' needs C-contiguous float32 {name} of shape {tuple(shape)}, "
                              f"got {x.dtype} {tuple(x.shape)}")
+    fused.check_aligned(("rows.do", rows.do), ("grads.dk", grads.dk), ("grads.dv", grads.dv))
 
 
 def finite_inputs(queries, rows, block, kv_format):
@@ -314,10 +321,22 @@ def float32_block(block, kv_format):
     return converted(block, widen(block.k), widen(block.v), widened=False)
 
 
+def kernel_source(names=tuple(KERNELS)):
+    """The CUDA source of the kernels `names` (a name, or several: by default
+    all three) as one text, the shared header inlined once in place of their
+    `#include`: NVRTC compiles a string, and CuPy's kernel cache is keyed by
+    it, so a change to the header must change the text."""
+    names = (names,) if isinstance(names, str) else names
+    include = f'#include "{HEADER.name}"'
+    bodies = [KERNELS[name].read_text().replace(include, "") for name in names]
+    return HEADER.read_text() + "".join(f"\n// ---- {KERNELS[n].name}\n{b}" for n, b in zip(names, bodies))
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(config, name=f"attend_block_v{VERSION}"):
+    """One kernel of one Config, compiled by NVRTC (or read from CuPy's cache on disk)."""
     import cupy
-    kernel = cupy.RawKernel(SOURCE.read_text(), name, options=config.options())
+    kernel = cupy.RawKernel(kernel_source(name), name, options=config.options())
     # above 48 KiB only when opted in
     kernel.max_dynamic_shared_size_bytes = config.shared_bytes if name == f"attend_block_v{VERSION}" \
         else config.backward_shared_bytes

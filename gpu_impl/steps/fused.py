@@ -29,7 +29,10 @@ float32 subnormals flushed to zero as CuPy compiles kernels (-ftz=true): a
 weight below 2^-126 at a visible inf in V gives NaN (0 x inf) where NumPy's
 readable step gives inf (the kernel's header says so).
 Version 1 is correct and simple, not fast: one thread per row, no tensor
-cores, no GQA sharing of the K/V tile across the G query heads.
+cores, no GQA sharing of the K/V tile across the G query heads. The host's
+checks both versions' launches share live here: `check_arrays` (shapes,
+dtypes, positions), `check_grid` (CUDA's grid limits), `check_aligned`
+(version 2's vector loads).
 """
 
 import functools
@@ -189,6 +192,44 @@ def check_arrays(step, acc, queries, block):
     for name, x in (("q", q), ("acc.o", acc.o), ("acc.m", acc.m), ("acc.l", acc.l)):
         if x.dtype != np.float32 or not x.flags.c_contiguous:
             raise ValueError(f"step '{step}' needs C-contiguous float32 {name}, got {x.dtype}")
+    check_grid(step, B * Hkv, G)
+
+
+MAX_GRID_YZ = 65535        # CUDA's limit on grid.y and grid.z (grid.x allows 2**31 - 1)
+
+
+def check_grid(step, groups, G):
+    """A ValueError unless the launch's grid fits CUDA's limits: both kernels
+    launch a row of CTAs per batch and key/value head (version 1 on grid.z,
+    version 2 on grid.y), version 1 a CTA per query head of a group (grid.y)."""
+    if groups > MAX_GRID_YZ:
+        raise ValueError(f"step '{step}' launches a row of CTAs per batch x key/value head: B * Hkv = {groups} "
+                         f"is over CUDA's grid limit of {MAX_GRID_YZ}; split the batch into calls of fewer")
+    if G > MAX_GRID_YZ:
+        raise ValueError(f"step '{step}' takes at most {MAX_GRID_YZ} query heads per key/value head, got {G}")
+
+
+# the bytes version 2's loads or stores take at once: float4 loads of q and
+# dO rows, cp.async of 16 bytes from K and V rows, float2 stores of O, dQ, dK, dV
+ALIGNMENT = {"q": 16, "k": 16, "v": 16, "rows.do": 16, "acc.o": 8, "grads.dq": 8, "grads.dk": 8, "grads.dv": 8}
+
+
+def address(x):
+    """The address of an array's first element, on a GPU or on the host."""
+    if hasattr(x, "__cuda_array_interface__"):
+        return x.__cuda_array_interface__["data"][0]
+    return x.__array_interface__["data"][0]
+
+
+def check_aligned(*named):
+    """A ValueError unless each (name, array), named as in `ALIGNMENT`, starts
+    at an address its loads can read: a C-contiguous view at an offset (x[1:]
+    of a flat buffer) passes every shape check and faults on the GPU."""
+    for name, x in named:
+        n = ALIGNMENT[name]
+        if address(x) % n:
+            raise ValueError(f"step 'fused_v2' reads and writes {name} {n} bytes at a time, but it starts at "
+                             f"address {address(x):#x}, not a multiple of {n} (a view at an offset?): pass a copy")
 
 
 def launch_kernel(acc, queries, block, tile, causal):
