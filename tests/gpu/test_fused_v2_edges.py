@@ -98,7 +98,7 @@ def test_the_backward_runs_at_its_own_tile_when_none_is_given(monkeypatch):
     memory and are tuned apart); from gpu_impl's command line too, where no
     --backward-tile-size leaves the backward's tile to the step."""
     from gpu_impl.__main__ import parse
-    from mpi_impl.cli import backward_tile
+    from mpi_impl.plan import backward_tile
     launched = []
     step = fused_v2.TensorCoreStep()
     monkeypatch.setattr(step, "launch", lambda acc, queries, block, plan: launched.append(("forward", plan.config)))
