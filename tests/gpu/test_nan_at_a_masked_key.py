@@ -1,4 +1,4 @@
-"""A NaN in V at a key some queries of its tile cannot see reaches only the rows that see it,
+"""A NaN (or inf) in V at a key some queries of its tile cannot see reaches only the rows that see it,
 in float16 and bfloat16, forward and backward, through every path a 16-bit block takes.
 
 One device of 64 tokens, causal, tiles of 16 (32 for fused_v2 in float16):
@@ -46,13 +46,13 @@ def libraries():
     return emulator.build_v2(list(CONFIG.values()))
 
 
-def inputs(form):
-    """q (float32), k, v in the form's dtype (v NaN at NAN_KEY), dout; and the float32 k, v."""
+def inputs(form, bad=np.nan):
+    """q (float32), k, v in the form's dtype (v `bad` at NAN_KEY), dout; and the float32 k, v."""
     rng = np.random.default_rng(40)
     q, k, v, dout = (rng.standard_normal((1, C, 1, D)) for _ in range(4))
     q, dout = q.astype(np.float32), dout.astype(np.float32)
     k, v = (x.astype(np.float16 if form == "float16" else BFLOAT16) for x in (k, v))
-    v[0, NAN_KEY, 0, 3] = np.nan
+    v[0, NAN_KEY, 0, 3] = bad
     k32, v32 = k.astype(np.float32), v.astype(np.float32)
     if form == "bfloat16 bits":
         k, v = k.view(np.uint16), v.view(np.uint16)
@@ -87,10 +87,11 @@ def assert_nan_where_the_oracle_has_it(got, want, name):
                                err_msg=name)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("path", ["readable", "fused_v2"])
 @pytest.mark.parametrize("form", FORMS)
-def test_forward(libraries, form, path):
-    q, k, v, _, k32, v32 = inputs(form)
+def test_forward(libraries, form, path, bad):
+    q, k, v, _, k32, v32 = inputs(form, bad)
     with np.errstate(invalid="ignore"):
         want, _ = reference.attention(q, k32, v32)
     queries = Queries.prepare(q, 1, np.arange(C), D ** -0.5)
@@ -105,10 +106,11 @@ def test_forward(libraries, form, path):
     assert_nan_where_the_oracle_has_it(q_from_heads(out), want, f"{path} forward, {form}")
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("path", ["readable", "fused_v2"])
 @pytest.mark.parametrize("form", FORMS)
-def test_backward(libraries, form, path):
-    q, k, v, dout, k32, v32 = inputs(form)
+def test_backward(libraries, form, path, bad):
+    q, k, v, dout, k32, v32 = inputs(form, bad)
     out, lse = reference.attention(q, k32, np.nan_to_num(v32))        # a caller's finite rows
     with np.errstate(invalid="ignore"):
         want = reference.attention_backward(q, k32, v32, out, lse, dout)

@@ -54,3 +54,13 @@ def test_a_nan_reaches_only_the_rows_that_see_it_in_a_block_without_its_flag(ste
     assert np.isfinite(out[:, :9]).all() and np.isnan(out[:, 9:, 0, 1]).all()
     np.testing.assert_allclose(out[:, :9], want[:, :9], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse[..., :9], want_lse[..., :9], rtol=1e-12, atol=1e-12)
+
+
+def test_bfloat16_bits_are_finite_where_their_value_is():
+    """Every one of the 65,536 bfloat16 bit patterns, held as uint16 (as CuPy
+    holds bfloat16): finite exactly where ml_dtypes' bfloat16 value is
+    (`isfinite` on the integers would call them all finite)."""
+    from reference.checks import BFLOAT16
+    from reference.nonfinite import finite
+    bits = np.arange(2 ** 16, dtype=np.uint16)
+    np.testing.assert_array_equal(finite(np, bits), np.isfinite(bits.view(BFLOAT16)))
