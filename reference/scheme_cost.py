@@ -256,11 +256,15 @@ def check_rates(link_bytes_per_s, flops_per_s, memory_bytes=None):
 
 def candidates(n_devices, Hq, Hkv):
     """Every scheme the shapes allow on N devices: the ring, the all-gather,
-    Ulysses (where u = N divides the heads) and USP for each u strictly between."""
+    Ulysses (u = N) and USP for each u strictly between that divides N and
+    the query heads, and of whose K/V heads it is a multiple or a divisor (the
+    heads then copied), and the double ring for each inner ring size strictly
+    between 1 and N that divides N."""
     found = [Scheme("ring", n_devices, 1), Scheme("all_gather", n_devices, 1)]
     for u in range(2, n_devices + 1):
-        if n_devices % u == 0 and Hkv % u == 0:
+        if n_devices % u == 0 and Hq % u == 0 and (Hkv % u == 0 or u % Hkv == 0):
             found.append(Scheme("ulysses" if u == n_devices else "usp", n_devices, u))
+    found += [Scheme("double_ring", n_devices, 1, w) for w in range(2, n_devices) if n_devices % w == 0]
     return found
 
 

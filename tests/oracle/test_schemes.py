@@ -323,11 +323,13 @@ def test_the_double_rings_messages_cross_the_links_it_was_built_for():
 
 def test_the_command_tabulates_every_scheme_and_names_its_choice(capsys):
     from reference.cost import main
-    main(["--scheme", "all", "--n-devices", "4", "--seq-len", "4096", "--kv-heads", "4"])
+    main(["--scheme", "all", "--n-devices", "4", "--seq-len", "4096", "--kv-heads", "2"])
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[3:-1]] == ["ring", "all_gather", "usp", "ulysses"]
-    assert all(len(line.split()) == 12 for line in lines[3:-1]), lines      # no column runs into the next
-    assert lines[-1].split()[1] in ("ring", "all_gather", "usp", "ulysses")
+    assert [line.split()[:3] for line in lines[3:-1]] == [["ring", "1", "-"], ["all_gather", "1", "-"],
+                                                           ["usp", "2", "-"], ["ulysses", "4", "-"],
+                                                           ["double_ring", "1", "2"]]
+    assert all(len(line.split()) == 13 for line in lines[3:-1]), lines      # no column runs into the next
+    assert lines[-1].split()[1] in ("ring", "all_gather", "usp", "ulysses", "double_ring")
 
 
 def total(pair, what):
@@ -337,7 +339,8 @@ def total(pair, what):
 def test_the_choice_follows_the_link_the_compute_and_the_memory():
     costs = {s: tuple(predict_scheme(s, 4096, "striped", B=1, Hq=8, Hkv=8, D=64, backward=b) for b in (False, True))
              for s in candidates(4, 8, 8)}
-    assert [(s.name, s.u) for s in costs] == [("ring", 1), ("all_gather", 1), ("usp", 2), ("ulysses", 4)]
+    assert [(s.name, s.u, s.w) for s in costs] == [("ring", 1, None), ("all_gather", 1, None), ("usp", 2, None),
+                                                  ("ulysses", 4, None), ("double_ring", 1, 2)]
     moved = {s: total(pair, lambda c: np.maximum(c.bytes_sent, c.bytes_received).max(axis=1).sum())
              for s, pair in costs.items()}
     flops = {s: total(pair, lambda c: (c.work.tile_area * c.flops_per_entry).max(axis=1).sum())
@@ -381,11 +384,18 @@ def test_every_scheme_does_the_same_arithmetic_in_all(causal):
 
 
 def test_the_candidates_are_the_schemes_whose_degree_divides_devices_and_heads():
+    """A Ulysses degree divides N and the query heads, and is a multiple or a
+    divisor of the K/V heads (copied then); a double ring's inner ring divides
+    N, strictly between 1 and N (the ring itself at either end)."""
     from reference.scheme_cost import candidates
     labels = [s.label for s in candidates(4, Hq=8, Hkv=2)]
-    assert labels == ["ring", "all_gather", "usp (u=2)"]                 # u = 4 divides no 2 K/V heads
+    assert labels == ["ring", "all_gather", "usp (u=2)", "ulysses (u=4)", "double_ring (w=2)"]   # u=4: 2 copies
+    assert [s.label for s in candidates(4, Hq=2, Hkv=1)] == ["ring", "all_gather", "usp (u=2)", "double_ring (w=2)"]
     assert [s.label for s in candidates(6, Hq=6, Hkv=6)] == ["ring", "all_gather", "usp (u=2)", "usp (u=3)",
-                                                             "ulysses (u=6)"]
+                                                             "ulysses (u=6)", "double_ring (w=2)",
+                                                             "double_ring (w=3)"]
+    assert [s.label for s in candidates(6, Hq=12, Hkv=4)] == ["ring", "all_gather", "usp (u=2)",
+                                                              "double_ring (w=2)", "double_ring (w=3)"]
 
 
 def test_a_round_lasts_its_compute_or_its_overlapped_transfer_whichever_is_longer():
