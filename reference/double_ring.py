@@ -100,7 +100,7 @@ class DoubleRing:
         last_step = j == self.m - 1
         if s == 0 and not last_step:                       # the outer step's block, on to (o + 1, i)
             self._outer = Shift(self.outer, self.outer.start_shift(arrays, tag), t + self.w - 1)
-        self._hold(arrays, j, s)
+        self._hold(arrays, t)
         if s == self.w - 1:                                # the inner ring's last round: next, the outer block
             shift, self._outer = self._outer, None
             return shift
@@ -127,13 +127,11 @@ class DoubleRing:
     def turn(self):
         return self.inner.turn() if hasattr(self.inner, "turn") else nullcontext()
 
-    def _hold(self, block, j, s):
-        """Count what this round holds beside the block attended to and the
-        blocks arriving: in an outer step that sends on, the outer ring's
-        arriving block until it is due, and its leaving one once the rank has
-        moved past it; and the inner ring's copy (`start_shift`)."""
-        extra = (j < self.m - 1) * ((s < self.w - 1) + (s >= 1)) + (s == 0 and j > 0 and self.w > 1)
-        for _ in range(extra if self.traffic is not None else 0):
+    def _hold(self, block, t):
+        """Count what round t holds beside the block attended to and the one
+        arriving (the log counts those two: a round that shifts K, V has one
+        arriving, on one ring or the other): the rest of `held_blocks`."""
+        for _ in range(held_blocks(t, self.w, self.m) - 2 if self.traffic is not None else 0):
             self.traffic.held(block)
 
 

@@ -25,8 +25,16 @@ from reference.testing import VirtualRingAdapter, check_ring_attention
 from reference.testing import MASKS, cases
 from reference.testing.check import check_adapter, make_plan
 
+
+def double_ring_on(w, world_sizes):
+    adapter = VirtualRingAdapter("double_ring", ring_inner=w)
+    adapter.world_sizes = world_sizes
+    return adapter
+
+
+# the double ring on two and three groups of two, on one group (N = 2), and on its outer ring alone (w = 1)
 ADAPTERS = [VirtualRingAdapter(), VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"),
-            VirtualRingAdapter("usp", ulysses_degree=2), VirtualRingAdapter("double_ring", ring_inner=2)]
+            VirtualRingAdapter("usp", ulysses_degree=2), double_ring_on(2, (2, 4, 6)), double_ring_on(1, (1, 3))]
 
 
 def drawn(adapter):
@@ -34,7 +42,7 @@ def drawn(adapter):
                  replicates_kv_heads=adapter.replicates_kv_heads, keep=lambda case: not adapter.supports(case))
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.scheme)
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.scheme + (f"-{a.ring_inner}" if a.ring_inner else ""))
 def test_each_scheme_agrees_with_the_oracle(adapter):
     @settings(max_examples=40, deadline=None)
     @given(case=drawn(adapter))
