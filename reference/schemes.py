@@ -129,8 +129,8 @@ class Scheme:
         return (i - t) % self.r
 
     def kv_copies(self, Hkv):
-        """Copies of each K/V head the all-to-all deals (Hkv x copies heads, u of
-        them a rank's multiple): u / Hkv with fewer K/V heads than u, else 1."""
+        """How many copies of each K/V head the all-to-all deals: u / Hkv where
+        the K/V heads are fewer than u (a copy to each rank reading it), else 1."""
         return 1 if Hkv % self.u == 0 else self.u // Hkv
 
     def describe(self):
@@ -245,7 +245,7 @@ def to_tokens(a2a, arrays, *, seq_axis=1, head_axis=2, copies=1):
 
 def sum_copies(x, copies):
     """(B, c, H copies, D) -> (B, c, H, D): each head's copies (adjacent, as
-    `to_heads` repeats them) summed, in x's dtype."""
+    `to_heads` repeats them) summed, in x's dtype (dK, dV: the accumulation dtype)."""
     if copies == 1:
         return x
     B, c, H, D = x.shape
