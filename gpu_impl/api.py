@@ -39,8 +39,9 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     MPI), "staged", "cuda-aware" or "cuda-aware-unchecked"; `step`: "auto"
     (float16: "fused_v2" where it takes the call, else "v1"), "v1", "fused",
     "fused_v2" or a `reference.step.Step`; `seq_len`, the mask options (window,
-    cu_seqlens, segment_ids, dropout, seed) and ``scheme=``, ``ulysses_degree=``
-    (`reference.schemes`: the all-to-all takes the transfer path too) as in mpi_impl. Collective."""
+    cu_seqlens, segment_ids, dropout, seed) and ``scheme=``, ``ulysses_degree=``,
+    ``ring_inner=`` (`reference.schemes`: the all-to-all and the double ring's
+    three rings take the transfer path too) as in mpi_impl. Collective."""
     device, make_ring = _gpu_ring(comm, (q, k, v), (), transfer=transfer)
     with device:
         return mpi_impl.ring_attention(q, k, v, comm=comm, layout=layout, causal=causal, scale=scale,

@@ -44,7 +44,7 @@ TRACE_CHOICES = (False, True, "rank")
 
 def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, tile_size=None,
                    step="auto", trace=False, make_ring=RingComm.on, seq_len=None, scheme="ring",
-                   ulysses_degree=None, call=None, **mask_options):
+                   ulysses_degree=None, ring_inner=None, call=None, **mask_options):
     """Exact attention of this rank's queries over every rank's keys.
 
     Returns (out, lse); with ``trace=True`` also the Trace of every rank
@@ -54,10 +54,10 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     ``make_ring(comm)`` builds the communication object (another backend passes
     its own), a context manager whose exit ends the ring's transfers and frees
     what it holds however the ring ended, with a list of `transfers` (their
-    times, for the trace). `seq_len` and
-    `mask_options`: see the module docstring. `scheme` and `ulysses_degree`:
-    "ring" (the default), "all_gather", "ulysses" or "usp" with u, as
-    `reference.ring_attention` takes them; this rank's shard holds the tokens
+    times, for the trace). `seq_len` and `mask_options`: see the module
+    docstring. `scheme`, `ulysses_degree` and `ring_inner`: "ring" (the
+    default), "all_gather", "ulysses" or "usp" with u, "double_ring" with w,
+    as `reference.ring_attention` takes them; this rank's shard holds the tokens
     `reference.schemes.Scheme.positions` gives it (for u > 1:
     `reference.layouts.ulysses_positions`), and the communicator is split once
     per call (`mpi_impl.groups`). `call`: a `reference.call.RingCall`
@@ -67,7 +67,7 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
     Collective: every rank of `comm` must call it."""
     call = agree(comm, lambda: _check(q, k, v, comm, trace, call, layout=layout, causal=causal, scale=scale,
                                       tile_size=tile_size, step=step, seq_len=seq_len, scheme=scheme,
-                                      ulysses_degree=ulysses_degree, **mask_options),
+                                      ulysses_degree=ulysses_degree, ring_inner=ring_inner, **mask_options),
                  trace=trace)
     with scheme_comms(comm, call.scheme, make_ring) as comms, named_rank(comm):    # freed however it ends
         out, lse, log = schemes.forward(q, k, v, _group_positions(call, comm), comms, scheme=call.scheme,
@@ -78,7 +78,8 @@ def ring_attention(q, k, v, *, comm, layout="striped", causal=True, scale=None, 
 
 def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", causal=True,
                             scale=None, tile_size=None, step="auto", trace=False, make_ring=RingComm.on,
-                            seq_len=None, scheme="ring", ulysses_degree=None, call=None, **mask_options):
+                            seq_len=None, scheme="ring", ulysses_degree=None, ring_inner=None, call=None,
+                            **mask_options):
     """Gradients (dq, dk, dv) of this rank's shard, from the forward's out and lse.
 
     K, V, dK, dV travel the ring; dQ stays home; dK, dV end on the rank that
@@ -86,7 +87,8 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, comm, layout="striped", 
     as in `ring_attention`. Collective."""
     call = agree(comm, lambda: _check(q, k, v, comm, trace, call, layout=layout, causal=causal, scale=scale,
                                       tile_size=tile_size, step=step, grads=(out, lse, dout), seq_len=seq_len,
-                                      scheme=scheme, ulysses_degree=ulysses_degree, **mask_options),
+                                      scheme=scheme, ulysses_degree=ulysses_degree, ring_inner=ring_inner,
+                                      **mask_options),
                  trace=trace)
     with scheme_comms(comm, call.scheme, make_ring) as comms, named_rank(comm):
         dq, dk, dv, log = schemes.backward(q, k, v, out, lse, dout, _group_positions(call, comm), comms,

@@ -10,13 +10,17 @@ collective over every rank of it:
 so that rank g is piece g % u of ring rank g // u, as
 `reference.layouts.ulysses_positions` deals the tokens. The ring group gets
 the caller's ring factory (`make_ring`: mpi_impl's `RingComm`, or gpu_impl's
-with its memory object); the Ulysses group an `AllToAll`.
+with its memory object); the Ulysses group an `AllToAll`. The double ring
+splits it in three (`reference.double_ring.groups`: its inner ring, its outer
+ring, and the ring dK, dV take to the rank holding their block next), a
+ring of the caller's kind on each, joined as one `DoubleRing`.
 """
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 
+from reference.double_ring import DoubleRing
 from reference.layouts import array_module, to_host
 from reference.schemes import Comms
 from reference.trace import Traffic
@@ -62,6 +66,10 @@ class AllToAll:
 def scheme_comms(comm, scheme, make_ring):
     """This rank's `reference.schemes.Comms` for `scheme` on the mpi4py
     communicator `comm`, freed on exit however the call ended."""
+    if scheme.name == "double_ring":
+        with double_ring_comm(comm, scheme, make_ring) as ring:
+            yield Comms(ring)
+        return
     if scheme.u == 1:
         with make_ring(comm) as ring:
             yield Comms(ring)
@@ -75,3 +83,18 @@ def scheme_comms(comm, scheme, make_ring):
     finally:
         ring_comm.Free()
         ulysses_comm.Free()
+
+
+@contextmanager
+def double_ring_comm(comm, scheme, make_ring):
+    """This rank's `DoubleRing`: a ring of `make_ring`'s on each of its three
+    rings' communicators (each split from `comm` by its members, in ring
+    order), ended however the call ended, and the splits freed."""
+    g = comm.Get_rank()
+    splits = [comm.Split(min(members), members.index(g)) for members in scheme.double_ring_groups(g)]
+    try:
+        with ExitStack() as rings:
+            yield DoubleRing(*(rings.enter_context(make_ring(split)) for split in splits))
+    finally:
+        for split in splits:
+            split.Free()

@@ -51,7 +51,8 @@ def make_plans(args, backend, n_ranks):
         c = padded_length(args.seq_len, n_ranks, layout) // n_ranks          # tokens per rank
         return resolve_call(shard_specs(args, c, grads), backend.array_module, n_devices=n_ranks, layout=layout,
                             tile_size=tile_size, step=step, per_device=True, seq_len=args.seq_len,
-                            scheme=args.scheme, ulysses_degree=args.ulysses_degree, mask=masks[layout])
+                            scheme=args.scheme, ulysses_degree=args.ulysses_degree, ring_inner=args.ring_inner,
+                            mask=masks[layout])
     return [Plan(layout, call(layout, forward, args.tile_size),
                  call(layout, backward, backward_tile(args), grads=True) if args.backward else None)
             for layout in masks]

@@ -1,8 +1,9 @@
-"""The command line's --scheme and --ulysses-degree: which scheme runs, where
-each rank's tokens are, the predicted speedup of each layout, and the scheme the
-cost model (`reference.scheme_cost`) would pick for the run's shapes.
+"""The command line's --scheme, --ulysses-degree and --ring-inner: which scheme
+runs, where each rank's tokens are, the predicted speedup of each layout, and
+the scheme the cost model (`reference.scheme_cost`) would pick for the run's shapes.
 
     python -m mpi_impl ... --scheme usp --ulysses-degree 2
+    python -m mpi_impl ... --scheme double_ring --ring-inner 2
 """
 
 import numpy as np
@@ -16,9 +17,13 @@ def add_scheme_options(ap):
     group = ap.add_argument_group("schemes (reference.schemes)")
     group.add_argument("--scheme", choices=SCHEMES, default="ring",
                        help="ring (the default), all_gather (K, V gathered once), ulysses (heads dealt over all "
-                            "ranks by an all-to-all), usp (Ulysses in groups of --ulysses-degree, the ring across)")
+                            "ranks by an all-to-all), usp (Ulysses in groups of --ulysses-degree, the ring across), "
+                            "double_ring (inner rings of --ring-inner ranks, an outer ring across them)")
     group.add_argument("--ulysses-degree", type=int, default=None, metavar="U",
-                       help="ranks per Ulysses group (usp: required; ulysses: all ranks)")
+                       help="ranks per Ulysses group (usp: required; ulysses: all ranks); a multiple or a divisor "
+                            "of --kv-heads (each K/V head then copied to the ranks whose query heads read it)")
+    group.add_argument("--ring-inner", type=int, default=None, metavar="W",
+                       help="ranks per inner ring of the double ring (double_ring: required; a node's ranks)")
     group.add_argument("--link-gbs", type=usage.rate, default=10.0,
                        help="link bandwidth per rank, GB/s each way (1 GB = 10^9 bytes), for the cost model's choice "
                             "printed under the table (default 10: memory copies between processes of one machine)")
@@ -28,9 +33,10 @@ def scheme_of(args, n_ranks):
     """The checked Scheme of these options, or ValueError with the option's words."""
     try:
         return Scheme.checked(args.scheme, args.ulysses_degree, n_devices=n_ranks, Hq=args.heads,
-                              Hkv=args.kv_heads or args.heads)
+                              Hkv=args.kv_heads or args.heads, ring_inner=args.ring_inner)
     except ValueError as e:
-        raise ValueError(str(e).replace("ulysses_degree", "--ulysses-degree").replace("scheme ", "--scheme ")) from None
+        words = str(e).replace("ulysses_degree", "--ulysses-degree").replace("ring_inner", "--ring-inner")
+        raise ValueError(words.replace("scheme ", "--scheme ")) from None
 
 
 def scheme_problem(args, n_ranks):

@@ -20,7 +20,8 @@ Modules, in reading order:
     ring          one device's rounds (Algorithm 1), shared by every backend
     virtual       N devices as threads: `ring_attention` and its backward
     lockstep      the same rounds with every device in one loop, for a debugger
-    schemes       the all-gather, Ulysses and USP around the ring's loop
+    schemes       the all-gather, Ulysses, USP and the double ring around the ring's loop
+    double_ring   the ring as inner rings and an outer ring, on the ring's own loop
     cores         how the devices' threads share the machine's cores
     trace         what each device did in each round, and its files
     plot          pictures of traces

@@ -96,7 +96,8 @@ def check_call(q, k, v, *, grads=None, per_device=False, **options):
 
 
 def resolve_call(arrays, xp, *, n_devices, layout="striped", causal=True, scale=None, tile_size=None, step="auto",
-                 per_device=False, seq_len=None, scheme="ring", ulysses_degree=None, mask=None, **mask_options):
+                 per_device=False, seq_len=None, scheme="ring", ulysses_degree=None, ring_inner=None, mask=None,
+                 **mask_options):
     """The RingCall of arrays with these shapes and dtypes (`arrays`, as
     `specs` gives them: q, k, v, and out, lse, dout for a backward) in array
     module `xp`, or the clear error: the layout (`reference.layouts`), the
@@ -107,7 +108,7 @@ def resolve_call(arrays, xp, *, n_devices, layout="striped", causal=True, scale=
     its tile, every device's positions. Each is resolved here once."""
     (_, S, Hq, D), Hkv = arrays["q"][0], arrays["k"][0][2]
     check_layout(layout, S, n_devices)
-    plan = Scheme.checked(scheme, ulysses_degree, n_devices=n_devices, Hq=Hq, Hkv=Hkv)
+    plan = Scheme.checked(scheme, ulysses_degree, n_devices=n_devices, Hq=Hq, Hkv=Hkv, ring_inner=ring_inner)
     scale = checks.check_options(causal=causal, scale=scale, head_dim=D)
     if per_device:
         seq_len = _real_length(S, n_devices, layout, seq_len)
@@ -120,7 +121,7 @@ def resolve_call(arrays, xp, *, n_devices, layout="striped", causal=True, scale=
     if mask is None:
         mask = layout_mask(seq_len, n_devices, layout, causal=causal, **mask_options)
     step = steps.check_step(step, xp, backward="dout" in arrays, dropout=mask.dropout, plain_mask=mask.causal_only,
-                            call=steps.Call(arrays["q"][1], D, Hq // Hkv, tile_size))
+                            call=steps.Call(arrays["q"][1], D, Hq // (Hkv * plan.kv_copies(Hkv)), tile_size))
     return RingCall(scale=scale, step=step, mask=mask, positions=plan.positions(seq_len, layout),
                     tile=step.tile(tile_size, D), layout=layout, arrays=arrays, scheme=plan)
 

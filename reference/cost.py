@@ -78,7 +78,7 @@ def parse_args(argv=None):
     schemes = ap.add_argument_group("schemes (reference.scheme_cost): with --scheme, their table and the choice")
     schemes.add_argument("--scheme", default=None, metavar="NAME[,NAME...]|all",
                          help="tabulate these schemes (ring, all_gather, ulysses, usp: every degree the heads "
-                              "allow) instead of the layouts; 'all' for every one")
+                              "allow; double_ring: every inner ring size) instead of the layouts; 'all' for every one")
     schemes.add_argument("--layout", default="striped", choices=LAYOUTS, help="layout of the ring (default striped)")
     schemes.add_argument("--batch", type=usage.count, default=1, help="batch B (default 1)")
     schemes.add_argument("--heads", type=usage.count, default=32, help="query heads Hq (default 32)")
@@ -158,8 +158,9 @@ def scheme_plans(args):
         raise ValueError(f"--scheme: {', '.join(unknown)} is not one of {', '.join(SCHEMES)} or all")
     plans = [s for s in candidates(n, args.heads, Hkv) if s.name in names]
     if not plans:
-        raise ValueError(f"none of {', '.join(names)} runs on {n} devices with {Hkv} key/value heads "
-                         f"(Ulysses degrees must divide both)")
+        raise ValueError(f"none of {', '.join(names)} runs on {n} devices with {args.heads} query heads and {Hkv} "
+                         f"key/value heads (a Ulysses degree divides N and the query heads, and is a multiple or "
+                         f"a divisor of the key/value heads; a double ring's inner ring divides N, 1 < w < N)")
     return plans
 
 
@@ -174,16 +175,18 @@ def scheme_table(args, mask):
     link, rate = args.link_gbs * GB, args.tflops * 1e12
     lines = [f"S={args.seq_len} N={n} B={args.batch} Hq={Hq} Hkv={Hkv} D={args.head_dim} {args.dtype} "
              f"{args.layout}, link {args.link_gbs:g} GB/s, {args.tflops:g} TFLOP/s per device",
-             f"{'scheme':<12}{'u':>3}{'rounds':>7}{'crit. GFLOP':>12}{'sent fwd':>11}{'sent bwd':>11}"
-             f"{'peak K/V':>11}{'fwd ms':>11}{'bwd ms':>11}", "-" * 89]
+             f"{'scheme':<12}{'u':>3}{'w':>3}{'rounds':>7}{'crit. GFLOP':>12}{'sent fwd':>11}{'sent bwd':>11}"
+             f"{'peak K/V':>11}{'fwd ms':>11}{'bwd ms':>11}", "-" * 92]
     for s, (fwd, bwd) in costs.items():
         f, b = fwd.totals(), bwd.totals()
-        lines.append(f"{s.name:<12}{s.u:>3}{s.r:>7}{f['critical_flops'] / 1e9:>12.1f}{_size(f['bytes_sent']):>11}"
+        lines.append(f"{s.name:<12}{s.u:>3}{s.w or '-':>3}{s.r:>7}{f['critical_flops'] / 1e9:>12.1f}"
+                     f"{_size(f['bytes_sent']):>11}"
                      f"{_size(b['bytes_sent']):>11}{_size(max(f['peak_kv'], b['peak_kv'])):>11}"
                      f" {fwd.seconds(link, rate) * 1e3:>10.3f} {bwd.seconds(link, rate) * 1e3:>10.3f}")
     memory = None if args.memory_gib is None else args.memory_gib * GIB
     best = choose(costs, link, rate, memory)
     lines.append(f"choice: {best.name}" + (f" (ulysses_degree={best.u})" if best.u > 1 else "")
+                 + (f" (ring_inner={best.w})" if best.w else "")
                  + " - the least predicted forward + backward time"
                  + ("" if memory is None else f" among those whose K/V fit in {args.memory_gib:g} GiB")
                  + ("" if args.causal else "; not causal"))

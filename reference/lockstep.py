@@ -24,9 +24,11 @@ from .step import ForwardAcc, Grads, Queries, finish_forward
 
 def ring_only(options):
     """The lockstep ring is the ring alone: any other scheme is refused, not run as the ring."""
-    if options.get("scheme", "ring") != "ring" or options.get("ulysses_degree") not in (None, 1):
+    if options.get("scheme", "ring") != "ring" or options.get("ulysses_degree") not in (None, 1) \
+            or options.get("ring_inner") is not None:
         raise ValueError(f"reference.lockstep runs the ring only, not scheme={options.get('scheme')!r} "
-                         f"(ulysses_degree={options.get('ulysses_degree')}): use reference.ring_attention")
+                         f"(ulysses_degree={options.get('ulysses_degree')}, ring_inner={options.get('ring_inner')}): "
+                         "use reference.ring_attention")
 
 
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,

@@ -35,9 +35,11 @@ class Prediction(Work):
         return int(self.work(mode).max(axis=1).sum())
 
 
-def predict_positions(pos, tile_size=None, mask=True):
+def predict_positions(pos, tile_size=None, mask=True, sources=None):
     """`predict` for any dealing of positions: `pos` (N, c), device j holding
-    positions pos[j]; `mask` a `reference.masks.Mask` or a bool (causal)."""
+    positions pos[j]; `mask` a `reference.masks.Mask` or a bool (causal);
+    `sources` (N rounds, N devices): the device whose block j holds in round t,
+    for another order of the blocks than the ring's (the double ring's)."""
     mask = as_mask(mask)
     n_devices, c = pos.shape
     tile = tq, tk = tile_shape(tile_size)                      # resolved once, for N x N blocks
@@ -48,7 +50,7 @@ def predict_positions(pos, tile_size=None, mask=True):
     p = Prediction(*(np.zeros(shape, dtype=np.int64) for _ in range(5)))
     for t in range(n_devices):
         for j in range(n_devices):
-            k = (j - t) % n_devices
+            k = (j - t) % n_devices if sources is None else sources[t, j]
             kinds = classify(pos[j], pos[k], tile, mask)
             p.source[t, j] = k
             p.tiles_skipped[t, j] = (kinds == SKIP).sum()

@@ -69,11 +69,14 @@ def ring_forward(q, k, v, q_pos, k_pos, comm, *, scale, tile_size, step, mask, h
     return end_forward(acc, q, log)    # "normalize(Out_j)"
 
 
-def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step, mask, heads=None):
+def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_size, step, mask, heads=None,
+                  kv_grads_dtype=None):
     """Backward on this device. K, V and their gradients dK, dV travel the ring;
     dQ stays home. After the last round one more hop brings every dK, dV back
     to the device that owns those keys. Returns (dq, dk, dv) in the user
-    layout, and a RoundLog. `step` (with a backward) and `mask` as for `ring_forward`."""
+    layout, and a RoundLog. `step` (with a backward) and `mask` as for
+    `ring_forward`; `kv_grads_dtype`: dK, dV's dtype (None: k's; a Ulysses
+    that replicates K/V heads sums their copies first, unrounded)."""
     n = comm.size
     log = RoundLog.of(comm, step, blocks=KV)
     queries, rows, dq = begin_backward(q, k, out, lse, dout, q_pos, scale, heads)   # Q_j, dO_j, dQ_j
@@ -103,7 +106,7 @@ def ring_backward(q, k, v, out, lse, dout, q_pos, k_pos, comm, *, scale, tile_si
         grads_in_flight = comm.start_shift((grads.dk, grads.dv), DKV)
     with log.waiting(n - 1):
         dk, dv = comm.finish_shift(grads_in_flight)                    # home again
-    return end_backward(dq, dk, dv, (q, k, v), scale, log)
+    return end_backward(dq, dk, dv, (q, k, v), scale, log, kv_dtype=kv_grads_dtype)
 
 
 # -- the set-up and the finish, shared with the other schemes (`reference.schemes`) --
@@ -126,14 +129,15 @@ def end_forward(acc, q, log):
     return q_from_heads(out).astype(q.dtype, copy=False), rows_from_heads(lse), log
 
 
-def end_backward(dq, dk, dv, like, scale, log):
+def end_backward(dq, dk, dv, like, scale, log, kv_dtype=None):
     """(dq, dk, dv, log closed): dQ scaled (Q was pre-scaled), each gradient in
-    the user layout and the dtype of its input (`like`: q, k, v)."""
+    the user layout and the dtype of its input (`like`: q, k, v; dK, dV in
+    `kv_dtype` if given)."""
     q, k, v = like
     dq *= dq.dtype.type(scale)
     log.close()                                # a device clock is read now
-    return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(k.dtype, copy=False),
-            kv_from_heads(dv).astype(v.dtype, copy=False), log)
+    return (q_from_heads(dq).astype(q.dtype, copy=False), kv_from_heads(dk).astype(kv_dtype or k.dtype, copy=False),
+            kv_from_heads(dv).astype(kv_dtype or v.dtype, copy=False), log)
 
 
 # -- pieces of the loops ---------------------------------------------------

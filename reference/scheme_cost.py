@@ -13,11 +13,13 @@ received, and the bytes of K/V blocks held. `predict_scheme` counts the same
   holds two then (the one attended to and the one arriving), one in the last;
   the backward adds dK, dV in every round, and the hop home in the last;
 - the all-gather moves one block in each of its first N - 1 rounds, before any
-  compute, and holds all N in every round; its backward reduce-scatters dK, dV
-  in the same rounds, after all compute;
+  compute, and holds all N; its backward reduce-scatters dK, dV after it;
 - Ulysses and USP trade (u - 1) / u of q, k, v (and out, dout, lse in the
   backward) in an all-to-all before the ring's first round, and of out, lse
-  (dq, dk, dv) after its last; the ring runs on u c tokens of H / u heads.
+  (dq, dk, dv) after its last; the ring runs on u c tokens of H / u heads
+  (K/V heads fewer than u: u / Hkv copies each, dK, dV back unrounded);
+- the double ring: its inner ring's blocks, and one a step on its outer ring
+  (received w - 1 rounds later); dK, dV after them (`double_ring_moves`).
 
 Time: a round takes its busiest device's compute (4 D flops per (query, key)
 entry of the computed tiles forward, 10 D backward, where the step recomputes
@@ -35,6 +37,7 @@ import numpy as np
 
 from .heads import accumulate_dtype
 from .masks import layout_mask
+from .double_ring import held_blocks
 from .predict import predict_positions
 from .schemes import Scheme
 
@@ -81,14 +84,16 @@ class SchemeCost:
     moves: Moves
     kv_bytes: np.ndarray
     flops_per_entry: int        # x B x heads per device: the flops of one tile entry on a device
-    host_bytes: np.ndarray = None   # of bytes_sent and received, a block's positions and owner (host arrays)
+    host_moves: Moves = None    # of the messages, a block's positions and owner (host arrays)
 
     def staged_copies(self):
         """(downloads, uploads) (r, N): the bytes a GPU whose MPI is not
         CUDA-aware copies between device and pinned host memory (gpu_impl's
         staged path): every device byte it sends first, every one it receives
         after; an all-to-all's own piece is copied on the device, unsent."""
-        return self.bytes_sent - self.host_bytes, self.bytes_received - self.host_bytes
+        shape = self.kv_bytes.shape
+        return (self.bytes_sent - self.host_moves.per_device(shape, by="src"),
+                self.bytes_received - self.host_moves.per_device(shape, by="dst"))
 
     @property
     def bytes_sent(self):
@@ -133,32 +138,44 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
     pos = scheme.positions(seq_len, layout)                            # (N, c)
     c = pos.shape[1]
     ring_pos = pos.reshape(r, u * c)                                   # ring rank i: its Ulysses group's tokens
-    ring = predict_positions(ring_pos, tile_size, mask)                # (r, r)
+    ring = predict_positions(ring_pos, tile_size, mask, sources=scheme.sources())   # (r, r)
     home = np.arange(n) // u                                           # device g is ring rank g // u
     work = type(ring)(*(getattr(ring, f)[:, home] for f in ("source", "tiles_computed", "tiles_skipped",
                                                             "pairs", "tile_area")))
     e, acc = np.dtype(dtype).itemsize, np.dtype(accumulate_dtype(dtype)).itemsize
-    block = 2 * B * Hkv * c * D * e + 8 * u * c + 8
-    dkv = 2 * B * Hkv * c * D * acc
-    rows = ring_moves(scheme, block, dkv if backward else 0)
-    held = np.zeros((r, n), dtype=np.int64)
-    if scheme.name == "all_gather":
-        held[:] = n * block
-    else:
-        held[:] = np.where(np.arange(r) == r - 1, block, 2 * block)[:, None]
+    copies = scheme.kv_copies(Hkv)
+    hkv = Hkv * copies                                                 # K/V heads dealt, copies included
+    block = 2 * B * hkv * c * D * e + 8 * u * c + 8
+    dkv = 2 * B * hkv * c * D * acc
+    moves = double_ring_moves if scheme.name == "double_ring" else ring_moves
+    rows = moves(scheme, block, dkv if backward else 0)
     if u > 1:
         lse = B * Hq * c * acc                                         # lse travels in the accumulation dtype
+        kv_back = 2 * B * c * hkv * D * (acc if copies > 1 else e)    # copies' dK, dV: summed unrounded
         if backward:
-            before = (3 * B * c * Hq * D + 2 * B * c * Hkv * D) * e + lse
-            after = (B * c * Hq * D + 2 * B * c * Hkv * D) * e
+            before = (3 * B * c * Hq * D + 2 * B * c * hkv * D) * e + lse
+            after = B * c * Hq * D * e + kv_back
         else:
-            before = (B * c * Hq * D + 2 * B * c * Hkv * D) * e
+            before = (B * c * Hq * D + 2 * B * c * hkv * D) * e
             after = B * c * Hq * D * e + lse
         rows += all_to_all_moves(scheme, 0, before) + all_to_all_moves(scheme, r - 1, after)
     flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
-    host = np.zeros((r, n), dtype=np.int64)
-    host[:-1] = 8 * u * c + 8                                          # a block's positions and owner
-    return SchemeCost(scheme, work, Moves.of(rows), held, flops, host)
+    host = Moves.of(moves(scheme, 8 * u * c + 8, 0))                  # a block's positions and owner
+    return SchemeCost(scheme, work, Moves.of(rows), held_blocks_of(scheme) * block, flops, host)
+
+
+def held_blocks_of(scheme):
+    """(r, N): K/V blocks each device holds in each round: the block attended
+    to and the one arriving (the ring: one in the last round), all N (the
+    all-gather), the double ring's `held_blocks`."""
+    t = np.arange(scheme.r)[:, None]
+    if scheme.name == "all_gather":
+        held = np.full(t.shape, scheme.n)
+    elif scheme.name == "double_ring":
+        held = np.array([[held_blocks(x, scheme.w, scheme.m)] for x in range(scheme.r)])
+    else:
+        held = np.where(t == scheme.r - 1, 1, 2)
+    return np.broadcast_to(held, (scheme.r, scheme.n)).astype(np.int64)
 
 
 def ring_moves(scheme, block, dkv):
@@ -179,6 +196,29 @@ def ring_moves(scheme, block, dkv):
                 rows.append((t, t, g, nxt, block, False))
         if dkv and r > 1 and scheme.name != "all_gather":
             rows += [(t, min(t + 1, r - 1), g, nxt, dkv, False) for t in range(r)]
+    return rows
+
+
+def double_ring_moves(scheme, block, dkv):
+    """The double ring's messages (`reference.double_ring`), rows as `ring_moves`:
+    in round t = j w + s of device (o, i) a block to (o, i + 1) while s < w - 1,
+    and at s = 0 of a step but the last one to (o + 1, i), received at the
+    step's end (s = w - 1), all overlapped; with `dkv`, dK, dV after every round
+    to the device holding the block next, (o, i + 1), or (o + 1, i + 1) at a
+    step's end, received in the next round (the hop home in the last)."""
+    n, w, m = scheme.n, scheme.w, scheme.m
+    rows = []
+    for g in range(n):
+        o, i = divmod(g, w)
+        inner, outer, home = o * w + (i + 1) % w, (o + 1) % m * w + i, (o + 1) % m * w + (i + 1) % w
+        for t in range(n - 1):
+            j, s = divmod(t, w)
+            if s < w - 1:
+                rows.append((t, t, g, inner, block, False))
+            if s == 0 and j < m - 1:
+                rows.append((t, t + w - 1, g, outer, block, False))
+        if dkv and n > 1:
+            rows += [(t, min(t + 1, n - 1), g, inner if t % w < w - 1 else home, dkv, False) for t in range(n)]
     return rows
 
 
@@ -216,11 +256,15 @@ def check_rates(link_bytes_per_s, flops_per_s, memory_bytes=None):
 
 def candidates(n_devices, Hq, Hkv):
     """Every scheme the shapes allow on N devices: the ring, the all-gather,
-    Ulysses (where u = N divides the heads) and USP for each u strictly between."""
+    Ulysses (u = N) and USP for each u strictly between that divides N and
+    the query heads, and of whose K/V heads it is a multiple or a divisor (the
+    heads then copied), and the double ring for each inner ring size strictly
+    between 1 and N that divides N."""
     found = [Scheme("ring", n_devices, 1), Scheme("all_gather", n_devices, 1)]
     for u in range(2, n_devices + 1):
-        if n_devices % u == 0 and Hkv % u == 0:
+        if n_devices % u == 0 and Hq % u == 0 and (Hkv % u == 0 or u % Hkv == 0):
             found.append(Scheme("ulysses" if u == n_devices else "usp", n_devices, u))
+    found += [Scheme("double_ring", n_devices, 1, w) for w in range(2, n_devices) if n_devices % w == 0]
     return found
 
 

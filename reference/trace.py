@@ -103,6 +103,7 @@ FIELDS = tuple(f.name for f in fields(Trace) if f.name not in ("step", "threads"
 TIMELINE = ("start_s", "arrived_s")             # seconds since the device's ring began; NaN where none
 MOVED = ("bytes_received", "kv_bytes")          # zero in a trace file written before they were recorded
 _REQUIRED = set(FIELDS) - set(TIMELINE) - set(MOVED)   # a trace file written before the timeline lacks it
+HELD = "held"       # a Traffic entry of K/V bytes held, in its received place (`Traffic.held`)
 
 
 class Traffic:
@@ -119,6 +120,12 @@ class Traffic:
 
     def moved(self, tag, *, sent=(), received=()):
         self.moves.append((self.round, tag, _nbytes(sent), _nbytes(received)))
+
+    def held(self, arrays):
+        """K/V held this round beside the block attended to and those arriving,
+        neither sent nor received now (the double ring's outer blocks in
+        flight, `reference.double_ring`): counted in kv_bytes only."""
+        self.moves.append((self.round, HELD, 0, _nbytes(arrays)))
 
     def traded(self, pieces, got, rank):
         """An all-to-all: piece i went to group rank i and `got[i]` came from it; this device's own stays."""
@@ -190,6 +197,9 @@ class RoundLog:
         """Add the bytes the Traffic counted since the last tally: sent,
         received, and the K/V blocks arriving (held beside the one attended to)."""
         for t, tag, sent, received in self.traffic.take() if self.traffic is not None else ():
+            if tag == HELD:
+                self.kv_bytes[t] += received
+                continue
             self.bytes_sent[t] += sent
             self.bytes_received[t] += received
             if tag == self.blocks and not self._kept[t]:

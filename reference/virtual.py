@@ -191,20 +191,21 @@ def _secondary(e):
 def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=None,
                    tile_size=None, step=steps.DEFAULT, trace=False, window=None, cu_seqlens=None,
                    segment_ids=None, dropout=0.0, seed=0, threads=None, blas_threads=None, scheme="ring",
-                   ulysses_degree=None):
+                   ulysses_degree=None, ring_inner=None):
     """Exact attention over N virtual devices. Returns (out, lse) or (out, lse, Trace).
     `step`: a name of `reference.steps` ("v1", the readable step, by default;
     "auto": the fastest for the arrays) or a `reference.step.Step`.
     Mask options (`reference.masks`): a sliding `window`, packed documents
     (`cu_seqlens` or `segment_ids`), `dropout` with its `seed`; any S.
     `scheme`: "ring" (the paper's), "all_gather", "ulysses" or "usp" with
-    `ulysses_degree` (`reference.schemes`); the layout deals the ring's tokens.
+    `ulysses_degree`, "double_ring" with `ring_inner` (`reference.schemes`);
+    the layout deals the ring's tokens.
     `threads` (workers per device, for steps that take them) and
     `blas_threads` (per product): the devices' share of the cores by default
     (`reference.cores`); the trace says what ran (``Trace.threads``)."""
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, window=window, cu_seqlens=cu_seqlens, segment_ids=segment_ids, dropout=dropout,
-                      seed=seed, scheme=scheme, ulysses_degree=ulysses_degree)
+                      seed=seed, scheme=scheme, ulysses_degree=ulysses_degree, ring_inner=ring_inner)
     pos, S = call.positions, q.shape[1]
     (outs, lses), ran = run_shards(call, [shard_at(x, pos) for x in (q, k, v)], threads=threads,
                                    blas_threads=blas_threads)
@@ -215,13 +216,13 @@ def ring_attention(q, k, v, *, n_devices, layout="striped", causal=True, scale=N
 def ring_attention_backward(q, k, v, out, lse, dout, *, n_devices, layout="striped", causal=True,
                             scale=None, tile_size=None, step=steps.DEFAULT, trace=False, window=None,
                             cu_seqlens=None, segment_ids=None, dropout=0.0, seed=0, threads=None,
-                            blas_threads=None, scheme="ring", ulysses_degree=None):
+                            blas_threads=None, scheme="ring", ulysses_degree=None, ring_inner=None):
     """Gradients (dq, dk, dv) over N virtual devices, or (dq, dk, dv, Trace);
     mask, scheme and thread options as `ring_attention` (dropout drops the forward's pairs again)."""
     call = check_call(q, k, v, n_devices=n_devices, layout=layout, causal=causal, scale=scale, tile_size=tile_size,
                       step=step, grads=(out, lse, dout), window=window, cu_seqlens=cu_seqlens,
                       segment_ids=segment_ids, dropout=dropout, seed=seed, scheme=scheme,
-                      ulysses_degree=ulysses_degree)
+                      ulysses_degree=ulysses_degree, ring_inner=ring_inner)
     pos = call.positions
     shards = [shard_at(x, pos) for x in (q, k, v, out)] + [shard_at(lse, pos, axis=2), shard_at(dout, pos)]
     grads, ran = run_shards(call, shards, threads=threads, blas_threads=blas_threads)
@@ -242,7 +243,7 @@ def run_shards(call, shards, *, threads=None, blas_threads=None):
     passes = schemes.backward if call.backward else schemes.forward
 
     def device(j, comm):
-        comms = schemes.Comms(comm.group(scheme.ring_group(j)), comm.group(scheme.ulysses_group(j)))
+        comms = schemes.device_comms(scheme, j, comm.group)
         group_pos = np.concatenate([pos[g] for g in scheme.ulysses_group(j)])   # this ring rank's tokens
         return passes(*(s[j] for s in shards), group_pos, comms, scheme=scheme, scale=call.scale,
                       tile_size=call.tile, step=step, mask=call.mask)

@@ -259,21 +259,25 @@ class VirtualRingAdapter(Adapter):
     dropped), and the results dealt out again (padding tokens' results zero);
     its positions are the layout's (the default), or the scheme's.
 
-    `scheme`, `ulysses_degree`: one of `reference.schemes.SCHEMES` (the ring by
-    default), as `ring_attention` takes them; Ulysses deals heads over its u
-    devices, so both head counts are drawn multiples of u (KV heads fewer than
-    u once its Ulysses replicates them: `replicates_kv_heads`), and USP runs on
-    the world sizes u divides."""
+    `scheme`, `ulysses_degree`, `ring_inner`: one of `reference.schemes.SCHEMES`
+    (the ring by default), as `ring_attention` takes them; Ulysses deals query
+    heads over its u devices, and K/V heads a multiple of u or a divisor of it
+    (each then replicated: `replicates_kv_heads`), so the kit draws both;
+    USP runs on the world sizes u divides, the double ring on those w divides."""
     name = "reference.ring_attention"
     masks = MASKS + DROPOUT
-    scheme, ulysses_degree = "ring", None
+    scheme, ulysses_degree, ring_inner = "ring", None, None
 
-    def __init__(self, scheme="ring", ulysses_degree=None):
+    def __init__(self, scheme="ring", ulysses_degree=None, ring_inner=None):
         if scheme != "ring":
-            self.scheme, self.ulysses_degree = scheme, ulysses_degree
-            self.name += f"(scheme={scheme!r}" + (f", ulysses_degree={ulysses_degree})" if ulysses_degree else ")")
-        if scheme == "usp":
-            self.world_sizes = tuple(n for n in Adapter.world_sizes if n % ulysses_degree == 0)
+            self.scheme, self.ulysses_degree, self.ring_inner = scheme, ulysses_degree, ring_inner
+            given = [f"{name}={value}" for name, value in (("ulysses_degree", ulysses_degree),
+                                                           ("ring_inner", ring_inner)) if value]
+            self.name += f"(scheme={scheme!r}" + "".join(f", {x}" for x in given) + ")"
+        self.replicates_kv_heads = scheme in ("ulysses", "usp")
+        if scheme == "usp" or scheme == "double_ring":
+            multiple = ulysses_degree if scheme == "usp" else ring_inner
+            self.world_sizes = tuple(n for n in Adapter.world_sizes if n % multiple == 0)
 
     def degree(self, n_devices):
         """u on N devices: N for Ulysses, the given degree for USP, 1 otherwise."""
@@ -283,22 +287,28 @@ class VirtualRingAdapter(Adapter):
         return self.degree(n_devices)
 
     def plan(self, case):
-        return Scheme(self.scheme, case.n_devices, self.degree(case.n_devices))
+        return Scheme(self.scheme, case.n_devices, self.degree(case.n_devices), self.ring_inner)
 
     def positions(self, case):
         return self.plan(case).positions(case.S, case.layout)
 
     def supports(self, case):
-        u = self.degree(case.n_devices)
+        u, w = self.degree(case.n_devices), self.ring_inner or 1
         if case.n_devices % u:
             return f"scheme {self.scheme!r} with ulysses_degree {u} needs N a multiple of {u}"
+        if case.n_devices % w:
+            return f"scheme {self.scheme!r} with ring_inner {w} needs N a multiple of {w}"
         return super().supports(case)
+
+    def options(self, case):
+        """The scheme's keyword arguments of `ring_attention` for `case`."""
+        u = None if self.scheme in ("ring", "all_gather", "double_ring") else self.degree(case.n_devices)
+        return dict(scheme=self.scheme, ulysses_degree=u, ring_inner=self.ring_inner)
 
     def run(self, case, shards):
         pos = shards.positions
         q, k, v, dout = (unshard_at(x, pos, case.S) for x in (shards.q, shards.k, shards.v, shards.dout))
-        options = dict(case.options(), scheme=self.scheme,
-                       ulysses_degree=None if self.scheme in ("ring", "all_gather") else self.degree(case.n_devices))
+        options = dict(case.options(), **self.options(case))
         out, lse = ring_attention(q, k, v, **options)
         grads = ring_attention_backward(q, k, v, out, lse, dout, **options)
         full = dict(out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])

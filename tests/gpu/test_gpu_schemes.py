@@ -1,6 +1,7 @@
 """Every scheme on GPUs made of NumPy (tests/support/gpu/queued_device.py): no piece crosses pageable host memory.
 
-The all-to-all of Ulysses and USP (`mpi_impl.groups.AllToAll`) moves device
+The all-to-all of Ulysses and USP (`mpi_impl.groups.AllToAll`, a K/V head
+copied to several ranks too) and the double ring's three rings move device
 pieces through the ring's memory object (`gpu_impl.transfer`): device buffers
 where MPI is CUDA-aware, pinned host memory with asynchronous copies where it
 is not. Here, on threads with a communicator that splits and exchanges as
@@ -18,6 +19,7 @@ MPI does:
     .venv/bin/python -m pytest tests/gpu/test_gpu_schemes.py -q
 """
 
+import dataclasses
 import sys
 import threading
 from pathlib import Path
@@ -41,7 +43,10 @@ from queued_device import DeviceArray, QueuedDevice  # noqa: E402
 from strict_comm import World  # noqa: E402
 from test_gpu import ThreadComm, fake_mpi  # noqa: E402,F401 - the fixture
 
-SCHEMES = [("ring", None), ("all_gather", None), ("ulysses", 4), ("usp", 2)]
+# (scheme, ulysses_degree, ring_inner, K/V heads): Ulysses with one K/V head copied to its 4 ranks (MQA)
+SCHEMES = [("ring", None, None, 4), ("all_gather", None, None, 4), ("ulysses", 4, None, 4), ("usp", 2, None, 4),
+           ("ulysses", 4, None, 1), ("double_ring", None, 2, 4)]
+IDS = ["ring", "all_gather", "ulysses", "usp", "ulysses-mqa", "double_ring"]
 
 
 def shared(n):
@@ -86,14 +91,14 @@ CASE = Case(layout="striped", n_devices=4, B=1, S=32, Hq=4, Hkv=4, D=8, tile_siz
             dtype=np.float32, kind="gaussian", seed=8)
 
 
-def run_scheme(scheme, u, transfer, monkeypatch):
+def run_scheme(case, scheme, u, w, transfer, monkeypatch):
     """gpu_impl.ring_attention and its backward under `scheme` on 4 threads,
     each with its QueuedDevice; per device: the results on the host, and the
     fake's counts of pageable bytes and copied bytes, forward and backward."""
     monkeypatch.setattr(api, "CupyDevice", lambda cupy, index: _THREAD.gpu)
-    n, layout = CASE.n_devices, CASE.layout
-    q, k, v, dout = CASE.inputs()
-    pos = plan_of(scheme, u).positions(CASE.S, layout)            # the scheme deals the tokens
+    n, layout = case.n_devices, case.layout
+    q, k, v, dout = case.inputs()
+    pos = plan_of(case, scheme, u, w).positions(case.S, layout)   # the scheme deals the tokens
     gpus = [QueuedDevice(("copies-early", "copies-late")[j % 2]) for j in range(n)]
     world = shared(n)
 
@@ -101,8 +106,8 @@ def run_scheme(scheme, u, transfer, monkeypatch):
         gpu = _THREAD.gpu = gpus[j]
         with gpu.installed():
             comm = GroupComm(j, n, world)
-            opts = dict(comm=comm, layout=layout, tile_size=CASE.tile_size, transfer=transfer, scheme=scheme,
-                        ulysses_degree=u)
+            opts = dict(comm=comm, layout=layout, tile_size=case.tile_size, transfer=transfer, scheme=scheme,
+                        ulysses_degree=u, ring_inner=w)
             qj, kj, vj, dj = (gpu.asarray(shard_at(x, pos)[j]) for x in (q, k, v, dout))
             counts = []
             out, lse = gpu_impl.ring_attention(qj, kj, vj, **opts)
@@ -119,8 +124,8 @@ def run_scheme(scheme, u, transfer, monkeypatch):
 _THREAD = threading.local()
 
 
-def plan_of(scheme, u):
-    return Scheme.checked(scheme, u, n_devices=CASE.n_devices, Hq=CASE.Hq, Hkv=CASE.Hkv)
+def plan_of(case, scheme, u, w):
+    return Scheme.checked(scheme, u, n_devices=case.n_devices, Hq=case.Hq, Hkv=case.Hkv, ring_inner=w)
 
 
 def unshard_at(shards, pos, axis):
@@ -132,27 +137,28 @@ def unshard_at(shards, pos, axis):
 
 
 @pytest.mark.parametrize("transfer", ["staged", "cuda-aware-unchecked"])
-@pytest.mark.parametrize("scheme, u", SCHEMES, ids=[s for s, _ in SCHEMES])
-def test_every_scheme_moves_no_piece_through_pageable_memory(scheme, u, transfer, monkeypatch, fake_mpi):
+@pytest.mark.parametrize("scheme, u, w, Hkv", SCHEMES, ids=IDS)
+def test_every_scheme_moves_no_piece_through_pageable_memory(scheme, u, w, Hkv, transfer, monkeypatch, fake_mpi):
     """Results equal dense attention's; no float byte through pageable memory;
     the staged path's copies are the cost model's, device by device, and the
     cuda-aware path's none."""
-    results = run_scheme(scheme, u, transfer, monkeypatch)
-    plan = plan_of(scheme, u)
-    q, k, v, dout = CASE.inputs()
+    case = dataclasses.replace(CASE, Hkv=Hkv)
+    results = run_scheme(case, scheme, u, w, transfer, monkeypatch)
+    plan = plan_of(case, scheme, u, w)
+    q, k, v, dout = case.inputs()
     out, lse = attention(q, k, v)
     for i, (name, want) in enumerate(zip(("out", "lse", "dq", "dk", "dv"),
                                          (out, lse) + attention_backward(q, k, v, out, lse, dout))):
-        got = unshard_at([r[0][i] for r in results], plan.positions(CASE.S, CASE.layout),
+        got = unshard_at([r[0][i] for r in results], plan.positions(case.S, case.layout),
                          axis=2 if name == "lse" else 1)
-        assert_close(got, want, CASE.dtype, what=f"{name} of {scheme} ({transfer})")
-    shapes = dict(B=CASE.B, Hq=CASE.Hq, Hkv=CASE.Hkv, D=CASE.D, dtype=CASE.dtype, tile_size=CASE.tile_size)
-    predicted = [predict_scheme(plan, CASE.S, CASE.layout, backward=b, **shapes).staged_copies() for b in (0, 1)]
+        assert_close(got, want, case.dtype, what=f"{name} of {scheme} ({transfer})")
+    shapes = dict(B=case.B, Hq=case.Hq, Hkv=case.Hkv, D=case.D, dtype=case.dtype, tile_size=case.tile_size)
+    predicted = [predict_scheme(plan, case.S, case.layout, backward=b, **shapes).staged_copies() for b in (0, 1)]
     if plan.r == 1:
         # reference/ring.py sends dK, dV "home" after the last round even in a ring
         # of one rank (Ulysses): a shift to itself, staged through pinned memory,
         # which its trace and the cost model leave out ("a ring of one keeps them")
-        hop = 2 * CASE.B * CASE.Hkv * CASE.c * CASE.D * np.dtype(np.float32).itemsize
+        hop = 2 * case.B * case.Hkv * plan.kv_copies(case.Hkv) * case.c * case.D * np.dtype(np.float32).itemsize
         predicted[1] = tuple(x + hop for x in predicted[1])
     for j, (_, counts) in enumerate(results):
         assert [pageable for pageable, _ in counts] == [0, 0], f"device {j}: floats through pageable memory"

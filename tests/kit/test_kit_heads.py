@@ -143,7 +143,7 @@ def test_a_replicated_kv_heads_gradient_not_summed_back_is_caught():
 def test_dropout_is_drawn_where_declared_and_shrinks_to_none():
     drawn = set()
 
-    @settings(max_examples=40, deadline=None, database=None)
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True)   # not the tests run before
     @given(cases(masks=PLAIN + DROPOUT))
     def draw(case):
         drawn.add(case.dropout)

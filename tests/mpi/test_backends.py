@@ -77,6 +77,7 @@ class Groups:
             case_spec = dict(layout=case.layout, causal=case.causal, scale=case.scale,
                              tile_size=list(case.tile_size) if isinstance(case.tile_size, tuple) else case.tile_size,
                              scheme=like.scheme, ulysses_degree=like.plan(case).u if like.plan(case).u > 1 else None,
+                             ring_inner=like.ring_inner,
                              dropout=case.dropout or 0.0, seed=case.seed)
             request = dict(case=case_spec, backends=["mpi", GPU],
                            shards=dict(q=shards.q, k=shards.k, v=shards.v, dout=shards.dout))
@@ -98,6 +99,7 @@ class Served(Adapter):
         self.groups, self.backend, self.like = groups, backend, like
         self.name = name + ("" if like.scheme == "ring" else like.name[len("reference.ring_attention"):])
         self.world_sizes, self.positions, self.head_multiple = like.world_sizes, like.positions, like.head_multiple
+        self.replicates_kv_heads = like.replicates_kv_heads
 
     def supports(self, case):
         return self.like.supports(case) or super().supports(case)
@@ -135,17 +137,19 @@ def test_three_backends_agree_with_the_oracle_and_each_other(backends, case):
     agree_with_the_oracle_and_each_other(backends, case)
 
 
-SCHEMES = [VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"), VirtualRingAdapter("usp", ulysses_degree=2)]
+SCHEMES = [VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"), VirtualRingAdapter("usp", ulysses_degree=2),
+           VirtualRingAdapter("double_ring", ring_inner=2)]
 
 
 @pytest.mark.parametrize("like", SCHEMES, ids=lambda a: a.scheme)
 def test_every_scheme_on_three_backends_agrees_with_the_oracle_and_each_other(groups, like):
-    """Each scheme, with dropout drawn about half the time (the kit's cases), on the three backends."""
+    """Each scheme, with dropout drawn about half the time (the kit's cases), on the three backends;
+    Ulysses and USP with fewer K/V heads than their degree too (copied to the ranks reading them)."""
     backends = on_every_backend(groups, like)
 
     @settings(deadline=None, max_examples=15)
     @given(case=cases(devices=like.world_sizes, head_multiple=like.head_multiple, masks=PLAIN + DROPOUT,
-                      keep=lambda case: not like.supports(case)))
+                      replicates_kv_heads=like.replicates_kv_heads, keep=lambda case: not like.supports(case)))
     def body(case):
         agree_with_the_oracle_and_each_other(backends, case)
     body()

@@ -282,7 +282,10 @@ def test_cli_runs_a_scheme():
 @pytest.mark.parametrize("options, message", [
     (["--scheme", "usp"], "scheme 'usp' needs --ulysses-degree=u"),
     (["--scheme", "usp", "--ulysses-degree", "3"], "--ulysses-degree (3) must divide the number of devices (4)"),
-    (["--scheme", "ulysses", "--kv-heads", "2"], "key/value heads (2) and query heads (4) must be multiples"),
+    (["--scheme", "ulysses", "--heads", "6", "--kv-heads", "3"],
+     "query heads (6) must be a multiple of --ulysses-degree (4), and key/value heads (3) a multiple of it or a divisor"),
+    (["--scheme", "double_ring", "--ring-inner", "3"], "--ring-inner (3) must divide the number of devices (4)"),
+    (["--scheme", "usp", "--ulysses-degree", "2", "--ring-inner", "2"], "--ring-inner=2 applies to --scheme 'double_ring'"),
     (["--scheme", "ring", "--ulysses-degree", "2"], "--ulysses-degree=2 applies to --scheme 'ulysses' or 'usp'"),
 ])
 def test_cli_refuses_a_scheme_that_cannot_run(options, message):

@@ -1,10 +1,14 @@
-"""The four schemes on virtual devices (`reference.schemes`): the ring, the
-all-gather, Ulysses and USP, each pointed at by the kit as a user would point
-it at anyone's ring, against the float64 oracle on every layout, mask, dtype
-and GQA shape it draws; the kit catching a planted Ulysses bug (heads dealt in
-the wrong order after the all-to-all) and a planted USP bug (ring groups and
-Ulysses groups swapped) with the smallest case; and bad input refused before
-any work. MPI ranks run the same schemes in tests/mpi/test_backends.py.
+"""The five schemes on virtual devices (`reference.schemes`): the ring, the
+all-gather, Ulysses, USP and the double ring, each pointed at by the kit as a
+user would point it at anyone's ring, against the float64 oracle on every
+layout, mask, dtype and GQA shape it draws (Ulysses and USP with fewer K/V
+heads than their degree too, MQA included); the kit catching planted bugs with
+the smallest case: a Ulysses dealing heads in the wrong order after the
+all-to-all, a USP with its ring and Ulysses groups swapped, a Ulysses whose
+copies of a K/V head keep their own dK, dV, and a double ring sending on its
+outer ring the block of the step's last inner round instead of its first; and
+bad input refused before any work. MPI ranks run the same schemes in
+tests/mpi/test_backends.py.
 
     .venv/bin/python -m pytest tests/oracle/test_schemes.py -q
 """
@@ -15,22 +19,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference.virtual
-from reference import ring_attention, ring_attention_backward, schemes
+from reference import double_ring, ring_attention, ring_attention_backward, schemes
 from reference.cost import candidates, choose, predict_scheme
 from reference.testing import VirtualRingAdapter, check_ring_attention
 from reference.testing import MASKS, cases
 from reference.testing.check import check_adapter, make_plan
 
+
+def double_ring_on(w, world_sizes):
+    adapter = VirtualRingAdapter("double_ring", ring_inner=w)
+    adapter.world_sizes = world_sizes
+    return adapter
+
+
+# the double ring on two and three groups of two, on one group (N = 2), and on its outer ring alone (w = 1)
 ADAPTERS = [VirtualRingAdapter(), VirtualRingAdapter("all_gather"), VirtualRingAdapter("ulysses"),
-            VirtualRingAdapter("usp", ulysses_degree=2)]
+            VirtualRingAdapter("usp", ulysses_degree=2), double_ring_on(2, (2, 4, 6)), double_ring_on(1, (1, 3))]
 
 
 def drawn(adapter):
     return cases(devices=adapter.world_sizes, masks=MASKS, head_multiple=adapter.head_multiple,
-                 keep=lambda case: not adapter.supports(case))
+                 replicates_kv_heads=adapter.replicates_kv_heads, keep=lambda case: not adapter.supports(case))
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.scheme)
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda a: a.scheme + (f"-{a.ring_inner}" if a.ring_inner else ""))
 def test_each_scheme_agrees_with_the_oracle(adapter):
     @settings(max_examples=40, deadline=None)
     @given(case=drawn(adapter))
@@ -46,6 +58,20 @@ def test_ulysses_spreads_whole_heads_and_usp_deals_the_ring_tokens():
     assert ulysses.positions(8, "striped").tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert usp.positions(8, "striped").tolist() == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert usp.ring_group(1) == (1, 3) and usp.ulysses_group(3) == (2, 3)
+
+
+def test_the_double_ring_deals_as_the_ring_and_meets_every_block_once():
+    """Its tokens are the ring's; rank (o, i) meets its group's blocks first,
+    then those of the groups before it; its three rings' next ranks are
+    (o, i + 1), (o + 1, i) and (o + 1, i + 1)."""
+    plan = schemes.Scheme.checked("double_ring", n_devices=6, Hq=2, Hkv=2, ring_inner=3)
+    assert np.array_equal(plan.positions(12, "zigzag"), reference.positions(12, 6, "zigzag"))
+    assert plan.sources().tolist() == [[0, 1, 2, 3, 4, 5], [2, 0, 1, 5, 3, 4], [1, 2, 0, 4, 5, 3],
+                                       [3, 4, 5, 0, 1, 2], [5, 3, 4, 2, 0, 1], [4, 5, 3, 1, 2, 0]]
+    assert sorted(plan.sources()[:, 4]) == list(range(6))
+    inner, outer, home = plan.double_ring_groups(4)                       # rank 4 is (1, 1)
+    assert (inner, outer, home) == ((3, 4, 5), (1, 4), (0, 4, 2, 3, 1, 5))
+    assert [m[(m.index(4) + 1) % len(m)] for m in (inner, outer, home)] == [5, 1, 2]
 
 
 class HeadsReversed(VirtualRingAdapter):
@@ -95,6 +121,50 @@ class GroupsSwapped(VirtualRingAdapter):
             schemes.Comms = real
 
 
+class CopiesNotSummed(VirtualRingAdapter):
+    """Ulysses that copies a K/V head to the ranks reading it, and returns one
+    copy's dK, dV instead of their sum."""
+
+    def __init__(self):
+        super().__init__("ulysses")
+        self.name = "planted: a K/V head's copies' dK, dV not summed back"
+
+    def run(self, case, shards):
+        real = schemes.sum_copies
+        schemes.sum_copies = lambda x, copies: x[:, :, ::copies]
+        try:
+            return super().run(case, shards)
+        finally:
+            schemes.sum_copies = real
+
+
+class OuterBlockLate(double_ring.DoubleRing):
+    """A double ring that sends on its outer ring the block of the step's last
+    inner round, at the step's end, instead of the block it began the step with."""
+
+    def start_shift(self, arrays, tag):
+        if tag != double_ring.KV:
+            return super().start_shift(arrays, tag)
+        t = self._started[tag]
+        self._started[tag] += 1
+        ring = self.inner if t % self.w < self.w - 1 else self.outer
+        return double_ring.Shift(ring, ring.start_shift(arrays, tag), t)
+
+
+class OuterStepLate(VirtualRingAdapter):
+    def __init__(self):
+        super().__init__("double_ring", ring_inner=2)
+        self.name = "planted: the outer ring's shift taken at the step's end"
+
+    def run(self, case, shards):
+        real = double_ring.DoubleRing
+        double_ring.DoubleRing = OuterBlockLate
+        try:
+            return super().run(case, shards)
+        finally:
+            double_ring.DoubleRing = real
+
+
 def test_the_kit_catches_a_ulysses_that_deals_heads_in_the_wrong_order():
     planted = HeadsReversed()
     verdict = check_adapter(planted, make_plan(planted, world_sizes=(1, 2, 3), examples=40, shrink_seconds=60))
@@ -114,6 +184,27 @@ def test_the_kit_catches_a_usp_with_its_groups_swapped():
     # the smallest case: N = 2 (one ring rank of a Ulysses pair, talked to as a ring of two), one token
     # each, two KV heads a rank
     assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 4, 4, 1, 2), case
+
+
+def test_the_kit_catches_copies_of_a_kv_head_whose_gradients_are_not_summed():
+    planted = CopiesNotSummed()
+    verdict = check_adapter(planted, make_plan(planted, world_sizes=(1, 2, 3), examples=40, shrink_seconds=60))
+    assert not verdict.agrees, "the planted replication bug went unseen"
+    case = verdict.case
+    # the smallest case: two devices, one K/V head (MQA) copied to both, one query head each, a token each
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (2, 1, 2, 1, 2), case
+    assert "dk: " in verdict.message, verdict.message
+
+
+def test_the_kit_catches_a_double_ring_whose_outer_step_is_taken_in_the_wrong_order():
+    planted = OuterStepLate()
+    verdict = check_adapter(planted, make_plan(planted, examples=40, shrink_seconds=60))
+    assert not verdict.agrees, "the planted double ring bug went unseen"
+    case = verdict.case
+    # the smallest case: two groups of two (N = 2 has no outer ring), a token each; the forward is
+    # still right (every block met once), the gradients of the blocks that crossed groups go astray
+    assert (case.n_devices, case.Hkv, case.Hq, case.B, case.S) == (4, 1, 1, 1, 4), case
+    assert "dk: " in verdict.message, verdict.message
 
 
 # -- bad input, before any work ----------------------------------------------------------
@@ -139,9 +230,17 @@ def arrays(Hq=4, Hkv=2, S=8):
     (dict(scheme="usp", ulysses_degree=3), 6, 3, r"ulysses_degree \(3\) must divide the number of devices \(4\)"),
     (dict(scheme="usp", ulysses_degree=0), 4, 2, "positive int"),
     (dict(scheme="usp", ulysses_degree=2.0), 4, 2, "positive int"),
-    (dict(scheme="ulysses"), 4, 2, r"key/value heads \(2\) .* multiples of ulysses_degree \(4\)"),
+    (dict(scheme="ulysses"), 12, 3, r"key/value heads \(3\) a multiple of it or a divisor"),
+    (dict(scheme="ulysses"), 2, 1, r"query heads \(2\) must be a multiple of ulysses_degree \(4\)"),
     (dict(scheme="ulysses", ulysses_degree=2), 4, 4, "use scheme='usp'"),
-    (dict(scheme="usp", ulysses_degree=4), 8, 2, r"key/value heads \(2\)"),
+    (dict(scheme="usp", ulysses_degree=2), 6, 3, r"key/value heads \(3\)"),
+    (dict(scheme="double_ring"), 4, 2, "needs ring_inner"),
+    (dict(scheme="double_ring", ring_inner=3), 4, 2, r"ring_inner \(3\) must divide the number of devices \(4\)"),
+    (dict(scheme="double_ring", ring_inner=0), 4, 2, "ring_inner must be a positive int"),
+    (dict(scheme="double_ring", ring_inner=2.0), 4, 2, "ring_inner must be a positive int"),
+    (dict(scheme="double_ring", ring_inner=2, ulysses_degree=2), 4, 2, "applies to scheme 'ulysses' or 'usp'"),
+    (dict(scheme="ring", ring_inner=2), 4, 2, "ring_inner=2 applies to scheme 'double_ring'"),
+    (dict(scheme="usp", ulysses_degree=2, ring_inner=2), 4, 2, "applies to scheme 'double_ring'"),
 ])
 def test_bad_schemes_are_refused_before_any_work(no_work, options, Hq, Hkv, message):
     q, k, v = arrays(Hq, Hkv)
@@ -152,7 +251,8 @@ def test_bad_schemes_are_refused_before_any_work(no_work, options, Hq, Hkv, mess
 
 
 @pytest.mark.parametrize("options", [dict(scheme="ulysses"), dict(scheme="usp", ulysses_degree=2),
-                                     dict(scheme="all_gather"), dict(ulysses_degree=2)])
+                                     dict(scheme="all_gather"), dict(ulysses_degree=2),
+                                     dict(scheme="double_ring", ring_inner=2), dict(ring_inner=2)])
 def test_the_lockstep_ring_refuses_another_scheme(options):
     """reference.lockstep is the ring alone: another scheme is an error, never the ring run in its place."""
     from reference import lockstep
@@ -164,12 +264,13 @@ def test_the_lockstep_ring_refuses_another_scheme(options):
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.sampled_from(["ring", "all_gather", "ulysses", "usp"]), st.sampled_from(["striped", "zigzag", "contiguous"]))
+@given(st.sampled_from(["ring", "all_gather", "ulysses", "usp", "double_ring"]),
+       st.sampled_from(["striped", "zigzag", "contiguous"]))
 def test_every_scheme_gives_the_same_answer_as_the_ring(scheme, layout):
     """Bit-level agreement is not promised (sums in other orders), the dense line is."""
     q, k, v = arrays(Hq=4, Hkv=4, S=16)
-    u = 2 if scheme == "usp" else None
-    out, lse = ring_attention(q, k, v, n_devices=4, layout=layout, scheme=scheme, ulysses_degree=u)
+    u, w = (2 if scheme == "usp" else None), (2 if scheme == "double_ring" else None)
+    out, lse = ring_attention(q, k, v, n_devices=4, layout=layout, scheme=scheme, ulysses_degree=u, ring_inner=w)
     ring_out, ring_lse = ring_attention(q, k, v, n_devices=4, layout=layout)
     np.testing.assert_allclose(out, ring_out, rtol=0, atol=1e-13)
     np.testing.assert_allclose(lse, ring_lse, rtol=0, atol=1e-13)
@@ -178,26 +279,30 @@ def test_every_scheme_gives_the_same_answer_as_the_ring(scheme, layout):
 # -- the cost model holds the trace ------------------------------------------------------
 
 @settings(max_examples=60, deadline=None)
-@given(scheme=st.sampled_from(["ring", "all_gather", "ulysses", "usp"]), n=st.integers(1, 4),
+@given(scheme=st.sampled_from(["ring", "all_gather", "ulysses", "usp", "double_ring"]), n=st.integers(1, 6),
        layout=st.sampled_from(["striped", "zigzag", "contiguous"]), S=st.integers(1, 24),
        group=st.sampled_from([1, 2]), dtype=st.sampled_from([np.float64, np.float32, np.float16]),
-       backward=st.booleans(), window=st.sampled_from([None, 3]), tile=st.sampled_from([None, 2, 3]))
+       backward=st.booleans(), window=st.sampled_from([None, 3]), tile=st.sampled_from([None, 2, 3]),
+       fewer_kv_heads=st.booleans(), inner=st.sampled_from([1, 2, 3]))
 def test_the_trace_moves_holds_and_computes_what_the_cost_model_predicts(scheme, n, layout, S, group, dtype,
-                                                                         backward, window, tile):
-    u = {"ring": 1, "all_gather": 1, "ulysses": n, "usp": 2 if n % 2 == 0 else 1}[scheme]
-    if scheme == "usp" and u == 1:
+                                                                         backward, window, tile, fewer_kv_heads,
+                                                                         inner):
+    u = {"ulysses": n, "usp": 2 if n % 2 == 0 else 1}.get(scheme, 1)
+    w = inner if scheme == "double_ring" and n % inner == 0 else None
+    if scheme == "usp" and u == 1 or scheme == "double_ring" and w is None:
         scheme = "ring"
-    Hkv = 2 * u
+    Hkv = 1 if fewer_kv_heads else 2 * u                      # one K/V head: copied to the u ranks (u > 1)
+    Hq = max(Hkv, u) * group
     rng = np.random.default_rng(S)
-    q = rng.standard_normal((1, S, Hkv * group, 3)).astype(dtype)
+    q = rng.standard_normal((1, S, Hq, 3)).astype(dtype)
     k, v = rng.standard_normal((2, 1, S, Hkv, 3)).astype(dtype)
-    options = dict(n_devices=n, layout=layout, scheme=scheme, window=window, tile_size=tile,
+    options = dict(n_devices=n, layout=layout, scheme=scheme, window=window, tile_size=tile, ring_inner=w,
                    ulysses_degree=u if scheme in ("ulysses", "usp") else None)
     out, lse, trace = ring_attention(q, k, v, trace=True, **options)
     if backward:
         *_, trace = ring_attention_backward(q, k, v, out, lse, q, trace=True, **options)
-    plan = schemes.Scheme(scheme, n, u)
-    predicted = predict_scheme(plan, S, layout, B=1, Hq=Hkv * group, Hkv=Hkv, D=3, dtype=dtype, tile_size=tile,
+    plan = schemes.Scheme(scheme, n, u, w)
+    predicted = predict_scheme(plan, S, layout, B=1, Hq=Hq, Hkv=Hkv, D=3, dtype=dtype, tile_size=tile,
                                window=window, backward=backward)
     for name in ("bytes_sent", "bytes_received", "kv_bytes"):
         np.testing.assert_array_equal(getattr(trace, name), getattr(predicted, name), err_msg=name)
@@ -205,13 +310,34 @@ def test_the_trace_moves_holds_and_computes_what_the_cost_model_predicts(scheme,
         np.testing.assert_array_equal(getattr(trace, name), getattr(predicted.work, name), err_msg=name)
 
 
+def test_the_double_rings_messages_cross_the_links_it_was_built_for():
+    """Two nodes of two: K, V go inside a node in the first round of each outer
+    step and across nodes in the second step's only; dK, dV across nodes only
+    at a step's end (to the next node's next place), so that a placement of
+    the ranks on nodes charges each message to its link."""
+    plan = schemes.Scheme.checked("double_ring", n_devices=4, Hq=2, Hkv=2, ring_inner=2)
+    cost = predict_scheme(plan, 8, "striped", B=1, Hq=2, Hkv=2, D=4, backward=True)
+    node = np.arange(4) // 2
+    moves = cost.moves
+    across = node[moves.src] != node[moves.dst]
+    block = 2 * 2 * 2 * 4 * 4 + 8 * 2 + 8
+    kv = moves.nbytes == block
+    assert sorted(zip(moves.sent[kv & across], moves.received[kv & across])) == [(0, 1)] * 4   # overlaps a round
+    assert sorted(zip(moves.sent[kv & ~across], moves.received[kv & ~across])) == [(0, 0)] * 4 + [(2, 2)] * 4
+    assert set(zip(moves.src[~kv & across], moves.dst[~kv & across], moves.sent[~kv & across])) == \
+        {(0, 3, 1), (1, 2, 1), (2, 1, 1), (3, 0, 1), (0, 3, 3), (1, 2, 3), (2, 1, 3), (3, 0, 3)}
+    assert cost.kv_bytes.max() == 3 * block and cost.kv_bytes[-1].tolist() == [block] * 4
+
+
 def test_the_command_tabulates_every_scheme_and_names_its_choice(capsys):
     from reference.cost import main
-    main(["--scheme", "all", "--n-devices", "4", "--seq-len", "4096", "--kv-heads", "4"])
+    main(["--scheme", "all", "--n-devices", "4", "--seq-len", "4096", "--kv-heads", "2"])
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[3:-1]] == ["ring", "all_gather", "usp", "ulysses"]
-    assert all(len(line.split()) == 12 for line in lines[3:-1]), lines      # no column runs into the next
-    assert lines[-1].split()[1] in ("ring", "all_gather", "usp", "ulysses")
+    assert [line.split()[:3] for line in lines[3:-1]] == [["ring", "1", "-"], ["all_gather", "1", "-"],
+                                                           ["usp", "2", "-"], ["ulysses", "4", "-"],
+                                                           ["double_ring", "1", "2"]]
+    assert all(len(line.split()) == 13 for line in lines[3:-1]), lines      # no column runs into the next
+    assert lines[-1].split()[1] in ("ring", "all_gather", "usp", "ulysses", "double_ring")
 
 
 def total(pair, what):
@@ -221,7 +347,8 @@ def total(pair, what):
 def test_the_choice_follows_the_link_the_compute_and_the_memory():
     costs = {s: tuple(predict_scheme(s, 4096, "striped", B=1, Hq=8, Hkv=8, D=64, backward=b) for b in (False, True))
              for s in candidates(4, 8, 8)}
-    assert [(s.name, s.u) for s in costs] == [("ring", 1), ("all_gather", 1), ("usp", 2), ("ulysses", 4)]
+    assert [(s.name, s.u, s.w) for s in costs] == [("ring", 1, None), ("all_gather", 1, None), ("usp", 2, None),
+                                                  ("ulysses", 4, None), ("double_ring", 1, 2)]
     moved = {s: total(pair, lambda c: np.maximum(c.bytes_sent, c.bytes_received).max(axis=1).sum())
              for s, pair in costs.items()}
     flops = {s: total(pair, lambda c: (c.work.tile_area * c.flops_per_entry).max(axis=1).sum())
@@ -255,8 +382,9 @@ def test_every_scheme_does_the_same_arithmetic_in_all(causal):
     from reference.scheme_cost import predict_scheme
     S, B, Hq, Hkv, D, n = 64, 1, 8, 4, 16, 4
     totals = {}
-    for name, u in (("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2)):
-        scheme = schemes.Scheme.checked(name, u, n_devices=n, Hq=Hq, Hkv=Hkv)
+    for name, u, w in (("ring", None, None), ("all_gather", None, None), ("ulysses", None, None), ("usp", 2, None),
+                       ("double_ring", None, 2)):
+        scheme = schemes.Scheme.checked(name, u, n_devices=n, Hq=Hq, Hkv=Hkv, ring_inner=w)
         cost = predict_scheme(scheme, S, "striped", B=B, Hq=Hq, Hkv=Hkv, D=D, tile_size=1, causal=causal)
         totals[name] = int((cost.work.tile_area * cost.flops_per_entry).sum())
     pairs = S * S if not causal else S * (S + 1) // 2
@@ -264,11 +392,18 @@ def test_every_scheme_does_the_same_arithmetic_in_all(causal):
 
 
 def test_the_candidates_are_the_schemes_whose_degree_divides_devices_and_heads():
+    """A Ulysses degree divides N and the query heads, and is a multiple or a
+    divisor of the K/V heads (copied then); a double ring's inner ring divides
+    N, strictly between 1 and N (the ring itself at either end)."""
     from reference.scheme_cost import candidates
     labels = [s.label for s in candidates(4, Hq=8, Hkv=2)]
-    assert labels == ["ring", "all_gather", "usp (u=2)"]                 # u = 4 divides no 2 K/V heads
+    assert labels == ["ring", "all_gather", "usp (u=2)", "ulysses (u=4)", "double_ring (w=2)"]   # u=4: 2 copies
+    assert [s.label for s in candidates(4, Hq=2, Hkv=1)] == ["ring", "all_gather", "usp (u=2)", "double_ring (w=2)"]
     assert [s.label for s in candidates(6, Hq=6, Hkv=6)] == ["ring", "all_gather", "usp (u=2)", "usp (u=3)",
-                                                             "ulysses (u=6)"]
+                                                             "ulysses (u=6)", "double_ring (w=2)",
+                                                             "double_ring (w=3)"]
+    assert [s.label for s in candidates(6, Hq=12, Hkv=4)] == ["ring", "all_gather", "usp (u=2)",
+                                                              "double_ring (w=2)", "double_ring (w=3)"]
 
 
 def test_a_round_lasts_its_compute_or_its_overlapped_transfer_whichever_is_longer():
@@ -303,20 +438,24 @@ def test_a_scheme_is_chosen_only_if_both_its_passes_fit_in_memory():
 
 
 @pytest.mark.parametrize("layout", ["striped", "zigzag"])
-@pytest.mark.parametrize("scheme, u", [("ring", None), ("all_gather", None), ("ulysses", None), ("usp", 2)])
-def test_dropout_drops_the_same_pairs_under_every_scheme(scheme, u, layout):
+@pytest.mark.parametrize("scheme, u, w, Hkv", [("ring", None, None, 4), ("all_gather", None, None, 4),
+                                               ("ulysses", None, None, 4), ("usp", 2, None, 4),
+                                               ("ulysses", None, None, 2), ("usp", 2, None, 1),
+                                               ("double_ring", None, 2, 4)])
+def test_dropout_drops_the_same_pairs_under_every_scheme(scheme, u, w, Hkv, layout):
     """Dropout keys on global heads and positions: each scheme, whichever heads
-    and tokens a device holds, gives the dense oracle's output and gradients
-    (with the keep mask keyed on a device's own head numbers, Ulysses is off by about 2)."""
+    and tokens a device holds (copies of K/V heads included), gives the dense
+    oracle's output and gradients (with the keep mask keyed on a device's own
+    head numbers, Ulysses is off by about 2)."""
     rng = np.random.default_rng(11)
     q = rng.standard_normal((2, 32, 8, 8))
-    k, v = (rng.standard_normal((2, 32, 4, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 32, Hkv, 8)) for _ in range(2))
     dout = rng.standard_normal(q.shape)
     opts = dict(dropout=0.3, seed=5, window=12)
     want = reference.attention(q, k, v, **opts)
     want_grads = reference.attention_backward(q, k, v, *want, dout, **opts)
-    got = ring_attention(q, k, v, n_devices=4, layout=layout, scheme=scheme, ulysses_degree=u, tile_size=4, **opts)
-    got_grads = ring_attention_backward(q, k, v, *want, dout, n_devices=4, layout=layout, scheme=scheme,
-                                        ulysses_degree=u, tile_size=4, **opts)
+    scheme_opts = dict(scheme=scheme, ulysses_degree=u, ring_inner=w, tile_size=4)
+    got = ring_attention(q, k, v, n_devices=4, layout=layout, **scheme_opts, **opts)
+    got_grads = ring_attention_backward(q, k, v, *want, dout, n_devices=4, layout=layout, **scheme_opts, **opts)
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got + got_grads, want + want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10, err_msg=f"{name} of {scheme} with dropout")

@@ -70,7 +70,8 @@ BAD = [
     ("reference.cost", "--scheme all --memory-gib -1", "--memory-gib"),
     ("reference.cost", "--scheme nope", "--scheme"), ("reference.cost", "--scheme ring --n-devices 0", "--n-devices"),
     ("reference.cost", "--scheme all --tile-size -2", "--tile-size"),
-    ("reference.cost", "--scheme ulysses --n-devices 8 --kv-heads 2", "ulysses"),
+    ("reference.cost", "--scheme ulysses --n-devices 8 --heads 12 --kv-heads 12", "ulysses"),
+    ("reference.cost", "--scheme double_ring --n-devices 2", "double_ring"),
 
     ("reference.tms", "--model 7B --seq-parallel 0", "--seq-parallel"),
     ("reference.tms", "--model 7B --n-seq 0", "--n-seq"),
@@ -138,6 +139,9 @@ MPI_BAD = [
     ("--cu-seqlens 0,5", "--cu-seqlens"), ("--cu-seqlens 0,10,5,2048", "--cu-seqlens"),
     ("--scheme usp --ulysses-degree 3", "--ulysses-degree"), ("--scheme usp", "--ulysses-degree"),
     ("--scheme usp --ulysses-degree 0", "--ulysses-degree"), ("--batch 0", "--batch"), ("--head-dim 0", "--head-dim"),
+    ("--scheme double_ring", "--ring-inner"), ("--scheme double_ring --ring-inner 3", "--ring-inner"),
+    ("--scheme double_ring --ring-inner 0", "--ring-inner"), ("--ring-inner 2", "--ring-inner"),
+    ("--scheme usp --ulysses-degree 2 --kv-heads 3 --heads 6", "--ulysses-degree"),
     ("--seed -1", "--seed"),
 ]
 

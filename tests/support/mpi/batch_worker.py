@@ -24,7 +24,7 @@ Serve mode (tests/mpi/test_backends.py): rank 0 connects to SOCKET and answers
 requests one at a time (`reference.testing.ProcessGroup`), so that hypothesis
 drives and shrinks on one launch. A request is {"case": {...}, "shards": {"q":
 [per rank], ...}, "backends": [...]} (the case may name a "scheme" and its
-"ulysses_degree", and a "dropout" with its "seed"); the reply is one {backend:
+"ulysses_degree" or "ring_inner", and a "dropout" with its "seed"); the reply is one {backend:
 {"out", "lse", "dq", "dk", "dv"}} per rank, each rank's own shard (or {"error":
 traceback}).
 """
@@ -88,6 +88,7 @@ def _options(case):
     tile = tuple(case["tile_size"]) if isinstance(case["tile_size"], list) else case["tile_size"]
     return dict(layout=case["layout"], causal=case["causal"], scale=case["scale"], tile_size=tile,
                 scheme=case.get("scheme", "ring"), ulysses_degree=case.get("ulysses_degree"),
+                ring_inner=case.get("ring_inner"),
                 dropout=case.get("dropout", 0.0), seed=case.get("seed", 0))
 
 
