@@ -10,7 +10,12 @@ collective over every rank of it:
 so that rank g is piece g % u of ring rank g // u, as
 `reference.layouts.ulysses_positions` deals the tokens. The ring group gets
 the caller's ring factory (`make_ring`: mpi_impl's `RingComm`, or gpu_impl's
-with its memory object); the Ulysses group an `AllToAll`.
+with its memory object); the Ulysses group an `AllToAll`, over the ring's
+emulated links where it has them (`mpi_impl.links`).
+
+A placement (`reference.topology.Placement`) runs the scheme's rank g on the
+machine's rank ``order[g]``: `placed` makes the communicator whose rank g is
+the caller's rank ``order[g]``, and the call runs on it.
 """
 
 from contextlib import contextmanager
@@ -21,6 +26,8 @@ from reference.layouts import array_module, to_host
 from reference.schemes import Comms
 from reference.trace import Traffic
 
+from .cores import wait_quietly
+from .links import hold_until
 from .memory import byte_view
 from .ranks import rank_name
 
@@ -34,17 +41,22 @@ class AllToAll:
     object, where it has an ``all_to_all`` (`gpu_impl.transfer`: device
     buffers where MPI is CUDA-aware, pinned host memory with asynchronous
     copies where it is not), else through host memory. The bytes it moves
-    count into `traffic` (the ring's, when the ring shares it)."""
+    count into `traffic` (the ring's, when the ring shares it). With `links`
+    (an `mpi_impl.links.LinkView` on `comm`), each piece takes the time of
+    the emulated link it crosses, and the trade ends when the last has come."""
 
-    def __init__(self, comm, memory=None, traffic=None):
+    def __init__(self, comm, memory=None, traffic=None, links=None):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
         self.memory = memory
         self.traffic = traffic or Traffic()
+        self.links = links          # a group of one trades nothing: no link
 
     def all_to_all(self, pieces):
         if len(pieces) != self.size:
             raise ValueError(f"{rank_name(self.comm)}: all_to_all takes one piece per group rank "
                              f"({self.size}), got {len(pieces)}")
+        emulated = self.links is not None and self.size > 1
+        delivered = self._post(pieces) if emulated else None
         xp = array_module(pieces[0])
         exchange = getattr(self.memory, "all_to_all", None)
         if xp is not np and exchange is not None:
@@ -54,8 +66,31 @@ class AllToAll:
             received = np.empty_like(send)
             self.comm.Alltoall(byte_view(send), byte_view(received))   # equal byte counts per rank
             got = [xp.asarray(piece) for piece in received]
-        self.traffic.traded(pieces, got, self.rank)
+        links = None
+        if emulated:
+            links = [self.links.link(i) for i in range(self.size)]
+            self._hold(delivered)
+        self.traffic.traded(pieces, got, self.rank, links)
         return got
+
+    def _post(self, pieces):
+        """(u,) float64: when each piece sent now reaches group rank i over its
+        emulated link (this rank's own: now), the pieces sent to the ranks after
+        this one in turn, so that no rank is everyone's first. Then the ranks
+        wait for each other asleep: the trade is collective, and a rank waiting
+        in it spins."""
+        delivered = np.zeros(self.size)
+        for k in range(1, self.size):
+            i = (self.rank + k) % self.size
+            delivered[i] = self.links.post(i, pieces[i].nbytes)
+        wait_quietly(self.comm)
+        return delivered
+
+    def _hold(self, delivered):
+        """Trade the delivery times, and hold until the last piece here has come."""
+        times = np.empty_like(delivered)
+        self.comm.Alltoall(byte_view(delivered), byte_view(times))
+        hold_until(float(times.max()))
 
 
 @contextmanager
@@ -70,8 +105,17 @@ def scheme_comms(comm, scheme, make_ring):
     ring_comm, ulysses_comm = comm.Split(g % u, g // u), comm.Split(g // u, g % u)
     try:
         with make_ring(ring_comm) as ring:
-            a2a = AllToAll(ulysses_comm, getattr(ring, "memory", None), getattr(ring, "traffic", None))
+            links = getattr(ring, "links", None)
+            a2a = AllToAll(ulysses_comm, getattr(ring, "memory", None), getattr(ring, "traffic", None),
+                           None if links is None else links.on(ulysses_comm))
             yield Comms(ring, a2a)
     finally:
         ring_comm.Free()
         ulysses_comm.Free()
+
+
+def placed(comm, placement):
+    """The communicator whose rank g is `comm`'s rank ``placement.order[g]``
+    (collective): a scheme run on it puts its rank g on that machine rank."""
+    placement.check(comm.Get_size())
+    return comm.Split(0, placement.order.index(comm.Get_rank()))

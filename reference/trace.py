@@ -10,6 +10,10 @@ Fields (all shape (N rounds, N devices)):
   bytes_received  bytes it received in round t, counted the same way
   kv_bytes        bytes of K/V blocks it held in round t: the block attended to
                   and the one arriving (the ring), every block (the all-gather)
+  sent_intra, sent_inter   of bytes_sent, those over the link inside the
+                  device's node and those over the link to other nodes, where
+                  the communication objects know the machine (`mpi_impl`'s
+                  emulated links, `mpi_impl.links`); zero elsewhere
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
                   seconds spent waiting for a transfer (zero where not timed)
   start_s         when the step of round t started (host clock, seconds since the
@@ -73,6 +77,8 @@ class Trace(Work):
     arrived_s: np.ndarray = None
     bytes_received: np.ndarray = None
     kv_bytes: np.ndarray = None
+    sent_intra: np.ndarray = None   # bytes sent over each link (module docstring); zero where not known
+    sent_inter: np.ndarray = None
 
     def __post_init__(self):
         for name in TIMELINE:
@@ -101,7 +107,7 @@ class Trace(Work):
 
 FIELDS = tuple(f.name for f in fields(Trace) if f.name not in ("step", "threads"))   # the [t, j] arrays
 TIMELINE = ("start_s", "arrived_s")             # seconds since the device's ring began; NaN where none
-MOVED = ("bytes_received", "kv_bytes")          # zero in a trace file written before they were recorded
+MOVED = ("bytes_received", "kv_bytes", "sent_intra", "sent_inter")   # zero in a file written before they were
 _REQUIRED = set(FIELDS) - set(TIMELINE) - set(MOVED)   # a trace file written before the timeline lacks it
 
 
@@ -111,24 +117,38 @@ class Traffic:
     ring loop is in (`RoundLog.rounds` tells it). A device's groups (its ring,
     its Ulysses group) share one Traffic, so an all-to-all before the ring's
     first round counts in round 0 and one after its last round in the last.
-    Only bytes to or from another device count: a ring of one moves nothing."""
+    Only bytes to or from another device count: a ring of one moves nothing.
+    Where a move names the `link` it crosses ("intra" or "inter", the machine's
+    `reference.topology` links), its bytes sent count on that link too."""
 
     def __init__(self):
         self.round = 0
         self.moves = []             # (round, tag, bytes sent, bytes received), until `take`
+        self.crossed = []           # (round, link, bytes sent over it), until `take_links`
 
-    def moved(self, tag, *, sent=(), received=()):
+    def moved(self, tag, *, sent=(), received=(), link=None):
         self.moves.append((self.round, tag, _nbytes(sent), _nbytes(received)))
+        if link is not None and sent:
+            self.crossed.append((self.round, link, _nbytes(sent)))
 
-    def traded(self, pieces, got, rank):
-        """An all-to-all: piece i went to group rank i and `got[i]` came from it; this device's own stays."""
+    def traded(self, pieces, got, rank, links=None):
+        """An all-to-all: piece i went to group rank i and `got[i]` came from it;
+        this device's own stays. `links[i]`: the link piece i crossed (None: not known)."""
         self.moved("all_to_all", sent=[p for i, p in enumerate(pieces) if i != rank],
                    received=[p for i, p in enumerate(got) if i != rank])
+        for i, piece in enumerate(pieces if links is not None else ()):
+            if i != rank:
+                self.crossed.append((self.round, links[i], _nbytes(piece)))
 
     def take(self):
         """The moves counted since the last `take`."""
         moves, self.moves = self.moves, []
         return moves
+
+    def take_links(self):
+        """The (round, link, bytes sent) counted since the last `take_links`."""
+        crossed, self.crossed = self.crossed, []
+        return crossed
 
 
 class RoundLog:
@@ -187,13 +207,15 @@ class RoundLog:
         self._kept[t] = kept is not None
 
     def tally(self):
-        """Add the bytes the Traffic counted since the last tally: sent,
-        received, and the K/V blocks arriving (held beside the one attended to)."""
+        """Add the bytes the Traffic counted since the last tally: sent (and on
+        each link), received, and the K/V blocks arriving (held beside the one attended to)."""
         for t, tag, sent, received in self.traffic.take() if self.traffic is not None else ():
             self.bytes_sent[t] += sent
             self.bytes_received[t] += received
             if tag == self.blocks and not self._kept[t]:
                 self.kv_bytes[t] += received
+        for t, link, sent in self.traffic.take_links() if self.traffic is not None else ():
+            getattr(self, f"sent_{link}")[t] += sent
 
     @contextmanager
     def computing(self, t):
