@@ -24,7 +24,9 @@ inside a node and one between nodes, a placement of the scheme's ranks): each
 message is charged to the link it crosses, in the round it travels (the round
 it is received: dK, dV sent after a round's compute travel in the next). A
 link's time in a round is its bytes (the larger of a device's bytes out and in)
-over its bandwidth, plus its latency. A round lasts, on its busiest device, its
+over its bandwidth, plus its latency (once where the messages overlap compute,
+and queue; once per message to one peer where they are exposed, each shift
+finished before the next). A round lasts, on its busiest device, its
 compute or its slowest overlapped link, whichever is longer, plus its slowest
 exposed link (the all-to-all, the all-gather, the reduce-scatter: no compute
 hides them). Compute is 4 D flops per (query, key) entry of the computed tiles
@@ -136,9 +138,21 @@ class SchemeCost:
         overlapped, exposed = np.zeros(busy.shape), np.zeros(busy.shape)
         for name, on in zip(LINKS, (~inter, inter)):
             for total, flag in ((overlapped, False), (exposed, True)):
-                moved = self._travelling(on & (self.moves.exposed == flag))
-                np.maximum(total, machine.links()[name].seconds(moved), out=total)
+                keep = on & (self.moves.exposed == flag)
+                moved = self._travelling(keep)
+                # overlapped messages queue on the link and pay its latency once; exposed
+                # ones to one peer go one after another (a shift is finished before the next)
+                latencies = self._in_turn(keep) if flag else None
+                np.maximum(total, machine.links()[name].seconds(moved, latencies), out=total)
         return (np.maximum(busy, overlapped) + exposed).max(axis=1)
+
+    def _in_turn(self, keep):
+        """(r, N) the most messages `keep` selects between the device and any one
+        peer in a round (out or in), in the round they travel."""
+        r, n = self.kv_bytes.shape
+        m, count = self.moves, np.zeros((r, n, n), np.int64)
+        np.add.at(count, (m.received[keep], m.src[keep], m.dst[keep]), 1)
+        return np.maximum(count.max(axis=2), count.max(axis=1))
 
     def seconds(self, link, compute, placement=None):
         """Predicted wall seconds of the pass: the sum of `round_seconds`."""
@@ -213,14 +227,14 @@ def ring_moves(scheme, block, dkv):
     overlapped; with `dkv` (the backward) dK, dV after every round, received
     in the next (the last round's, the hop home, in the same round). The
     all-gather: the same blocks, exposed; its reduce-scatter's dK, dV in the
-    same rounds."""
+    same rounds, each shift a message of its own (after all the compute)."""
     n, u, r = scheme.n, scheme.u, scheme.r
     rows = []
     for g in range(n):
         nxt = (g + u) % n                                              # the next rank of g's ring group
         for t in range(r - 1):
             if scheme.name == "all_gather":
-                rows.append((t, t, g, nxt, block + dkv, True))
+                rows += [(t, t, g, nxt, nbytes, True) for nbytes in (block, dkv) if nbytes]
             else:
                 rows.append((t, t, g, nxt, block, False))
         if dkv and r > 1 and scheme.name != "all_gather":

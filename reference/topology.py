@@ -57,11 +57,13 @@ class Link:
     def bytes_per_s(self):
         return self.gbs * GB
 
-    def seconds(self, nbytes):
-        """Seconds `nbytes` (an array) take on this link, one after another:
-        their bytes over the bandwidth, plus the latency once (0 for 0 bytes)."""
+    def seconds(self, nbytes, latencies=None):
+        """Seconds `nbytes` (an array) take on this link: their bytes over the
+        bandwidth, plus the latency `latencies` times (an array like nbytes;
+        None: once where any byte moves)."""
         nbytes = np.asarray(nbytes, dtype=float)
-        return np.where(nbytes > 0, nbytes / self.bytes_per_s + self.latency_us * 1e-6, 0.0)
+        latencies = (nbytes > 0) if latencies is None else np.asarray(latencies)
+        return nbytes / self.bytes_per_s + self.latency_us * 1e-6 * latencies
 
     def describe(self):
         latency = f" + {self.latency_us:g} us" if self.latency_us else ""

@@ -70,6 +70,18 @@ def test_a_latency_counts_once_in_each_round_its_link_carries_bytes():
     assert fwd.seconds(machine, NO_COMPUTE, across) == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("name, u, backward, want", [
+    ("ring", None, False, 3.0), ("ring", None, True, 4.0),             # a round's queue pays it once
+    ("all_gather", None, True, 6.0),                                   # gather shifts, then reduce-scatter shifts
+    ("ulysses", None, False, 2.0), ("ulysses", None, True, 2.0),       # two trades, pieces to all peers at once
+])
+def test_exposed_shifts_to_one_peer_each_pay_the_latency(name, u, backward, want):
+    """1 s of latency and no bandwidth cost: the latencies a pass pays."""
+    scheme = Scheme.checked(name, u, n_devices=4, Hq=4, Hkv=4)
+    cost = scheme_cost.predict_scheme(scheme, 256, "striped", backward=backward, **SHAPE)
+    assert cost.seconds(Machine(1, FREE, Link(float("inf"), latency_us=1e6)), NO_COMPUTE) == pytest.approx(want)
+
+
 def test_the_rings_backward_pays_each_dk_dv_once_in_the_round_it_travels():
     """N = 4 rounds over one slow link, no compute: the blocks of rounds 0..2 and
     the four dK, dV hops (the last one home), each once: 3 blocks + 4 dK, dV."""
