@@ -26,7 +26,6 @@ from reference.layouts import array_module, to_host
 from reference.schemes import Comms
 from reference.trace import Traffic
 
-from .cores import wait_quietly
 from .links import hold_until
 from .memory import byte_view
 from .ranks import rank_name
@@ -55,42 +54,36 @@ class AllToAll:
         if len(pieces) != self.size:
             raise ValueError(f"{rank_name(self.comm)}: all_to_all takes one piece per group rank "
                              f"({self.size}), got {len(pieces)}")
-        emulated = self.links is not None and self.size > 1
-        delivered = self._post(pieces) if emulated else None
+        links = self.links if self.size > 1 else None
         xp = array_module(pieces[0])
         exchange = getattr(self.memory, "all_to_all", None)
         if xp is not np and exchange is not None:
             got = exchange(self.comm, pieces)
         else:
             send = np.stack([to_host(p) for p in pieces])             # (u, piece...): contiguous
-            received = np.empty_like(send)
-            self.comm.Alltoall(byte_view(send), byte_view(received))   # equal byte counts per rank
+            received = self._trade(send) if links is None else self._trade_held(send)
             got = [xp.asarray(piece) for piece in received]
-        links = None
-        if emulated:
-            links = [self.links.link(i) for i in range(self.size)]
-            self._hold(delivered)
-        self.traffic.traded(pieces, got, self.rank, links)
+        self.traffic.traded(pieces, got, self.rank, None if links is None else list(map(links.link, range(self.size))))
         return got
 
-    def _post(self, pieces):
-        """(u,) float64: when each piece sent now reaches group rank i over its
-        emulated link (this rank's own: now), the pieces sent to the ranks after
-        this one in turn, so that no rank is everyone's first. Then the ranks
-        wait for each other asleep: the trade is collective, and a rank waiting
-        in it spins."""
-        delivered = np.zeros(self.size)
+    def _trade(self, send):
+        received = np.empty_like(send)
+        self.comm.Alltoall(byte_view(send), byte_view(received))     # equal byte counts per rank
+        return received
+
+    def _trade_held(self, send):
+        """`_trade` over the emulated links: each piece goes with the time it
+        reaches its group rank (its link posted now, the pieces to the ranks
+        after this one first, so that no rank is everyone's first), and the
+        trade ends when the last piece here has come."""
+        delivered = np.zeros((self.size, 1))                         # this rank's own piece: now
         for k in range(1, self.size):
             i = (self.rank + k) % self.size
-            delivered[i] = self.links.post(i, pieces[i].nbytes)
-        wait_quietly(self.comm)
-        return delivered
-
-    def _hold(self, delivered):
-        """Trade the delivery times, and hold until the last piece here has come."""
-        times = np.empty_like(delivered)
-        self.comm.Alltoall(byte_view(delivered), byte_view(times))
-        hold_until(float(times.max()))
+            delivered[i] = self.links.post(i, send[i].nbytes)
+        rows = np.concatenate([byte_view(send).reshape(self.size, -1), delivered.view(np.uint8)], axis=1)
+        back = self._trade(rows)                                     # (u, piece bytes + 8)
+        hold_until(float(np.ascontiguousarray(back[:, -8:]).view(np.float64).max()))
+        return np.ascontiguousarray(back[:, :-8]).view(send.dtype).reshape(send.shape)
 
 
 @contextmanager
