@@ -19,18 +19,13 @@ packed documents, padding of any S; dropout changes no work), and any dealing
 of positions, not only the three layouts (`predict_positions`: e.g. each
 document zig-zagged on its own, as some frameworks balance packed documents).
 
-The paper's Theoretical Maximum Speedup for its model configurations (section 4)
-is in `reference.tms` and re-exported here.
+The paper's Theoretical Maximum Speedup (section 4) is in `reference.tms`. With
+--scheme: a row per scheme and placement on a machine's nodes (`reference.topology`),
+its time per pass, bytes over each link and peak K/V memory, and the choice.
 
-    python -m reference.cost --seq-len 65536 --n-devices 8 --tile-size 2048
     python -m reference.cost --seq-len 65536 --n-devices 8 --tile-size 512 --window 4096
     python -m reference.cost --scheme all --n-devices 16 --seq-len 262144 --machine h100-hdr
     python -m reference.cost --scheme all --n-devices 4 --ranks-per-node 2 --intra 450 --inter 25 --kv-heads 4
-
-With --scheme, a row per scheme and placement (`reference.topology`: ranks per
-node, the links inside and between nodes): its predicted time per pass, the
-bytes the busiest device sends over each link, its peak K/V memory, and the
-scheme and placement the cost model picks.
 """
 
 import argparse

@@ -19,20 +19,12 @@ received, and the bytes of K/V blocks held. `predict_scheme` counts the same
   backward) in an all-to-all before the ring's first round, and of out, lse
   (dq, dk, dv) after its last; the ring runs on u c tokens of H / u heads.
 
-Time, on a machine of nodes (`reference.topology`: ranks per node, a link
-inside a node and one between nodes, a placement of the scheme's ranks): each
-message is charged to the link it crosses, in the round it travels (the round
-it is received: dK, dV sent after a round's compute travel in the next). A
-link's time in a round is its bytes (the larger of a device's bytes out and in)
-over its bandwidth, plus its latency (once where the messages overlap compute,
-and queue; once per message to one peer where they are exposed, each shift
-finished before the next). A round lasts, on its busiest device, its
-compute or its slowest overlapped link, whichever is longer, plus its slowest
-exposed link (the all-to-all, the all-gather, the reduce-scatter: no compute
-hides them). Compute is 4 D flops per (query, key) entry of the computed tiles
-forward, 10 D backward (the step recomputes the scores), at a FLOP/s rate, or
-whatever an object with ``seconds(cost) -> (r, N)`` says. `choose` picks the
-fastest scheme, and placement.
+Time on a machine (`reference.topology`, ranks placed on its nodes): each
+message is charged to the link it crosses, in the round it is received (it
+travels then), its bytes over the bandwidth plus the latency; a round lasts,
+on its busiest device, its compute (4 D flops per computed tile entry forward,
+10 D backward, at a FLOP/s rate or an object's ``seconds(cost)``) or its
+slowest overlapped link, plus its slowest exposed link. `choose` picks.
 
     python -m reference.cost --scheme all --n-devices 8 --seq-len 131072 --heads 32 --kv-heads 8
     python -m reference.cost --scheme all --n-devices 16 --seq-len 262144 --machine h100-hdr
@@ -127,9 +119,13 @@ class SchemeCost:
                 "inter": self.moves.per_device(shape, by="src", where=inter)}
 
     def round_seconds(self, link, compute, placement=None):
-        """(r,) predicted wall seconds of each round (module docstring). `link`:
-        a Machine, or bytes/s (every byte over one link: `Machine.one_link`);
-        `compute`: FLOP/s, or an object with ``seconds(cost) -> (r, N)``."""
+        """(r,) predicted wall seconds of each round (module docstring). A link's
+        time is its bytes (a device's out or in, the larger) over its bandwidth,
+        plus its latency: once in a round for messages that overlap compute
+        (they queue), once per message to one peer for exposed ones (each shift
+        finished before the next). `link`: a Machine, or bytes/s (every byte
+        over one link: `Machine.one_link`); `compute`: FLOP/s, or an object with
+        ``seconds(cost) -> (r, N)``."""
         machine, compute = as_machine(link), as_compute(compute)
         busy = np.asarray(compute.seconds(self), dtype=float)
         if busy.shape != self.kv_bytes.shape:

@@ -8,12 +8,9 @@ Fields (all shape (N rounds, N devices)):
   bytes_sent      bytes this device sent in round t (K/V blocks, dK/dV, and a
                   scheme's all-to-all: in its first round, and back in its last)
   bytes_received  bytes it received in round t, counted the same way
+  sent_intra, sent_inter   of bytes_sent, over the link in the node, to other nodes (else 0)
   kv_bytes        bytes of K/V blocks it held in round t: the block attended to
                   and the one arriving (the ring), every block (the all-gather)
-  sent_intra, sent_inter   of bytes_sent, those over the link inside the
-                  device's node and those over the link to other nodes, where
-                  the communication objects know the machine (`mpi_impl`'s
-                  emulated links, `mpi_impl.links`); zero elsewhere
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
                   seconds spent waiting for a transfer (zero where not timed)
   start_s         when the step of round t started (host clock, seconds since the
@@ -23,8 +20,7 @@ and `step`, the step version that ran (e.g. "v3, 2 workers"), and `threads`, how
 the virtual devices shared the cores (`reference.cores`; empty elsewhere). The first four
 are the `Work` that the cost model predicts without running (`reference.cost`).
 Round t's step runs from start_s for compute_s, then the device waits wait_s; MPI
-ranks start the ring together, after the call's agreement check, so their clocks
-line up to within it. `wait_parts` splits a forward's waits into blocks not yet
+ranks start the ring together, after the call's agreement check. `wait_parts` splits a forward's waits into blocks not yet
 sent and blocks still arriving. Each device keeps a `RoundLog` (one row of the
 trace), its bytes counted by the communication objects' `Traffic`
 (`RoundLog.rounds`, `tally`); `Trace.from_logs` stacks the logs, `Trace.table()`
