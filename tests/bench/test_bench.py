@@ -537,7 +537,7 @@ def test_emulated_nodes_section_ranks_the_runs_and_checks_their_bytes_per_link()
         for kind in ("forward", "backward"):
             cost = predict_scheme(scheme, nodes.SHAPE["S"], nodes.SHAPE["layout"], backward=kind == "backward", **shape)
             result["cpu_" + kind] = [cost.totals()["critical_flops"] / 40e9] * 2
-            result[kind] = [1.0, 1.0]
+            result[kind], result["call_" + kind] = [1.0, 1.0], [0.01, 0.01]
             result[kind + "_links"] = [cost.link_bytes(machine, where)[name].tolist() for name in ("intra", "inter")]
         results.append(result)
     predicted, rates, _ = nodes.predictions(runs, results, machine, 4)
@@ -546,10 +546,10 @@ def test_emulated_nodes_section_ranks_the_runs_and_checks_their_bytes_per_link()
         results[i][kind] = [seconds] * 2
     rows, measured, wanted, _, _ = nodes.setting_rows("A", runs, results, nodes.predictions(runs, results, machine, 4)[0])
     assert measured == wanted and len(wanted) == len(runs) >= 5
-    assert {row[7] for row in rows} == {"1.00"} and {row[8] for row in rows} == {"yes"}
+    assert {row[8] for row in rows} == {"1.00"} and {row[9] for row in rows} == {"yes"} and rows[0][7] == "10"
     first, second = results[0], results[-1]
     first["forward"], second["forward"] = second["forward"], first["forward"]
     first["backward"], second["backward"] = second["backward"], first["backward"]
     first["forward_links"][1][0][0] += 1
     rows, measured, wanted, _, _ = nodes.setting_rows("A", runs, results, nodes.predictions(runs, results, machine, 4)[0])
-    assert measured != wanted and rows[0][8] == "**no**" and {row[8] for row in rows[1:]} == {"yes"}
+    assert measured != wanted and rows[0][9] == "**no**" and {row[9] for row in rows[1:]} == {"yes"}
