@@ -41,6 +41,7 @@ SECTIONS = {
     "kernel": ("bench.kernel", "Kernel efficiency and memory of one device"),
     "mpi": ("bench.mpi_scaling", "Measured speed-up with MPI processes"),
     "schemes": ("bench.schemes", "The four schemes on MPI ranks against their cost model"),
+    "nodes": ("bench.emulated_nodes", "Emulated nodes: the schemes and placements measured against the cost model"),
     "waits": ("bench.waits", "Waiting ranks: more ranks than cores, spinning against sleeping"),
     "overlap": ("bench.overlap", "Transfers hidden behind compute on MPI ranks"),
     "soak": ("bench.soak", "A soak: thousands of ring calls, memory and communicators flat"),

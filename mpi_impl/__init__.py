@@ -16,12 +16,13 @@ Modules, in reading order:
     memory        where the ring's bytes live: the host's arrays, or a backend's buffers
     ranks         how errors name ranks, and `RingError`
     notices       the end of a call between neighbours: "done", or why a rank left
-    groups        a scheme's communicators, split once per call
+    groups        a scheme's communicators, split once per call; a placement's communicator
+    links         links emulated on one machine: ranks as nodes, each transfer held for its link's time
     cores         each rank's share of its machine's cores, and waiting without spinning
     launch        finding the `mpiexec` that starts the ranks
     cli           the command line: every layout on MPI ranks, and what it cost
     plan          the command line's run, resolved once per layout: mask, steps, calls
-    scheme_args   the command line's --scheme and --ulysses-degree
+    scheme_args   the command line's --scheme, --ulysses-degree, emulated nodes and the choice line
     check         --check: the results against the float64 reference, on rank 0
     table         the command line's output: the table, --trace-out, --plot
     __main__      `python -m mpi_impl`: the command line

@@ -5,6 +5,8 @@
     mpiexec -n 2 python -m mpi4py -m mpi_impl --seq-len 8192 --backward --plot timeline.png
     mpiexec -n 4 python -m mpi4py -m mpi_impl --seq-len 3000 --doc-lengths 2000,125x8 --check   # packed documents
     mpiexec -n 4 python -m mpi4py -m mpi_impl --window 256 --dropout 0.1 --backward --check
+    mpiexec -n 4 python -m mpi4py -m mpi_impl --scheme usp --ulysses-degree 2 --ranks-per-node 2 \
+        --intra 1 --inter 0.1 --inter-latency-us 50 --placement ring-in-nodes --backward   # emulated nodes
 
 Every rank makes its own shard of random q, k, v (chunk by chunk from a seed;
 only --check builds the whole sequence, on rank 0: `mpi_impl.check`), runs
@@ -47,9 +49,12 @@ from .attention import gather_trace, ring_attention, ring_attention_backward
 from .check import Checker
 from .comm import RingComm
 from .cores import crowded, rank_share, wait_quietly
+from .groups import placed
+from .links import EmulatedLinks
 from .plan import make_plans, mask_options
 from .ranks import abort_job
-from .scheme_args import add_scheme_options, choice, predicted_speedup, scheme_problem
+from .scheme_args import (add_scheme_options, choice, emulated, nodes_problem, predicted_speedup, scheme_of,
+                          scheme_problem)
 from .table import Row, largest, output_problem, report, wait_fraction
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -168,10 +173,6 @@ def main(argv=None, backend=NUMPY, parser=None):
     comm = MPI.COMM_WORLD
     if not isinstance(backend, Backend):
         backend = backend(args)
-    if backend is NUMPY and args.waits != "auto":
-        make_ring = functools.partial(RingComm.on, quiet=args.waits == "quiet")
-        backend = replace(NUMPY, ring_attention=functools.partial(ring_attention, make_ring=make_ring),
-                          ring_attention_backward=functools.partial(ring_attention_backward, make_ring=make_ring))
     problem = backend_problem(args, backend) or check_args(args, comm.Get_size(), backend)
     if not problem:
         try:
@@ -183,6 +184,7 @@ def main(argv=None, backend=NUMPY, parser=None):
             parser.print_usage(sys.stderr)
             print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
+    comm, backend = ring_over(args, comm, backend)
     try:
         with hold_share(args, plans, comm):
             rows, checker = run(args, plans, backend, comm)
@@ -195,6 +197,24 @@ def main(argv=None, backend=NUMPY, parser=None):
     # while rank 0 prints, writes and draws
     wait_quietly(comm)
     return comm.bcast(status, root=0)
+
+
+def ring_over(args, comm, backend):
+    """(communicator, backend) of the run: on emulated nodes, the placed
+    communicator (scheme rank g on world rank order[g], `mpi_impl.groups.placed`)
+    and rings over the emulated links (`mpi_impl.links`); with --waits quiet or
+    spin, rings that wait so; else as they came."""
+    machine, where = emulated(args, scheme_of(args, comm.Get_size()))
+    links = None
+    if machine is not None:
+        links = EmulatedLinks(machine, comm.Get_rank())
+        comm = placed(comm, where)
+    if backend is NUMPY and (args.waits != "auto" or links is not None):
+        quiet = None if args.waits == "auto" else args.waits == "quiet"
+        make_ring = functools.partial(RingComm.on, quiet=quiet, links=links)
+        backend = replace(NUMPY, ring_attention=functools.partial(ring_attention, make_ring=make_ring),
+                          ring_attention_backward=functools.partial(ring_attention_backward, make_ring=make_ring))
+    return comm, backend
 
 
 def hold_share(args, plans, comm):
@@ -217,7 +237,7 @@ def check_args(args, n_ranks, backend=NUMPY):
     for name in ("seq_len", "batch", "heads", "head_dim", "repeat", "threads", "blas_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
-    problem = scheme_problem(args, n_ranks)
+    problem = scheme_problem(args, n_ranks) or nodes_problem(args, n_ranks)
     if problem:
         return problem
     if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
@@ -243,6 +263,8 @@ def backend_problem(args, backend):
         return f"--dtype bfloat16 is NumPy's (ml_dtypes); the {backend.name} backend has no bfloat16 arrays"
     if args.waits != "auto" and backend.array_module is not np:
         return f"--waits {args.waits} is the NumPy backend's; the {backend.name} backend waits as RingComm.on decides"
+    if args.ranks_per_node is not None and backend.array_module is not np:
+        return f"--ranks-per-node: emulated nodes are the NumPy backend's, not the {backend.name} backend's"
     return None
 
 

@@ -17,7 +17,8 @@ raises `ShiftOrderError`; a transfer that fails raises `RingError` naming the
 rank, the neighbour, the round and the transfer (`mpi_impl.ranks`). Where the
 bytes live is the `memory` object's (`mpi_impl.memory`); how a call ends, one
 notice each way, is `mpi_impl.notices`. The buffers, each hazard and what
-handles it: docs/mpi.md, "How the blocks move".
+handles it: docs/mpi.md, "How the blocks move". With `links` (`mpi_impl.links`),
+each shift takes the time of the emulated link it crosses.
 
     mpiexec -n 2 python -m mpi4py -c "from mpi4py import MPI; import numpy as np; \\
         from mpi_impl.comm import RingComm; \\
@@ -34,6 +35,7 @@ import numpy as np
 from reference import ring, trace
 
 from .cores import crowded, wait_any
+from .links import hold_until
 from .memory import BufferSet, HostMemory, Lane, byte_view, overlaps_any
 from .notices import DONE, KEPT, Notices, quietly
 from .ranks import RingError, naming_failure, rank_name
@@ -84,8 +86,9 @@ class RingComm:
     """This rank's end of the ring over an mpi4py communicator."""
     progress_interval_s = 0.0005        # progress() tests the requests at most this often
 
-    def __init__(self, mpi_comm, memory=None, *, quiet=False):
+    def __init__(self, mpi_comm, memory=None, *, quiet=False, links=None):
         self.comm, self.memory = mpi_comm, memory or HostMemory()
+        self.links = links          # emulated links (`mpi_impl.links`) seen from mpi_comm; a ring of one uses none
         self.clock = getattr(self.memory, "clock", None)
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
@@ -101,14 +104,19 @@ class RingComm:
         self._closed = False        # closed, or left: the ring's end has been dealt with
 
     @classmethod
-    def on(cls, mpi_comm, memory=None, *, quiet=None):
+    def on(cls, mpi_comm, memory=None, *, quiet=None, links=None):
         """A RingComm on a duplicate of `mpi_comm` (collective), so that ring
         messages never meet the caller's. Use it as a context manager
         (``with RingComm.on(comm) as ring_comm:``), or call `close()`. `quiet`
-        (default: `mpi_impl.cores.crowded`) waits testing with a short sleep."""
+        (default: `mpi_impl.cores.crowded`) waits testing with a short sleep.
+        `links`: an `mpi_impl.links.EmulatedLinks`, whose times each shift
+        takes (host arrays only)."""
         if quiet is None:
             quiet = hasattr(mpi_comm, "Split_type") and crowded(mpi_comm)
-        ring_comm = cls(mpi_comm.Dup(), memory, quiet=quiet)
+        if links is not None and not isinstance(memory or HostMemory(), HostMemory):
+            raise ValueError("emulated links hold host arrays: RingComm.on takes links with host memory only")
+        dup = mpi_comm.Dup()
+        ring_comm = cls(dup, memory, quiet=quiet, links=None if links is None else links.on(dup))
         ring_comm._owns_comm = True
         return ring_comm
 
@@ -129,12 +137,16 @@ class RingComm:
             raise ShiftOrderError(f"{rank_name(self.comm)}: start_shift called twice: the "
                                   f"{lane.in_flight.what} of round {lane.in_flight.round} is still in flight; "
                                   f"finish_shift it before starting the next shift with tag {tag}")
-        buffers = self._take_set(lane, arrays, tag)
-        outgoing = self.memory.outgoing(arrays, buffers)     # what MPI reads, once the memory object is ready
-        shift = Shift(self, tag, lane.started, buffers, outgoing, arrays=arrays)
+        link, sending = None, arrays
+        if self.links is not None and self.size > 1:    # when the bytes arrive over the emulated link travels with them
+            link = self.links.link(self.next)
+            sending = arrays + (np.array([self.links.post(self.next, sum(a.nbytes for a in arrays))]),)
+        buffers = self._take_set(lane, sending, tag)
+        outgoing = self.memory.outgoing(sending, buffers)     # what MPI reads, once the memory object is ready
+        shift = Shift(self, tag, lane.started, buffers, outgoing, arrays=sending)
         lane.started, lane.in_flight = lane.started + 1, shift
         self._active.append(shift)
-        self.traffic.moved(tag, sent=arrays if self.size > 1 else ())
+        self.traffic.moved(tag, sent=arrays if self.size > 1 else (), link=link)
         self._post_ready()
         return shift
 
@@ -175,6 +187,12 @@ class RingComm:
             if shift.posted:
                 self._test(shift)
 
+    def _test_active(self):
+        """Test every posted shift's requests (while a transfer is held)."""
+        for shift in list(self._active):
+            if shift.posted:
+                self._test(shift)
+
     def all_arrived(self):
         """True when every receive in flight has completed, as last tested
         (by `progress`): the next `finish_shift` will not wait."""
@@ -203,10 +221,14 @@ class RingComm:
                 self._wait(request, self.prev)
             shift.receives.pop(0)
         self._settled(shift)
+        arrived = self.memory.arrived(shift.buffers)
+        if self.links is not None and self.size > 1:    # held until the emulated link delivers it (mpi_impl.links)
+            *arrived, delivered = arrived
+            hold_until(float(delivered[0]), self._test_active)
+            arrived, shift.arrived_at = tuple(arrived), time.perf_counter()
         shift.finished, lane.in_flight = True, None
         self.transfers.append(Transfer(shift.tag, shift.round, shift.posted_at, shift.arrived_at,
                                        time.perf_counter()))
-        arrived = self.memory.arrived(shift.buffers)
         self.traffic.moved(shift.tag, received=arrived if self.size > 1 else ())
         return arrived
 

@@ -28,7 +28,8 @@ Modules, in reading order:
     inputs        random shards that each device makes alone
     predict       a pass's tiles and pairs counted for any dealing of positions
     cost          the cost model: each device's work per round, without attention
-    scheme_cost   each scheme's tiles, bytes and memory per device and round
+    topology      machines of nodes, the two links of each rank, where a scheme's ranks run
+    scheme_cost   each scheme's tiles, bytes, memory and time per device and round
     tms           the paper's Theoretical Maximum Speedup, recomputed
     usage         the command lines' shared checks and help: usage errors before any work
     testing/      the conformance kit: the oracle pointed at anyone's ring

@@ -19,11 +19,13 @@ packed documents, padding of any S; dropout changes no work), and any dealing
 of positions, not only the three layouts (`predict_positions`: e.g. each
 document zig-zagged on its own, as some frameworks balance packed documents).
 
-The paper's Theoretical Maximum Speedup for its model configurations (section 4)
-is in `reference.tms` and re-exported here.
+The paper's Theoretical Maximum Speedup (section 4) is in `reference.tms`. With
+--scheme: a row per scheme and placement on a machine's nodes (`reference.topology`),
+its time per pass, bytes over each link and peak K/V memory, and the choice.
 
-    python -m reference.cost --seq-len 65536 --n-devices 8 --tile-size 2048
     python -m reference.cost --seq-len 65536 --n-devices 8 --tile-size 512 --window 4096
+    python -m reference.cost --scheme all --n-devices 16 --seq-len 262144 --machine h100-hdr
+    python -m reference.cost --scheme all --n-devices 4 --ranks-per-node 2 --intra 450 --inter 25 --kv-heads 4
 """
 
 import argparse
@@ -33,9 +35,11 @@ from . import usage
 from .layouts import LAYOUTS, positions
 from .masks import layout_mask
 from .predict import MODES, Prediction, predict_positions  # noqa: F401 (re-exported)
-from .scheme_cost import GB, GIB, SchemeCost, candidates, choose, predict_scheme  # noqa: F401 (re-exported)
+from .scheme_cost import (GB, GIB, SchemeCost, candidates, choose, key_seconds, placed,  # noqa: F401 (re-exported)
+                          predict_scheme)
 from .schemes import SCHEMES
 from .tiles import tile_shape
+from .topology import MACHINES, Machine, add_machine_options, machine_of
 from .tms import HARDWARE, MODELS, paper_rows, theoretical_max_speedup  # noqa: F401 (re-exported)
 
 
@@ -86,12 +90,14 @@ def parse_args(argv=None):
     schemes.add_argument("--head-dim", type=usage.count, default=128, help="head dimension D (default 128)")
     schemes.add_argument("--dtype", default="float16", choices=("float16", "float32", "float64"),
                          help="input dtype (default float16; bfloat16 moves the same bytes)")
-    schemes.add_argument("--link-gbs", type=usage.rate, default=25.0,
-                         help="link bandwidth per device, GB/s each way (1 GB = 10^9 bytes; default 25: 200 Gb/s)")
-    schemes.add_argument("--tflops", type=usage.rate, default=400.0,
-                         help="attention compute rate per device, TFLOP/s (default 400)")
+    schemes.add_argument("--link-gbs", type=usage.rate, default=None,
+                         help="one link for every byte, GB/s each way (1 GB = 10^9 bytes; default 25: 200 Gb/s), "
+                              "where no nodes are given below")
+    schemes.add_argument("--tflops", type=usage.rate, default=None,
+                         help="attention compute rate per device, TFLOP/s (default: the machine's, or 400)")
     schemes.add_argument("--memory-gib", type=usage.rate, default=None,
                          help="K/V memory a device may hold, GiB (1 GiB = 2^30 bytes; default: no limit)")
+    add_machine_options(ap)
     args = ap.parse_args(argv)
     total = None if args.doc_lengths is None else sum(args.doc_lengths)
     if args.seq_len is None:
@@ -103,9 +109,20 @@ def parse_args(argv=None):
     try:                                    # the library's own checks, before any work
         layout_mask(args.seq_len, args.n_devices, args.layout, **mask_options(args))
         args.plans = None if args.scheme is None else scheme_plans(args)
+        args.machine_used = machine_used(args)
     except ValueError as e:
         ap.error(usage.option_words(str(e), ("n_devices", "tile_size", "window")))
     return ap, args
+
+
+def machine_used(args):
+    """The Machine the options describe: nodes (--machine, or --ranks-per-node,
+    --intra, --inter), or one link for every byte (--link-gbs, 25 GB/s by default)."""
+    machine = machine_of(args)
+    if machine is not None and args.link_gbs is not None:
+        raise ValueError("--link-gbs is one link for every byte: give it alone, or nodes with --machine or "
+                         "--ranks-per-node, --intra and --inter")
+    return machine or Machine.one_link((args.link_gbs or 25.0) * GB)
 
 
 def _lengths(text):
@@ -165,29 +182,32 @@ def scheme_plans(args):
 
 
 def scheme_table(args, mask):
-    """The --scheme table: per scheme, forward and backward, the busiest
-    device's critical-path flops (forward), bytes sent, peak K/V bytes and predicted
-    time; and the scheme the link and compute rates pick."""
-    n, Hq, Hkv, plans = args.n_devices, args.heads, args.kv_heads, args.plans
+    """The --scheme table: per scheme and placement, the busiest device's
+    critical-path flops (forward), bytes sent over each link and peak K/V
+    (forward and backward), and the predicted time of each pass; and the scheme
+    and placement the machine and the compute rate pick."""
+    n, Hq, Hkv, machine = args.n_devices, args.heads, args.kv_heads, args.machine_used
     shape = dict(B=args.batch, Hq=Hq, Hkv=Hkv, D=args.head_dim, dtype=args.dtype, tile_size=args.tile_size, **mask)
-    costs = {s: tuple(predict_scheme(s, args.seq_len, args.layout, backward=b, **shape) for b in (False, True))
-             for s in plans}
-    link, rate = args.link_gbs * GB, args.tflops * 1e12
+    costs = placed({s: tuple(predict_scheme(s, args.seq_len, args.layout, backward=b, **shape) for b in (False, True))
+                    for s in args.plans}, machine)
+    tflops = args.tflops or machine.tflops or 400.0
+    rate = tflops * 1e12
     lines = [f"S={args.seq_len} N={n} B={args.batch} Hq={Hq} Hkv={Hkv} D={args.head_dim} {args.dtype} "
-             f"{args.layout}, link {args.link_gbs:g} GB/s, {args.tflops:g} TFLOP/s per device",
-             f"{'scheme':<12}{'u':>3}{'w':>3}{'rounds':>7}{'crit. GFLOP':>12}{'sent fwd':>11}{'sent bwd':>11}"
-             f"{'peak K/V':>11}{'fwd ms':>11}{'bwd ms':>11}", "-" * 92]
-    for s, (fwd, bwd) in costs.items():
-        f, b = fwd.totals(), bwd.totals()
-        lines.append(f"{s.name:<12}{s.u:>3}{s.w or '-':>3}{s.r:>7}{f['critical_flops'] / 1e9:>12.1f}"
-                     f"{_size(f['bytes_sent']):>11}"
-                     f"{_size(b['bytes_sent']):>11}{_size(max(f['peak_kv'], b['peak_kv'])):>11}"
-                     f" {fwd.seconds(link, rate) * 1e3:>10.3f} {bwd.seconds(link, rate) * 1e3:>10.3f}")
+             f"{args.layout}, {tflops:g} TFLOP/s per device; {machine.describe(n)}",
+             f"{'scheme':<12}{'u':>3}{'w':>3} {'placement':<14}{'rounds':>6}{'crit. GFLOP':>12}{'intra f+b':>11}"
+             f"{'inter f+b':>11}{'peak K/V':>11}{'fwd ms':>11}{'bwd ms':>11}", "-" * 106]
+    for (s, p), (fwd, bwd) in costs.items():
+        on = {name: (fwd.link_bytes(machine, p)[name].sum(axis=0) + bwd.link_bytes(machine, p)[name].sum(axis=0)).max()
+              for name in ("intra", "inter")}
+        peak = max(fwd.totals()["peak_kv"], bwd.totals()["peak_kv"])
+        lines.append(f"{s.name:<12}{s.u:>3}{s.w or '-':>3} {p.name:<14}{s.r:>6}{fwd.totals()['critical_flops'] / 1e9:>12.1f}"
+                     f"{_size(on['intra']):>11}{_size(on['inter']):>11}{_size(peak):>11}"
+                     f" {fwd.seconds(machine, rate, p) * 1e3:>10.3f} {bwd.seconds(machine, rate, p) * 1e3:>10.3f}")
     memory = None if args.memory_gib is None else args.memory_gib * GIB
-    best = choose(costs, link, rate, memory)
+    best, where = choose(costs, machine, rate, memory)
     lines.append(f"choice: {best.name}" + (f" (ulysses_degree={best.u})" if best.u > 1 else "")
                  + (f" (ring_inner={best.w})" if best.w else "")
-                 + " - the least predicted forward + backward time"
+                 + f", {where.name} - the least predicted forward + backward time"
                  + ("" if memory is None else f" among those whose K/V fit in {args.memory_gib:g} GiB")
                  + ("" if args.causal else "; not causal"))
     return "\n".join(lines)

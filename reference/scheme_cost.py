@@ -21,13 +21,15 @@ received, and the bytes of K/V blocks held. `predict_scheme` counts the same
 - the double ring: its inner ring's blocks, and one a step on its outer ring
   (received w - 1 rounds later); dK, dV after them (`double_ring_moves`).
 
-Time: a round takes its busiest device's compute (4 D flops per (query, key)
-entry of the computed tiles forward, 10 D backward, where the step recomputes
-the scores), or its ring transfer if longer (they overlap), plus its transfers
-that do not overlap (the all-to-all, the all-gather, the reduce-scatter), at
-the given link bandwidth and compute rate. `choose` picks the fastest.
+Time on a machine (`reference.topology`, ranks placed on its nodes): each
+message is charged to the link it crosses, in the round it is received (it
+travels then), its bytes over the bandwidth plus the latency; a round lasts,
+on its busiest device, its compute (4 D flops per computed tile entry forward,
+10 D backward, at a FLOP/s rate or an object's ``seconds(cost)``) or its
+slowest overlapped link, plus its slowest exposed link. `choose` picks.
 
     python -m reference.cost --scheme all --n-devices 8 --seq-len 131072 --heads 32 --kv-heads 8
+    python -m reference.cost --scheme all --n-devices 16 --seq-len 262144 --machine h100-hdr
 """
 
 from dataclasses import dataclass
@@ -40,9 +42,10 @@ from .masks import layout_mask
 from .double_ring import held_blocks
 from .predict import predict_positions
 from .schemes import Scheme
+from .topology import GB, LINKS, Machine, crossings, placements
 
 FLOPS_PER_ENTRY = dict(forward=4, backward=10)      # x D, per (query, key) entry of a computed tile
-GB, GIB = 10 ** 9, 2 ** 30      # bytes: links are quoted in GB/s (decimal), memory in GiB (binary)
+GIB = 2 ** 30                   # bytes: links are quoted in GB/s (decimal, `GB`), memory in GiB (binary)
 
 
 class Moves(NamedTuple):
@@ -110,14 +113,67 @@ class SchemeCost:
         return np.maximum(self.moves.per_device(shape, by="src", where=where),
                           self.moves.per_device(shape, by="dst", where=where))
 
-    def seconds(self, link_bytes_per_s, flops_per_s):
-        """Predicted wall seconds: per round the busiest device's compute or
-        overlapped transfer, whichever is longer, plus its exposed transfer."""
-        check_rates(link_bytes_per_s, flops_per_s)
-        moved, exposed = np.maximum(self.bytes_sent, self.bytes_received), self.exposed
-        compute = self.work.tile_area * self.flops_per_entry / flops_per_s
-        overlapped = (moved - exposed) / link_bytes_per_s
-        return float((np.maximum(compute, overlapped) + exposed / link_bytes_per_s).max(axis=1).sum())
+    def link_bytes(self, machine, placement=None):
+        """{"intra": (r, N), "inter": (r, N)}: the bytes each device sends over
+        each link of `machine` (a `reference.topology.Machine`), counted in the
+        round sent as the trace counts them, its ranks placed by `placement`
+        (None: in order)."""
+        inter = self._crossing(machine, placement)
+        shape = self.kv_bytes.shape
+        return {"intra": self.moves.per_device(shape, by="src", where=~inter),
+                "inter": self.moves.per_device(shape, by="src", where=inter)}
+
+    def round_seconds(self, link, compute, placement=None):
+        """(r,) predicted wall seconds of each round (module docstring). A link's
+        time is its bytes (a device's out or in, the larger) over its bandwidth,
+        plus its latency: once in a round for messages that overlap compute
+        (they queue), once per message to one peer for exposed ones (each shift
+        finished before the next). `link`: a Machine, or bytes/s (every byte
+        over one link: `Machine.one_link`); `compute`: FLOP/s, or an object with
+        ``seconds(cost) -> (r, N)``."""
+        machine, compute = as_machine(link), as_compute(compute)
+        busy = np.asarray(compute.seconds(self), dtype=float)
+        if busy.shape != self.kv_bytes.shape:
+            raise ValueError(f"compute.seconds(cost) must be (rounds, devices) {self.kv_bytes.shape}, got {busy.shape}")
+        inter = self._crossing(machine, placement)
+        overlapped, exposed = np.zeros(busy.shape), np.zeros(busy.shape)
+        for name, on in zip(LINKS, (~inter, inter)):
+            for total, flag in ((overlapped, False), (exposed, True)):
+                keep = on & (self.moves.exposed == flag)
+                moved = self._travelling(keep)
+                # overlapped messages queue on the link and pay its latency once; exposed
+                # ones to one peer go one after another (a shift is finished before the next)
+                latencies = self._in_turn(keep) if flag else None
+                np.maximum(total, machine.links()[name].seconds(moved, latencies), out=total)
+        return (np.maximum(busy, overlapped) + exposed).max(axis=1)
+
+    def _in_turn(self, keep):
+        """(r, N) the most messages `keep` selects between the device and any one
+        peer in a round (out or in), in the round they travel."""
+        r, n = self.kv_bytes.shape
+        m, count = self.moves, np.zeros((r, n, n), np.int64)
+        np.add.at(count, (m.received[keep], m.src[keep], m.dst[keep]), 1)
+        return np.maximum(count.max(axis=2), count.max(axis=1))
+
+    def seconds(self, link, compute, placement=None):
+        """Predicted wall seconds of the pass: the sum of `round_seconds`."""
+        return float(self.round_seconds(link, compute, placement).sum())
+
+    def _crossing(self, machine, placement):
+        """Per message: True where it crosses nodes of `machine` as placed."""
+        n = self.kv_bytes.shape[1]
+        if placement is not None:
+            placement.check(n)
+        return crossings(self.moves.src, self.moves.dst, machine, range(n) if placement is None else placement.order)
+
+    def _travelling(self, keep):
+        """(r, N) bytes of the messages `keep` selects, each in the round it travels
+        (received): per device the larger of its bytes out and in."""
+        shape, m = self.kv_bytes.shape, self.moves
+        out, into = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        np.add.at(out, (m.received[keep], m.src[keep]), m.nbytes[keep])
+        np.add.at(into, (m.received[keep], m.dst[keep]), m.nbytes[keep])
+        return np.maximum(out, into)
 
     def totals(self):
         """Per device over the run, the busiest: the flops of the critical path
@@ -184,14 +240,14 @@ def ring_moves(scheme, block, dkv):
     overlapped; with `dkv` (the backward) dK, dV after every round, received
     in the next (the last round's, the hop home, in the same round). The
     all-gather: the same blocks, exposed; its reduce-scatter's dK, dV in the
-    same rounds."""
+    same rounds, each shift a message of its own (after all the compute)."""
     n, u, r = scheme.n, scheme.u, scheme.r
     rows = []
     for g in range(n):
         nxt = (g + u) % n                                              # the next rank of g's ring group
         for t in range(r - 1):
             if scheme.name == "all_gather":
-                rows.append((t, t, g, nxt, block + dkv, True))
+                rows += [(t, t, g, nxt, nbytes, True) for nbytes in (block, dkv) if nbytes]
             else:
                 rows.append((t, t, g, nxt, block, False))
         if dkv and r > 1 and scheme.name != "all_gather":
@@ -244,14 +300,37 @@ def check_shape(**sizes):
         raise ValueError(f"query heads Hq ({sizes['Hq']}) must be a multiple of key/value heads Hkv ({sizes['Hkv']})")
 
 
-def check_rates(link_bytes_per_s, flops_per_s, memory_bytes=None):
-    """ValueError unless the compute rate (and the memory, if given) are finite
-    and above 0, and the link above 0 (inf: an infinitely fast link, transfers free)."""
-    if not link_bytes_per_s > 0:                         # NaN fails this too
-        raise ValueError(f"link_bytes_per_s must be a number above 0 (inf: transfers free), got {link_bytes_per_s!r}")
-    for name, value in (("flops_per_s", flops_per_s), ("memory_bytes", memory_bytes)):
-        if value is not None and not (np.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number above 0, got {value!r}")
+class FlopRate:
+    """Compute at one rate: a device's tile flops in a round over `flops_per_s`."""
+
+    def __init__(self, flops_per_s):
+        if isinstance(flops_per_s, bool) or not isinstance(flops_per_s, (int, float, np.number)) \
+                or not (np.isfinite(flops_per_s) and flops_per_s > 0):
+            raise ValueError(f"flops_per_s must be a finite number above 0, got {flops_per_s!r}")
+        self.flops_per_s = float(flops_per_s)
+
+    def seconds(self, cost):
+        """(r, N) compute seconds of `cost` (a SchemeCost)."""
+        return cost.work.tile_area * cost.flops_per_entry / self.flops_per_s
+
+
+def as_machine(link):
+    """A `reference.topology.Machine` as it is, or bytes/s as one link for every byte."""
+    return link if isinstance(link, Machine) else Machine.one_link(link)
+
+
+def as_compute(compute):
+    """An object with ``seconds(cost)`` as it is, or FLOP/s as a `FlopRate`."""
+    return compute if callable(getattr(compute, "seconds", None)) else FlopRate(compute)
+
+
+def check_rates(link, compute, memory_bytes=None):
+    """ValueError unless the link (bytes/s above 0, inf: transfers free; or a
+    Machine), the compute (a finite FLOP/s above 0, or an object with
+    ``seconds``) and the memory (if given: finite, above 0) can be used."""
+    as_machine(link), as_compute(compute)
+    if memory_bytes is not None and not (np.isfinite(memory_bytes) and memory_bytes > 0):
+        raise ValueError(f"memory_bytes must be a finite number above 0, got {memory_bytes!r}")
 
 
 def candidates(n_devices, Hq, Hkv):
@@ -268,13 +347,27 @@ def candidates(n_devices, Hq, Hkv):
     return found
 
 
-def choose(costs, link_bytes_per_s, flops_per_s, memory_bytes=None):
-    """The SchemeCost predicted fastest (forward plus backward: `costs` maps a
-    Scheme to its (forward, backward) pair), among those whose peak K/V bytes
-    fit in `memory_bytes` (None: all)."""
-    check_rates(link_bytes_per_s, flops_per_s, memory_bytes)
+def placed(costs, machine):
+    """`costs` ({Scheme: (forward, backward)}) keyed by (Scheme, Placement):
+    each scheme once for each of its placements on `machine` (`reference.topology.placements`)."""
+    return {(s, p): pair for s, pair in costs.items() for p in placements(s, machine)}
+
+
+def key_seconds(key, pair, link, compute):
+    """Forward plus backward seconds of a `costs` entry: `key` a Scheme (placed
+    in order) or a (Scheme, Placement) pair."""
+    placement = key[1] if isinstance(key, tuple) else None
+    return sum(c.seconds(link, compute, placement) for c in pair)
+
+
+def choose(costs, link, compute, memory_bytes=None):
+    """The key of `costs` predicted fastest, forward plus backward: `costs`
+    maps a Scheme, or a (Scheme, Placement) pair (`placed`), to its (forward,
+    backward) SchemeCosts; among those whose peak K/V bytes fit in
+    `memory_bytes` (None: all). `link` and `compute` as `SchemeCost.seconds`."""
+    check_rates(link, compute, memory_bytes)
     fits = {s: pair for s, pair in costs.items()
             if memory_bytes is None or max(c.kv_bytes.max() for c in pair) <= memory_bytes}
     if not fits:
         raise ValueError(f"no scheme's K/V blocks fit in {memory_bytes} bytes per device")
-    return min(fits, key=lambda s: sum(c.seconds(link_bytes_per_s, flops_per_s) for c in fits[s]))
+    return min(fits, key=lambda s: key_seconds(s, fits[s], link, compute))

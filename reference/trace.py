@@ -8,6 +8,7 @@ Fields (all shape (N rounds, N devices)):
   bytes_sent      bytes this device sent in round t (K/V blocks, dK/dV, and a
                   scheme's all-to-all: in its first round, and back in its last)
   bytes_received  bytes it received in round t, counted the same way
+  sent_intra, sent_inter   of bytes_sent, over the link in the node, to other nodes (else 0)
   kv_bytes        bytes of K/V blocks it held in round t: the block attended to
                   and the one arriving (the ring), every block (the all-gather)
   compute_s, compute_cpu_s, wait_s   wall and CPU seconds of the step, and wall
@@ -19,8 +20,7 @@ and `step`, the step version that ran (e.g. "v3, 2 workers"), and `threads`, how
 the virtual devices shared the cores (`reference.cores`; empty elsewhere). The first four
 are the `Work` that the cost model predicts without running (`reference.cost`).
 Round t's step runs from start_s for compute_s, then the device waits wait_s; MPI
-ranks start the ring together, after the call's agreement check, so their clocks
-line up to within it. `wait_parts` splits a forward's waits into blocks not yet
+ranks start the ring together, after the call's agreement check. `wait_parts` splits a forward's waits into blocks not yet
 sent and blocks still arriving. Each device keeps a `RoundLog` (one row of the
 trace), its bytes counted by the communication objects' `Traffic`
 (`RoundLog.rounds`, `tally`); `Trace.from_logs` stacks the logs, `Trace.table()`
@@ -73,6 +73,8 @@ class Trace(Work):
     arrived_s: np.ndarray = None
     bytes_received: np.ndarray = None
     kv_bytes: np.ndarray = None
+    sent_intra: np.ndarray = None   # bytes sent over each link (module docstring); zero where not known
+    sent_inter: np.ndarray = None
 
     def __post_init__(self):
         for name in TIMELINE:
@@ -101,7 +103,7 @@ class Trace(Work):
 
 FIELDS = tuple(f.name for f in fields(Trace) if f.name not in ("step", "threads"))   # the [t, j] arrays
 TIMELINE = ("start_s", "arrived_s")             # seconds since the device's ring began; NaN where none
-MOVED = ("bytes_received", "kv_bytes")          # zero in a trace file written before they were recorded
+MOVED = ("bytes_received", "kv_bytes", "sent_intra", "sent_inter")   # zero in a file written before they were
 _REQUIRED = set(FIELDS) - set(TIMELINE) - set(MOVED)   # a trace file written before the timeline lacks it
 HELD = "held"       # a Traffic entry of K/V bytes held, in its received place (`Traffic.held`)
 
@@ -112,14 +114,19 @@ class Traffic:
     ring loop is in (`RoundLog.rounds` tells it). A device's groups (its ring,
     its Ulysses group) share one Traffic, so an all-to-all before the ring's
     first round counts in round 0 and one after its last round in the last.
-    Only bytes to or from another device count: a ring of one moves nothing."""
+    Only bytes to or from another device count: a ring of one moves nothing.
+    Where a move names the `link` it crosses ("intra" or "inter", the machine's
+    `reference.topology` links), its bytes sent count on that link too."""
 
     def __init__(self):
         self.round = 0
         self.moves = []             # (round, tag, bytes sent, bytes received), until `take`
+        self.crossed = []           # (round, link, bytes sent over it), until `take_links`
 
-    def moved(self, tag, *, sent=(), received=()):
+    def moved(self, tag, *, sent=(), received=(), link=None):
         self.moves.append((self.round, tag, _nbytes(sent), _nbytes(received)))
+        if link is not None and sent:
+            self.crossed.append((self.round, link, _nbytes(sent)))
 
     def held(self, arrays):
         """K/V held this round beside the block attended to and those arriving,
@@ -127,15 +134,24 @@ class Traffic:
         flight, `reference.double_ring`): counted in kv_bytes only."""
         self.moves.append((self.round, HELD, 0, _nbytes(arrays)))
 
-    def traded(self, pieces, got, rank):
-        """An all-to-all: piece i went to group rank i and `got[i]` came from it; this device's own stays."""
+    def traded(self, pieces, got, rank, links=None):
+        """An all-to-all: piece i went to group rank i and `got[i]` came from it;
+        this device's own stays. `links[i]`: the link piece i crossed (None: not known)."""
         self.moved("all_to_all", sent=[p for i, p in enumerate(pieces) if i != rank],
                    received=[p for i, p in enumerate(got) if i != rank])
+        for i, piece in enumerate(pieces if links is not None else ()):
+            if i != rank:
+                self.crossed.append((self.round, links[i], _nbytes(piece)))
 
     def take(self):
         """The moves counted since the last `take`."""
         moves, self.moves = self.moves, []
         return moves
+
+    def take_links(self):
+        """The (round, link, bytes sent) counted since the last `take_links`."""
+        crossed, self.crossed = self.crossed, []
+        return crossed
 
 
 class RoundLog:
@@ -194,8 +210,8 @@ class RoundLog:
         self._kept[t] = kept is not None
 
     def tally(self):
-        """Add the bytes the Traffic counted since the last tally: sent,
-        received, and the K/V blocks arriving (held beside the one attended to)."""
+        """Add the bytes the Traffic counted since the last tally: sent (and on
+        each link), received, and the K/V blocks arriving (held beside the one attended to)."""
         for t, tag, sent, received in self.traffic.take() if self.traffic is not None else ():
             if tag == HELD:
                 self.kv_bytes[t] += received
@@ -204,6 +220,8 @@ class RoundLog:
             self.bytes_received[t] += received
             if tag == self.blocks and not self._kept[t]:
                 self.kv_bytes[t] += received
+        for t, link, sent in self.traffic.take_links() if self.traffic is not None else ():
+            getattr(self, f"sent_{link}")[t] += sent
 
     @contextmanager
     def computing(self, t):

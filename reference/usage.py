@@ -56,6 +56,17 @@ def seconds(text):
     return value
 
 
+def microseconds(text):
+    """An argparse type: a finite number of microseconds, 0 or more (a latency)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of microseconds, 0 or more, got {text!r}")
+    return value
+
+
 def output_problem(option, path):
     """A message if `path` (an output file of `option`) cannot be written, or None."""
     problem = _unwritable(path)

@@ -518,3 +518,38 @@ def test_the_product_loops_pass_is_its_shortest_path_through_every_product():
     # 4 schedulers per SM issue one instruction a clock each: a pass of 8 for 512 pairs
     assert issue_ceiling(256, [(8, 512)]) == pytest.approx(256 * 512 / 8 * 4 * 132 * 1.98e9 / 1e12)
     assert issue_ceiling(256, [(None, 512)]) is None
+
+
+def test_emulated_nodes_section_ranks_the_runs_and_checks_their_bytes_per_link():
+    """bench.emulated_nodes on a launch's results made from the model itself:
+    every pass measured as predicted (ratio 1.00, the same ranking, bytes per
+    link as modelled); then two runs' times swapped, and one run's bytes over
+    a link off by one: a different ranking, and "no"."""
+    from bench import emulated_nodes as nodes
+    from reference.scheme_cost import predict_scheme
+    machine = nodes.SETTINGS["A"][0]
+    runs = nodes.runs_of(machine, 4)
+    shape = dict(B=1, Hq=nodes.SHAPE["Hq"], Hkv=nodes.SHAPE["Hkv"], D=nodes.SHAPE["D"], dtype=nodes.SHAPE["dtype"],
+                 tile_size=nodes.SHAPE["tile"])
+    results = []
+    for scheme, where in runs:
+        result = {}
+        for kind in ("forward", "backward"):
+            cost = predict_scheme(scheme, nodes.SHAPE["S"], nodes.SHAPE["layout"], backward=kind == "backward", **shape)
+            result["cpu_" + kind] = [cost.totals()["critical_flops"] / 40e9] * 2
+            result[kind], result["call_" + kind] = [1.0, 1.0], [0.01, 0.01]
+            result[kind + "_links"] = [cost.link_bytes(machine, where)[name].tolist() for name in ("intra", "inter")]
+        results.append(result)
+    predicted, rates, _ = nodes.predictions(runs, results, machine, 4)
+    assert rates["forward"] == pytest.approx(40e9) and rates["backward"] == pytest.approx(40e9)
+    for (i, kind), (seconds, _) in predicted.items():
+        results[i][kind] = [seconds] * 2
+    rows, measured, wanted, _, _ = nodes.setting_rows("A", runs, results, nodes.predictions(runs, results, machine, 4)[0])
+    assert measured == wanted and len(wanted) == len(runs) >= 5
+    assert {row[8] for row in rows} == {"1.00"} and {row[9] for row in rows} == {"yes"} and rows[0][7] == "10"
+    first, second = results[0], results[-1]
+    first["forward"], second["forward"] = second["forward"], first["forward"]
+    first["backward"], second["backward"] = second["backward"], first["backward"]
+    first["forward_links"][1][0][0] += 1
+    rows, measured, wanted, _, _ = nodes.setting_rows("A", runs, results, nodes.predictions(runs, results, machine, 4)[0])
+    assert measured != wanted and rows[0][9] == "**no**" and {row[9] for row in rows[1:]} == {"yes"}

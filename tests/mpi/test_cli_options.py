@@ -100,4 +100,4 @@ def test_the_choice_line_prices_both_passes_at_the_link_given():
     assert scheme_args.measured_rate(args, ring, "striped", mask, 0.5) == pytest.approx(flops / 0.5)
     line = scheme_args.choice_line(args, 4, "striped", mask, 1e9)
     ms = (fwd.seconds(0.5e9, 1e9) + bwd.seconds(0.5e9, 1e9)) * 1e3
-    assert f"[ring {ms:.0f} ms," in line and "link 0.5 GB/s" in line, line
+    assert f"[ring {ms:.0f} ms," in line and "shared memory between processes at 0.5 GB/s" in line, line

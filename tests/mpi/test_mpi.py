@@ -276,7 +276,9 @@ def test_cli_runs_a_scheme():
         flops = [predict_scheme(scheme, S, lay, B=1, Hq=4, Hkv=2, D=8, tile_size=tile).totals()["critical_flops"]
                  for lay in ("contiguous", layout)]
         assert float(cells[6]) == pytest.approx(flops[0] / flops[1], abs=0.005), f"{layout}: predicted {cells[6]}"
-    assert re.search(r"cost model's choice \(striped, link 10 GB/s, .* GFLOP/s measured\): \w+", proc.stdout)
+    assert re.search(r"cost model's choice \(striped; this machine: one node of 4 ranks, shared memory between "
+                     r"processes at 10 GB/s, a stated figure \(--link-gbs\), not measured; .* GFLOP/s measured\): \w+",
+                     proc.stdout), proc.stdout
 
 
 @pytest.mark.parametrize("options, message", [

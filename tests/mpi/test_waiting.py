@@ -92,7 +92,7 @@ def test_the_ring_waits_quietly_where_its_ranks_outnumber_the_cores(monkeypatch,
     for name in cores.LOCAL_SIZE_VARS:
         monkeypatch.delenv(name, raising=False)
     made = []
-    monkeypatch.setattr(comm.RingComm, "__init__", lambda self, c, memory=None, *, quiet: made.append(quiet))
+    monkeypatch.setattr(comm.RingComm, "__init__", lambda self, c, memory=None, *, quiet, links=None: made.append(quiet))
     comm.RingComm.on(Machine(here))
     monkeypatch.setenv("MPI_LOCALNRANKS", str(here + 2))       # the launcher counts the whole job's ranks here
     comm.RingComm.on(Machine(here=1))

@@ -77,9 +77,11 @@ def chosen(monkeypatch):
 def test_reference_cost_takes_gb_per_s_tflops_and_gib(chosen, capsys):
     cost.main(["--scheme", "ring", "--n-devices", "4", "--seq-len", "1024", "--heads", "4", "--kv-heads", "4",
                "--head-dim", "16", "--link-gbs", "2.5", "--tflops", "0.001", "--memory-gib", "1.5"])
-    assert chosen == [(2.5 * 10 ** 9, 0.001 * 10 ** 12, 1.5 * 2 ** 30)]
+    [(machine, rate, memory)] = chosen
+    assert machine.inter.bytes_per_s == 2.5 * 10 ** 9 and machine.ranks_per_node == 1      # every byte over it
+    assert (rate, memory) == (0.001 * 10 ** 12, 1.5 * 2 ** 30)
     out = capsys.readouterr().out
-    assert "link 2.5 GB/s, 0.001 TFLOP/s per device" in out and "fit in 1.5 GiB" in out
+    assert "0.001 TFLOP/s per device; one link of 2.5 GB/s" in out and "fit in 1.5 GiB" in out
     ring = Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
     shape = dict(B=1, Hq=4, Hkv=4, D=16, dtype="float16")
     fwd, bwd = (scheme_cost.predict_scheme(ring, 1024, "striped", backward=b, **shape) for b in (False, True))
@@ -102,10 +104,14 @@ def test_a_memory_limit_is_gib_not_gb(chosen, capsys):
 
 
 def test_mpi_impl_takes_gb_per_s(chosen):
+    """The choice line prices this machine as one node of the run's ranks, its
+    shared memory at --link-gbs, and says so."""
     args = cli.build_parser().parse_args(["--seq-len", "256", "--heads", "4", "--head-dim", "16", "--link-gbs", "0.5"])
     line = scheme_args.choice_line(args, 4, "striped", cli.mask_options(args), 2e9)
-    assert chosen == [(0.5 * 10 ** 9, 2e9, None)]
-    assert "link 0.5 GB/s, 2.0 GFLOP/s measured" in line
+    [(machine, rate, memory)] = chosen
+    assert (machine.ranks_per_node, machine.intra.bytes_per_s, rate, memory) == (4, 0.5 * 10 ** 9, 2e9, None)
+    assert "this machine: one node of 4 ranks, shared memory between processes at 0.5 GB/s, given by " \
+           "--link-gbs; 2.0 GFLOP/s measured" in line
 
 
 @pytest.mark.parametrize("option", ["--link-gbs", "--tflops", "--memory-gib"])

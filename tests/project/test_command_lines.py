@@ -72,6 +72,13 @@ BAD = [
     ("reference.cost", "--scheme all --tile-size -2", "--tile-size"),
     ("reference.cost", "--scheme ulysses --n-devices 8 --heads 12 --kv-heads 12", "ulysses"),
     ("reference.cost", "--scheme double_ring --n-devices 2", "double_ring"),
+    ("reference.cost", "--scheme all --ranks-per-node 0", "--ranks-per-node"),
+    ("reference.cost", "--scheme all --intra 0", "--intra"), ("reference.cost", "--scheme all --inter -2", "--inter"),
+    ("reference.cost", "--scheme all --inter-latency-us -1", "--inter-latency-us"),
+    ("reference.cost", "--scheme all --intra-latency-us nan", "--intra-latency-us"),
+    ("reference.cost", "--scheme all --machine nope", "--machine"),
+    ("reference.cost", "--scheme all --ranks-per-node 2 --intra 450", "--inter"),
+    ("reference.cost", "--scheme all --machine h100-ndr --link-gbs 10", "--link-gbs"),
 
     ("reference.tms", "--model 7B --seq-parallel 0", "--seq-parallel"),
     ("reference.tms", "--model 7B --n-seq 0", "--n-seq"),
@@ -143,6 +150,11 @@ MPI_BAD = [
     ("--scheme double_ring --ring-inner 0", "--ring-inner"), ("--ring-inner 2", "--ring-inner"),
     ("--scheme usp --ulysses-degree 2 --kv-heads 3 --heads 6", "--ulysses-degree"),
     ("--seed -1", "--seed"),
+    ("--ranks-per-node 0", "--ranks-per-node"), ("--intra 0", "--intra"), ("--inter nan", "--inter"),
+    ("--inter-latency-us -5", "--inter-latency-us"), ("--ranks-per-node 1 --inter 1", "--intra"),
+    ("--placement across", "--placement"), ("--placement ring-in-nodes", "--placement"),
+    ("--ranks-per-node 1 --intra 1 --inter 1 --placement ring-in-nodes", "--placement"),
+    ("--ranks-per-node 1 --intra 1 --inter 1 --link-gbs 5", "--link-gbs"),
 ]
 
 
