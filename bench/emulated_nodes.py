@@ -49,11 +49,12 @@ from .mpi_scaling import SINGLE_THREAD, ROOT, _mpiexec, _short
 
 SHAPE = dict(S=1024, B=1, Hq=16, Hkv=4, D=64, dtype="float16", tile=128, layout="striped")
 SETTINGS = {        # name -> (machine, why the model's winner is what it is)
-    "A": (Machine(2, Link(0.005), Link(0.002)),
-          "the link inside a node 2.5 times the one between: Ulysses, which moves the fewest bytes in all, wins"),
+    "A": (Machine(2, Link(0.002), Link(0.002)),
+          "one speed inside and between nodes: Ulysses wins, its two exposed all-to-alls taking less time than "
+          "the rings' shifts, which carry every rank's K, V (and the backward's dK, dV) N - 1 times"),
     "B": (Machine(2, Link(0.01), Link(0.002, 5000.0)),
-          "inside 5 times between, and 5 ms of latency between nodes: USP with its all-to-all inside the "
-          "nodes wins, only its ring's K, V (4 of the 16 heads' worth) crossing between them"),
+          "inside 5 times between, and 5 ms of latency between nodes: the double ring wins, its one block a "
+          "step between nodes travelling through the step's rounds while the inner ring shifts on the fast link"),
 }
 TARGET = 0.15               # |measured / predicted - 1| at most, per pass
 CALL_TOKENS = 64            # a call on this many tokens over free links: what any call costs

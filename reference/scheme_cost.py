@@ -11,7 +11,8 @@ received, and the bytes of K/V blocks held. `predict_scheme` counts the same
   dK, dV travel in the accumulation dtype (float32, float64 for float64);
 - the ring sends and receives one block in every round but the last, and
   holds two then (the one attended to and the one arriving), one in the last;
-  the backward adds dK, dV in every round, and the hop home in the last;
+  the backward adds dK, dV in every round, and the hop home in the last
+  (after all the compute: exposed);
 - the all-gather moves one block in each of its first N - 1 rounds, before any
   compute, and holds all N; its backward reduce-scatters dK, dV after it;
 - Ulysses and USP trade (u - 1) / u of q, k, v (and out, dout, lse in the
@@ -23,7 +24,8 @@ received, and the bytes of K/V blocks held. `predict_scheme` counts the same
 
 Time on a machine (`reference.topology`, ranks placed on its nodes): each
 message is charged to the link it crosses, in the round it is received (it
-travels then), its bytes over the bandwidth plus the latency; a round lasts,
+travels then; the double ring's outer block through its step's rounds), its
+bytes over the bandwidth plus the latency; a round lasts,
 on its busiest device, its compute (4 D flops per computed tile entry forward,
 10 D backward, at a FLOP/s rate or an object's ``seconds(cost)``) or its
 slowest overlapped link, plus its slowest exposed link. `choose` picks.
@@ -54,18 +56,28 @@ class Moves(NamedTuple):
     `nbytes` long, `exposed` where no compute overlaps it (an all-to-all, the
     all-gather, the reduce-scatter). Devices are the scheme's ranks 0..N-1;
     which link a message crosses is the machine's to say (its placement of
-    those ranks on nodes)."""
+    those ranks on nodes). `departs`: the first round it travels in, the
+    round received for most; earlier for one posted at a round's start and
+    received rounds later (the double ring's outer block), whose time on its
+    link the rounds from `departs` to `received` share. `phase`: of exposed
+    messages in one round, those of a later phase wait for the earlier ones
+    (an all-to-all before the ring's rounds 0, the hop home 1, the all-to-all
+    after the last round 2); those of one phase travel at once."""
     sent: np.ndarray
     received: np.ndarray
     src: np.ndarray
     dst: np.ndarray
     nbytes: np.ndarray
     exposed: np.ndarray
+    departs: np.ndarray
+    phase: np.ndarray
 
     @classmethod
     def of(cls, rows):
-        """From (sent, received, src, dst, nbytes, exposed) tuples."""
-        cols = list(zip(*rows)) if rows else [()] * 6
+        """From (sent, received, src, dst, nbytes, exposed[, departs[, phase]])
+        tuples (departs, left out: the round received; phase: 0)."""
+        rows = [(tuple(row) + (row[1], 0)[len(row) - 6:]) for row in rows]
+        cols = list(zip(*rows)) if rows else [()] * 8
         return cls(*(np.asarray(col, dtype=bool if i == 5 else np.int64) for i, col in enumerate(cols)))
 
     def per_device(self, shape, *, by="src", where=None):
@@ -136,16 +148,37 @@ class SchemeCost:
         if busy.shape != self.kv_bytes.shape:
             raise ValueError(f"compute.seconds(cost) must be (rounds, devices) {self.kv_bytes.shape}, got {busy.shape}")
         inter = self._crossing(machine, placement)
-        overlapped, exposed = np.zeros(busy.shape), np.zeros(busy.shape)
+        m = self.moves
+        spanning = m.departs < m.received
+        overlapped, exposed = np.zeros(busy.shape), np.zeros((max(m.phase, default=0) + 1,) + busy.shape)
         for name, on in zip(LINKS, (~inter, inter)):
-            for total, flag in ((overlapped, False), (exposed, True)):
-                keep = on & (self.moves.exposed == flag)
+            for total, flag, phase in [(overlapped, False, None)] + [(exposed[p], True, p) for p in range(len(exposed))]:
+                keep = on & (m.exposed == flag) & ~spanning & ((m.phase == phase) if flag else True)
                 moved = self._travelling(keep)
                 # overlapped messages queue on the link and pay its latency once; exposed
                 # ones to one peer go one after another (a shift is finished before the next)
                 latencies = self._in_turn(keep) if flag else None
                 np.maximum(total, machine.links()[name].seconds(moved, latencies), out=total)
-        return (np.maximum(busy, overlapped) + exposed).max(axis=1)
+        rounds = (np.maximum(busy, overlapped) + exposed.sum(axis=0)).max(axis=1)
+        return self._spanned(rounds, machine, inter)
+
+    def _spanned(self, rounds, machine, inter):
+        """`rounds` lengthened where a message travelling several rounds
+        (`Moves.departs`) takes longer on its link than they last: its link's
+        bytes over those rounds, out or in, plus one latency, and the
+        shortfall added to the round it is received in."""
+        m, rounds = self.moves, rounds.copy()
+        for k in np.argsort(m.received, kind="stable"):
+            first, last = m.departs[k], m.received[k]
+            if first == last:
+                continue
+            link = machine.links()[LINKS[int(inter[k])]]
+            within = (m.departs >= first) & (m.received <= last) & (inter == inter[k])
+            moved = max(m.nbytes[within & (way == device)].sum()             # out of and into the sender,
+                        for device in (m.src[k], m.dst[k]) for way in (m.src, m.dst))   # out of and into the receiver
+            needed = float(link.seconds(moved)) if moved else 0.0
+            rounds[last] += max(0.0, needed - rounds[first:last + 1].sum())
+        return rounds
 
     def _in_turn(self, keep):
         """(r, N) the most messages `keep` selects between the device and any one
@@ -214,7 +247,7 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
         else:
             before = (B * c * Hq * D + 2 * B * c * hkv * D) * e
             after = B * c * Hq * D * e + lse
-        rows += all_to_all_moves(scheme, 0, before) + all_to_all_moves(scheme, r - 1, after)
+        rows += all_to_all_moves(scheme, 0, before, 0) + all_to_all_moves(scheme, r - 1, after, 2)
     flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
     host = Moves.of(moves(scheme, 8 * u * c + 8, 0))                  # a block's positions and owner
     return SchemeCost(scheme, work, Moves.of(rows), held_blocks_of(scheme) * block, flops, host)
@@ -238,7 +271,8 @@ def ring_moves(scheme, block, dkv):
     """The ring group's messages: (sent, received, src, dst, nbytes, exposed) rows.
     The ring: a block to the next ring rank in every round but the last,
     overlapped; with `dkv` (the backward) dK, dV after every round, received
-    in the next (the last round's, the hop home, in the same round). The
+    in the next (the last round's, the hop home, in the same round, exposed:
+    no compute is left to hide it). The
     all-gather: the same blocks, exposed; its reduce-scatter's dK, dV in the
     same rounds, each shift a message of its own (after all the compute)."""
     n, u, r = scheme.n, scheme.u, scheme.r
@@ -251,7 +285,8 @@ def ring_moves(scheme, block, dkv):
             else:
                 rows.append((t, t, g, nxt, block, False))
         if dkv and r > 1 and scheme.name != "all_gather":
-            rows += [(t, min(t + 1, r - 1), g, nxt, dkv, False) for t in range(r)]
+            rows += [(t, min(t + 1, r - 1), g, nxt, dkv, t == r - 1, min(t + 1, r - 1), 1)
+                     for t in range(r)]                                        # home: after all compute
     return rows
 
 
@@ -259,9 +294,9 @@ def double_ring_moves(scheme, block, dkv):
     """The double ring's messages (`reference.double_ring`), rows as `ring_moves`:
     in round t = j w + s of device (o, i) a block to (o, i + 1) while s < w - 1,
     and at s = 0 of a step but the last one to (o + 1, i), received at the
-    step's end (s = w - 1), all overlapped; with `dkv`, dK, dV after every round
+    step's end (s = w - 1), travelling through the step's rounds, all overlapped; with `dkv`, dK, dV after every round
     to the device holding the block next, (o, i + 1), or (o + 1, i + 1) at a
-    step's end, received in the next round (the hop home in the last)."""
+    step's end, received in the next round (the hop home in the last, exposed)."""
     n, w, m = scheme.n, scheme.w, scheme.m
     rows = []
     for g in range(n):
@@ -272,13 +307,14 @@ def double_ring_moves(scheme, block, dkv):
             if s < w - 1:
                 rows.append((t, t, g, inner, block, False))
             if s == 0 and j < m - 1:
-                rows.append((t, t + w - 1, g, outer, block, False))
+                rows.append((t, t + w - 1, g, outer, block, False, t))     # travels through the step
         if dkv and n > 1:
-            rows += [(t, min(t + 1, n - 1), g, inner if t % w < w - 1 else home, dkv, False) for t in range(n)]
+            rows += [(t, min(t + 1, n - 1), g, inner if t % w < w - 1 else home, dkv, t == n - 1, min(t + 1, n - 1), 1)
+                     for t in range(n)]
     return rows
 
 
-def all_to_all_moves(scheme, t, nbytes):
+def all_to_all_moves(scheme, t, nbytes, phase):
     """An all-to-all of `nbytes` per device in round t: each device sends 1 / u
     of it to each other member of its Ulysses group, exposed."""
     piece = nbytes / scheme.u
@@ -286,7 +322,7 @@ def all_to_all_moves(scheme, t, nbytes):
     for g in range(scheme.n):
         others = [h for h in scheme.ulysses_group(g) if h != g]
         sizes = np.diff(np.round(np.arange(len(others) + 1) * piece)).astype(np.int64)   # adds up exactly
-        rows += [(t, t, g, h, int(b), True) for h, b in zip(others, sizes)]
+        rows += [(t, t, g, h, int(b), True, t, phase) for h, b in zip(others, sizes)]
     return rows
 
 

@@ -71,7 +71,7 @@ def test_a_latency_counts_once_in_each_round_its_link_carries_bytes():
 
 
 @pytest.mark.parametrize("name, u, backward, want", [
-    ("ring", None, False, 3.0), ("ring", None, True, 4.0),             # a round's queue pays it once
+    ("ring", None, False, 3.0), ("ring", None, True, 5.0),             # a round's queue pays it once; the hop home after
     ("all_gather", None, True, 6.0),                                   # gather shifts, then reduce-scatter shifts
     ("ulysses", None, False, 2.0), ("ulysses", None, True, 2.0),       # two trades, pieces to all peers at once
 ])
@@ -90,6 +90,51 @@ def test_the_rings_backward_pays_each_dk_dv_once_in_the_round_it_travels():
     block, dkv = block_bytes(64), 2 * 4 * 64 * 16 * 4
     assert bwd.seconds(1.0, NO_COMPUTE) == pytest.approx(3 * block + 4 * dkv)
     assert bwd.bytes_sent.sum(axis=0).tolist() == [3 * block + 4 * dkv] * 4     # what the trace counts, by round sent
+
+
+class EachRound:
+    """Compute of `seconds` in every round on every device."""
+
+    def __init__(self, seconds):
+        self.each = seconds
+
+    def seconds(self, cost):
+        return np.full(cost.kv_bytes.shape, self.each)
+
+
+@pytest.mark.parametrize("round_s, want", [(1.0, 2 * 1.0 + 5.0), (4.0, 4 * 4.0)])
+def test_the_double_rings_outer_block_travels_through_its_steps_rounds(round_s, want):
+    """Two nodes of two, the link between them taking 5 s for the outer block,
+    posted at the first round of the step and needed after the second: the two
+    rounds share its time (a round of 1 s: 2 s of rounds, the block 3 s
+    later), and rounds of 4 s hide it."""
+    scheme = Scheme.checked("double_ring", n_devices=4, Hq=4, Hkv=4, ring_inner=2)
+    fwd = scheme_cost.predict_scheme(scheme, 256, "striped", **SHAPE)
+    between = Link(block_bytes(64) / 5.0 / topology.GB)
+    assert fwd.seconds(Machine(2, FREE, between), EachRound(round_s)) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("name, w", [("ring", None), ("double_ring", 2)])
+def test_the_hop_home_follows_all_the_compute(name, w):
+    """Rounds of 10 s hide every shift but the last dK, dV hop home, sent when
+    no compute is left: 1 s more, on the link between nodes or inside one."""
+    scheme = Scheme.checked(name, n_devices=4, Hq=4, Hkv=4, ring_inner=w)
+    bwd = scheme_cost.predict_scheme(scheme, 256, "striped", backward=True, **SHAPE)
+    dkv = 2 * 4 * 64 * 16 * 4
+    link = Link(dkv / topology.GB)
+    assert bwd.seconds(Machine(2, link, link), EachRound(10.0)) == pytest.approx(4 * 10.0 + 1.0)
+
+
+def test_the_hop_home_and_the_all_to_all_after_it_go_one_after_the_other():
+    """USP (u = 2) in order on 2 nodes of 2, no bandwidth cost, 1 s of latency
+    inside a node and 10 s between: round 0 trades (1 s) before its block
+    crosses (10 s); round 1's dK, dV cross (10 s) while it computes nothing,
+    then its hop home (10 s), then the trade inside the node (1 s): 32 s, on
+    two links that a pass uses one after the other."""
+    scheme = Scheme.checked("usp", 2, n_devices=4, Hq=4, Hkv=4)
+    bwd = scheme_cost.predict_scheme(scheme, 256, "striped", backward=True, **SHAPE)
+    machine = Machine(2, Link(float("inf"), latency_us=1e6), Link(float("inf"), latency_us=1e7))
+    assert bwd.round_seconds(machine, NO_COMPUTE).tolist() == pytest.approx([11.0, 21.0])
 
 
 def test_compute_is_a_rate_or_an_object_that_says_each_rounds_seconds():
