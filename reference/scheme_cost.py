@@ -1,18 +1,16 @@
 """The cost of each scheme (`reference.schemes`), per device and round, predicted without attention.
 
 A run of a scheme on N devices has r = N / u rounds (u = 1 for the ring and the
-all-gather, u = N for Ulysses), and its trace records, per round t and device
-g: the tiles computed and skipped, the visible pairs, the bytes sent and
-received, and the bytes of K/V blocks held. `predict_scheme` counts the same
-[t, g] arrays from the shapes alone, byte for byte:
+all-gather, u = N for Ulysses); `predict_scheme` counts, per round t and device
+g, what its trace records (tiles computed and skipped, visible pairs, bytes
+sent and received, K/V bytes held) from the shapes alone, byte for byte:
 
 - a K/V block is K and V (B, Hkv / u, u c, D) in the input dtype, its
   positions (u c int64) and its owner (2 int32): 2 B Hkv c D e + 8 u c + 8 bytes;
   dK, dV travel in the accumulation dtype (float32, float64 for float64);
-- the ring sends and receives one block in every round but the last, and
-  holds two then (the one attended to and the one arriving), one in the last;
-  the backward adds dK, dV in every round, and the hop home in the last
-  (after all the compute: exposed);
+- the ring shifts one block in every round but the last, holding two then,
+  one in the last; the backward adds dK, dV in every round, and the hop home
+  after all the compute (exposed);
 - the all-gather moves one block in each of its first N - 1 rounds, before any
   compute, and holds all N; its backward reduce-scatters dK, dV after it;
 - Ulysses and USP trade (u - 1) / u of q, k, v (and out, dout, lse in the
@@ -22,13 +20,12 @@ received, and the bytes of K/V blocks held. `predict_scheme` counts the same
 - the double ring: its inner ring's blocks, and one a step on its outer ring
   (received w - 1 rounds later); dK, dV after them (`double_ring_moves`).
 
-Time on a machine (`reference.topology`, ranks placed on its nodes): each
-message is charged to the link it crosses, in the round it is received (it
-travels then; the double ring's outer block through its step's rounds), its
-bytes over the bandwidth plus the latency; a round lasts,
-on its busiest device, its compute (4 D flops per computed tile entry forward,
-10 D backward, at a FLOP/s rate or an object's ``seconds(cost)``) or its
-slowest overlapped link, plus its slowest exposed link. `choose` picks.
+On a machine (`reference.topology`, ranks placed on its nodes) each message
+is charged to the link it crosses in the round it travels, bytes over
+bandwidth plus latency; a round lasts, on its busiest device, its compute (4 D
+flops per computed tile entry forward, 10 D backward, at a FLOP/s rate or an
+object's ``seconds(cost)``) or its slowest overlapped link, plus its exposed
+transfers (`Moves`). `choose` picks.
 
     python -m reference.cost --scheme all --n-devices 8 --seq-len 131072 --heads 32 --kv-heads 8
     python -m reference.cost --scheme all --n-devices 16 --seq-len 262144 --machine h100-hdr
