@@ -20,12 +20,11 @@ sent and received, K/V bytes held) from the shapes alone, byte for byte:
 - the double ring: its inner ring's blocks, and one a step on its outer ring
   (received w - 1 rounds later); dK, dV after them (`double_ring_moves`).
 
-On a machine (`reference.topology`, ranks placed on its nodes) each message
-is charged to the link it crosses in the round it travels, bytes over
-bandwidth plus latency; a round lasts, on its busiest device, its compute (4 D
-flops per computed tile entry forward, 10 D backward, at a FLOP/s rate or an
-object's ``seconds(cost)``) or its slowest overlapped link, plus its exposed
-transfers (`Moves`). `choose` picks.
+On a machine (`reference.topology`) each message is charged to the link it
+crosses in the round it travels; a round lasts, on its busiest device, its
+compute (4 D flops per tile entry forward, 10 D backward, at a FLOP/s rate or
+an object's ``seconds(cost)``) or its slowest overlapped link, plus its
+exposed transfers (`Moves`). `choose` picks.
 
     python -m reference.cost --scheme all --n-devices 8 --seq-len 131072 --heads 32 --kv-heads 8
     python -m reference.cost --scheme all --n-devices 16 --seq-len 262144 --machine h100-hdr
