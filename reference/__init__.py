@@ -28,6 +28,7 @@ Modules, in reading order:
     predict       a pass's tiles and pairs counted for any dealing of positions
     cost          the cost model: each device's work per round, without attention
     scheme_cost   each scheme's tiles, bytes and memory per device and round
+    tile_cost     a tile's seconds measured on this machine: the model's compute side
     tms           the paper's Theoretical Maximum Speedup, recomputed
     usage         the command lines' shared checks and help: usage errors before any work
     testing/      the conformance kit: the oracle pointed at anyone's ring

@@ -37,6 +37,7 @@ from .heads import accumulate_dtype
 from .masks import layout_mask
 from .predict import predict_positions
 from .schemes import Scheme
+from .tiles import Tile, tile_shape
 
 FLOPS_PER_ENTRY = dict(forward=4, backward=10)      # x D, per (query, key) entry of a computed tile
 GB, GIB = 10 ** 9, 2 ** 30      # bytes: links are quoted in GB/s (decimal), memory in GiB (binary)
@@ -72,6 +73,21 @@ class Moves(NamedTuple):
         return out
 
 
+class StepShape(NamedTuple):
+    """What one step call on a device costs besides its tiles' count: the
+    heads it holds (Hq / u query heads, Hkv / u key/value heads), its block of
+    u c tokens, the tile, the pass (`reference.tile_cost` measures a tile's
+    seconds at each)."""
+    B: int
+    heads: int
+    kv_heads: int
+    D: int
+    block: int
+    tile: Tile
+    dtype: str
+    backward: bool
+
+
 @dataclass
 class SchemeCost:
     """A scheme's predicted work and traffic: arrays (r rounds, N devices), as a
@@ -82,6 +98,7 @@ class SchemeCost:
     kv_bytes: np.ndarray
     flops_per_entry: int        # x B x heads per device: the flops of one tile entry on a device
     host_bytes: np.ndarray = None   # of bytes_sent and received, a block's positions and owner (host arrays)
+    step_shape: StepShape = None    # the shape of each device's step calls
 
     def staged_copies(self):
         """(downloads, uploads) (r, N): the bytes a GPU whose MPI is not
@@ -136,7 +153,7 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
     ring = predict_positions(ring_pos, tile_size, mask)                # (r, r)
     home = np.arange(n) // u                                           # device g is ring rank g // u
     work = type(ring)(*(getattr(ring, f)[:, home] for f in ("source", "tiles_computed", "tiles_skipped",
-                                                            "pairs", "tile_area")))
+                                                            "pairs", "tile_area", "tiles_masked")))
     e, acc = np.dtype(dtype).itemsize, np.dtype(accumulate_dtype(dtype)).itemsize
     block = 2 * B * Hkv * c * D * e + 8 * u * c + 8
     dkv = 2 * B * Hkv * c * D * acc
@@ -158,7 +175,8 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
     flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
     host = np.zeros((r, n), dtype=np.int64)
     host[:-1] = 8 * u * c + 8                                          # a block's positions and owner
-    return SchemeCost(scheme, work, Moves.of(rows), held, flops, host)
+    shape = StepShape(B, Hq // u, Hkv // u, D, u * c, tile_shape(tile_size), np.dtype(dtype).name, backward)
+    return SchemeCost(scheme, work, Moves.of(rows), held, flops, host, shape)
 
 
 def ring_moves(scheme, block, dkv):
