@@ -151,13 +151,13 @@ class TileCosts:
                 for s, blocks_of in blocks.items():
                     for key, seconds in blocks_of.timed(step).items():
                         best[s, key] = min(best.get((s, key), np.inf), seconds)
+            machine = dict(step=step.label, blas=blas_description(), repeats=repeats,
+                           date=datetime.date.today().isoformat())
         costs = {}
         for s in shapes:
             for backward in (False, True):
                 times = {kind: best[s, (kind, backward)] for kind in KINDS}
                 costs[s._replace(backward=backward)] = blocks[s].fit(times)
-            machine = dict(step=step.label, blas=blas_description(), repeats=repeats,
-                           date=datetime.date.today().isoformat())
         return cls(costs, machine)
 
     def save(self, path):
