@@ -22,6 +22,7 @@ The sections in BENCHMARKS.md's order, each with its helpers after it. Modules, 
     mpi_scaling       measured speed-ups on MPI processes against the predicted ones
     schemes           the four schemes on MPI ranks against their cost model
     emulated_nodes    ranks as emulated nodes: every scheme and placement against the cost model
+    sharing           what ranks sharing the cores add to a step's CPU time, measured
     waits             more ranks than cores: spinning against sleeping
     overlap           whether each K/V transfer hides behind a block's computation
     soak              thousands of ring calls in one job, memory and communicators flat

@@ -31,6 +31,7 @@ Modules, in reading order:
     topology      machines of nodes, the two links of each rank, where a scheme's ranks run
     scheme_cost   each scheme's tiles, bytes, memory and time per device and round
     moves         the messages of each scheme's pass, one row each, as scheme_cost prices them
+    tile_cost     a tile's seconds measured on this machine: the model's compute side
     tms           the paper's Theoretical Maximum Speedup, recomputed
     usage         the command lines' shared checks and help: usage errors before any work
     testing/      the conformance kit: the oracle pointed at anyone's ring

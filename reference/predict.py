@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .masks import as_mask, count_visible_pairs
-from .tiles import SKIP, classify, tile_edges, tile_shape
+from .tiles import MASKED, SKIP, classify, tile_edges, tile_shape
 from .trace import Work
 
 MODES = ("tiles", "pairs")
@@ -24,6 +24,7 @@ class Prediction(Work):
     fields a run's trace records), arrays (N rounds, N devices), with the area
     of the tiles computed."""
     tile_area: np.ndarray     # (query, key) entries in the computed tiles, masked ones included
+    tiles_masked: np.ndarray = None     # of the tiles computed, those a mask crosses (the rest are full)
 
     def work(self, mode="tiles"):
         if mode not in MODES:
@@ -47,7 +48,7 @@ def predict_positions(pos, tile_size=None, mask=True, sources=None):
     sizes_k = np.diff(np.append(tile_edges(c, tk), c))         # (Tk,)
     area = sizes_q[:, None] * sizes_k[None, :]                 # (Tq, Tk)
     shape = (n_devices, n_devices)
-    p = Prediction(*(np.zeros(shape, dtype=np.int64) for _ in range(5)))
+    p = Prediction(*(np.zeros(shape, dtype=np.int64) for _ in range(6)))
     for t in range(n_devices):
         for j in range(n_devices):
             k = (j - t) % n_devices if sources is None else sources[t, j]
@@ -56,5 +57,6 @@ def predict_positions(pos, tile_size=None, mask=True, sources=None):
             p.tiles_skipped[t, j] = (kinds == SKIP).sum()
             p.tiles_computed[t, j] = kinds.size - p.tiles_skipped[t, j]
             p.tile_area[t, j] = area[kinds != SKIP].sum()
+            p.tiles_masked[t, j] = (kinds == MASKED).sum()
             p.pairs[t, j] = count_visible_pairs(pos[j], pos[k], mask)
     return p

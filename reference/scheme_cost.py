@@ -31,6 +31,7 @@ exposed transfers (`Moves`). `choose` picks.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,9 +41,25 @@ from .moves import Moves, all_to_all_moves, double_ring_moves, held_blocks_of, r
 from .predict import predict_positions
 from .schemes import Scheme
 from .topology import GB, LINKS, Machine, crossings, placements
+from .tiles import Tile, tile_shape
 
 FLOPS_PER_ENTRY = dict(forward=4, backward=10)      # x D, per (query, key) entry of a computed tile
 GIB = 2 ** 30                   # bytes: links are quoted in GB/s (decimal, `GB`), memory in GiB (binary)
+
+
+class StepShape(NamedTuple):
+    """What one step call on a device costs besides its tiles' count: the
+    heads it holds (Hq / u query heads, Hkv / u key/value heads), its block of
+    u c tokens, the tile, the pass (`reference.tile_cost` measures a tile's
+    seconds at each)."""
+    B: int
+    heads: int
+    kv_heads: int
+    D: int
+    block: int
+    tile: Tile
+    dtype: str
+    backward: bool
 
 
 @dataclass
@@ -55,6 +72,7 @@ class SchemeCost:
     kv_bytes: np.ndarray
     flops_per_entry: int        # x B x heads per device: the flops of one tile entry on a device
     host_moves: Moves = None    # of the messages, a block's positions and owner (host arrays)
+    step_shape: StepShape = None    # the shape of each device's step calls
 
     def staged_copies(self):
         """(downloads, uploads) (r, N): the bytes a GPU whose MPI is not
@@ -185,7 +203,7 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
     ring = predict_positions(ring_pos, tile_size, mask, sources=scheme.sources())   # (r, r)
     home = np.arange(n) // u                                           # device g is ring rank g // u
     work = type(ring)(*(getattr(ring, f)[:, home] for f in ("source", "tiles_computed", "tiles_skipped",
-                                                            "pairs", "tile_area")))
+                                                            "pairs", "tile_area", "tiles_masked")))
     e, acc = np.dtype(dtype).itemsize, np.dtype(accumulate_dtype(dtype)).itemsize
     copies = scheme.kv_copies(Hkv)
     hkv = Hkv * copies                                                 # K/V heads dealt, copies included
@@ -205,7 +223,8 @@ def predict_scheme(scheme, seq_len, layout, *, B, Hq, Hkv, D, dtype=np.float32, 
         rows += all_to_all_moves(scheme, 0, before, 0) + all_to_all_moves(scheme, r - 1, after, 2)
     flops = FLOPS_PER_ENTRY["backward" if backward else "forward"] * D * B * (Hq // u)
     host = Moves.of(moves(scheme, 8 * u * c + 8, 0))                  # a block's positions and owner
-    return SchemeCost(scheme, work, Moves.of(rows), held_blocks_of(scheme) * block, flops, host)
+    shape = StepShape(B, Hq // u, hkv // u, D, u * c, tile_shape(tile_size), np.dtype(dtype).name, backward)
+    return SchemeCost(scheme, work, Moves.of(rows), held_blocks_of(scheme) * block, flops, host, shape)
 
 
 def check_shape(**sizes):

@@ -440,19 +440,30 @@ def test_join_full_joins_only_full_neighbouring_key_tiles():
 
 def test_schemes_section_measures_what_the_model_predicts():
     """bench.schemes at S = 64 (four launches on 4 ranks): every scheme's row
-    for each layout and pass, and the bytes each rank sent and the K/V it held,
-    read from the MPI trace, equal the cost model's to the byte."""
+    for each layout and pass, the bytes each rank sent and the K/V it held,
+    read from the MPI trace, equal the cost model's to the byte, and each
+    row's prediction is its tiles at the tile costs given (here made up)."""
     pytest.importorskip("mpi4py")
     from bench import schemes
     from mpi_impl.launch import find_mpiexec
+    from reference.tile_cost import PassCost, TileCosts
     if find_mpiexec() is None:
         pytest.skip("mpiexec not found")
-    rows, rate = schemes.rows_of(schemes.measure(64, repeat=1, warmup=False), 64)
+    costs = schemes.predictions(64)
+    tiles = TileCosts({c.step_shape: PassCost(full=1.0, masked=2.0, first=0.0) for c in costs.values()})
+    rows, rate = schemes.rows_of(schemes.measure(64, repeat=1, warmup=False), costs, tiles, cores=2)
     assert len(rows) == len(schemes.PLANS) * len(schemes.SHOWN) * 2 and rate > 0
-    assert {r[0] for r in rows} == {"ring", "all_gather", "ulysses (u=4)", "usp (u=2)"}
+    assert {r["scheme"] for r in rows} == {"ring", "all_gather", "ulysses (u=4)", "usp (u=2)"}
     for row in rows:
-        assert row[5] == row[6] and row[7] == row[8], row
-    assert {r[5] for r in rows if r[0] == "all_gather"} != {r[5] for r in rows if r[0] == "ring"}
+        assert row["sent"] == row["sent_predicted"] and row["kv"] == row["kv_predicted"], row
+        assert len(row["measured"]) == 1
+    assert {r["sent"] for r in rows if r["scheme"] == "all_gather"} != {r["sent"] for r in rows if r["scheme"] == "ring"}
+    # S = 64, tiles of 256: a block is one masked tile; Ulysses' one round of 64 tokens, one tile
+    predicted = {(r["scheme"], r["layout"], r["kind"]): r["predicted"] for r in rows}
+    assert predicted["ring", "contiguous", "forward"] == 2.0 + 3 * 1.0      # then full blocks
+    assert predicted["ring", "striped", "forward"] == 4 * 2.0
+    assert predicted["ulysses (u=4)", "striped", "backward"] == 2.0
+    assert "| ring | contiguous | forward |" in schemes.table(rows)
 
 
 def test_waits_section_passes_each_row_its_library_and_waits(monkeypatch, tmp_path):
