@@ -117,7 +117,7 @@ SHAPES = dict(S=32, Hq=8, Hkv=4, D=8, layout="zigzag", tile=4)
 def test_the_emulated_runs_bytes_per_link_are_the_models_for_every_scheme_and_placement(tmp_path):
     n = 4
     runs = [(s, p) for s in candidates(n, SHAPES["Hq"], SHAPES["Hkv"]) for p in placements(s, FAST)]
-    assert len(runs) >= 5                           # ring, all-gather, USP twice, Ulysses
+    assert len(runs) >= 6                           # ring, all-gather, USP twice, Ulysses, the double ring
     spec = dict(ranks_per_node=FAST.ranks_per_node, intra=FAST.intra.gbs, inter=FAST.inter.gbs, **SHAPES,
                 runs=[(s.describe(), p.name) for s, p in runs])
     (tmp_path / "spec.json").write_text(json.dumps(spec))
