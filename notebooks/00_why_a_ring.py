@@ -42,7 +42,8 @@ import tracemalloc
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
+from matplotlib.lines import Line2D
+from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Patch, Rectangle
 
 from model import attention as model_attention
 from model import recipe, transformer
@@ -389,9 +390,9 @@ fig.suptitle("What each device holds before and after a collective (colour: the 
 plt.show()
 
 # %% [markdown]
-# All four schemes run here (`scheme=`), and the project's cost model
-# (`reference.scheme_cost`) counts, per device, the K/V bytes each holds and the bytes each
-# sends, byte for byte as the runs' traces record them:
+# All four run here (`scheme=`; a fifth, the double ring, is for machines of nodes, below), and
+# the project's cost model (`reference.scheme_cost`) counts, per device, the K/V bytes each
+# holds and the bytes each sends, byte for byte as the runs' traces record them:
 
 # %%
 from reference.scheme_cost import predict_scheme
@@ -478,7 +479,8 @@ assert table["ring", 32]["held"] * 3.99 < held_ag                          # two
 for Hkv in KV_HEADS:
     ring, gather, ulysses = (table[label, Hkv] for label in ("ring", "all_gather", "ulysses (u=8)"))
     assert ring["forward"] == gather["forward"]                  # the same blocks, moved once
-    assert ring["exposed"] == 0 and gather["exposed"] == gather["step"] and ulysses["exposed"] == ulysses["step"]
+    assert gather["exposed"] == gather["step"] and ulysses["exposed"] == ulysses["step"]
+    assert ring["exposed"] * GiB == 2 * c7 * Hkv * D7 * 4        # only dK, dV's last hop home (float32)
 assert abs(table["ring", 8]["held"] - 0.25) < 0.01 and abs(table["ring", 8]["forward"] - 0.88) < 0.01
 assert abs(table["ring", 32]["step"] - 15.0) < 0.01 and abs(table["ulysses (u=8)", 32]["step"] - 2.63) < 0.01
 
@@ -517,7 +519,8 @@ assert abs((lambda b: (b["Q"] + b["O"]) / sum(b.values()))(ulysses_forward_bytes
 # - **The ring** holds two blocks (1 GiB, or 0.25 GiB with GQA), whatever `N`, and sends each
 #   block while the device computes on another; it hides a transfer when a round's compute
 #   outlasts it (notebook 4 works out when). Per training step it sends the most: 15 GiB, as
-#   `dK, dV` travel round the ring in float32 beside `K, V`.
+#   `dK, dV` travel round the ring in float32 beside `K, V`. Only their last hop, home to the
+#   block's owner after the last tile, has no compute left to hide behind: 1 GiB exposed.
 # - **Ulysses** holds and sends least here (2.6 GiB a step), but all of it exposed; in the
 #   forward half of it is `Q` and `O` (80% with GQA, where `K, V` are small), in the backward
 #   `Q, O, dO, dQ` are four of its seven arrays. It spreads heads: with 32 heads it
@@ -555,24 +558,275 @@ for Hkv in KV_HEADS:
 ring_fwd, ring_bwd = costs[32]["ring"]
 assert ring_fwd.seconds(LINK, RATE) == ring_fwd.seconds(float("inf"), RATE)    # the forward's blocks hide
 assert ring_bwd.seconds(LINK, RATE) > ring_bwd.seconds(float("inf"), RATE)     # the backward's do not, quite
-assert all(costs[8]["ring"][b].seconds(LINK, RATE) == costs[8]["ring"][b].seconds(float("inf"), RATE) for b in (0, 1))
+hop_home = {Hkv: 2 * c7 * Hkv * D7 * 4 / LINK for Hkv in KV_HEADS}             # the last dK, dV (float32), s
+assert (round(hop_home[32] * 1e3), round(hop_home[8] * 1e3)) == (43, 11)
+last = ring_bwd.round_seconds(LINK, RATE)[-1] - ring_bwd.round_seconds(float("inf"), RATE)[-1]
+assert np.isclose(last, hop_home[32])                                         # exposed: no compute after it
+ring8_fwd, ring8_bwd = costs[8]["ring"]
+assert ring8_fwd.seconds(LINK, RATE) == ring8_fwd.seconds(float("inf"), RATE)
+assert np.isclose(ring8_bwd.seconds(LINK, RATE) - ring8_bwd.seconds(float("inf"), RATE), hop_home[8])
 compute_only = {label: sum(c.seconds(float("inf"), RATE) for c in pair) for label, pair in costs[32].items()}
 assert 0.85 < compute_only["ulysses (u=8)"] / compute_only["ring"] < 0.95   # a tenth less compute
 
 # %% [markdown]
-# At this size the ring's forward hides every block; its backward, sending 1.5 GiB a round
-# with 32 K/V heads, waits a little on this link, and with 8 K/V heads hides everything. The
-# all-gather pays for all its bytes on top of the compute, and Ulysses for its (fewer) ones.
+# At this size the ring's forward hides every block. Its backward, sending 1.5 GiB a round
+# with 32 K/V heads, waits a little in each round on this link, and 43 ms for the last `dK, dV`
+# hop home, which no compute follows; with 8 K/V heads it hides every round's transfers and
+# waits only for that last hop (11 ms). The all-gather pays for all its bytes on top of the
+# compute, and Ulysses for its (fewer) ones.
 # Ulysses also computes a tenth less here: each device attends its heads over one causal
 # triangle of the whole sequence, whose masked diagonal tiles it pays once, where the striped
-# ring pays a diagonal band in every round (notebook 4). One link for every transfer is the
-# simplest machine: real ones have fast links inside a node and slower ones between nodes,
-# and a scheme's time then depends on which of its transfers cross which.
+# ring pays a diagonal band in every round (notebook 4).
 # `python -m reference.cost --scheme all` prints the same table for any shape, link and
 # compute rate. Other people's Ulysses and USP (Ulysses x ring) implementations are checked
 # against this project's oracle by its conformance kit:
 # `conformance/CONFORMANCE.md` lists what each gave, and `conformance/pages/yunchang.md`
-# the Ulysses and USP rings of one of them.
+# the Ulysses and USP rings of one of them. One link for every transfer is the simplest
+# machine: real ones have fast links inside a node and slower ones between nodes, and a
+# scheme's time then depends on which of its transfers cross which.
+
+# %% [markdown]
+# ## Two links: inside a node, between nodes
+#
+# A cluster's devices sit in nodes, and each device has two links: one to the devices of its
+# own node (an H100 node's NVLink: 450 GB/s a direction between any two of its 8 GPUs) and one
+# to the other nodes (a network port a GPU: 50 GB/s for InfiniBand NDR's 400 Gb/s, 25 for
+# HDR's 200). `reference.topology` describes such a machine, ranks per node and each link's
+# bandwidth and latency, and names a few, the source of every figure in its file:
+
+# %%
+import inspect
+
+from reference.scheme_cost import candidates, choose, key_seconds, placed
+from reference.topology import MACHINES, Link, Machine, crossings, placements
+
+for name in ("h100-ndr", "h100-hdr"):
+    print(MACHINES[name].describe(16))
+print(inspect.getsource(crossings))
+
+# %% [markdown]
+# A message between two ranks of one node crosses the first link; between nodes, the second.
+# Which of a scheme's messages cross depends on where its ranks run, its *placement*: scheme
+# rank `g` on machine rank `order[g]`, machine rank `m` on node `m // R` (`R` ranks a node).
+# Every scheme runs *in order* (`order[g] = g`): the ring goes from node to node, and a Ulysses
+# group of `u` consecutive ranks sits inside one node when `u` divides `R`. USP also runs
+# *ring-in-nodes*: each of its rings inside a node, each Ulysses group across the nodes. And a
+# fifth scheme is made for two links, the **double ring** (LoongTrain, Gu et al. 2024,
+# arXiv:2406.18485; `scheme="double_ring", ring_inner=w`): the ring's rounds run on an inner
+# ring of `w` consecutive ranks (a node's), while each block bound for the next group travels
+# on an outer ring, with `w` rounds of compute to hide behind. Its results are the ring's.
+#
+# Drawn for four ranks on two nodes of two: the messages of one forward pass of each scheme,
+# as the cost model lists them (`SchemeCost.moves`: each message's sender, receiver, bytes,
+# and whether compute overlaps it), between the ranks where they run. `g0 .. g3` are the
+# scheme's ranks; blue arrows stay inside a node, red ones cross; dashed ones are exposed.
+
+# %%
+LINK_COLORS = {"intra": COLORS[0], "inter": COLORS[3]}            # inside a node, between nodes
+h100 = MACHINES["h100-hdr"]
+toy = Machine(2, h100.intra, h100.inter)                          # 2 nodes of 2 ranks
+SPOT = {0: (0, 1), 1: (0, 0), 2: (1.6, 0), 3: (1.6, 1)}           # machine rank -> where it is drawn
+
+
+def forward_pairs(scheme, placement):
+    """{(machine rank from, to): (bytes, exposed)}: the forward messages of `scheme` on the S4
+    tokens above, its ranks placed by `placement`."""
+    moves = predict_scheme(scheme, S4, "striped", B=1, Hq=H4, Hkv=H4, D=D4, dtype=np.float64).moves
+    order = np.asarray(placement.order)
+    pairs = {}
+    for a, b, nbytes, exposed in zip(order[moves.src].tolist(), order[moves.dst].tolist(), moves.nbytes.tolist(),
+                                     moves.exposed.tolist()):
+        total, was = pairs.get((a, b), (0, exposed))
+        assert was == exposed                            # a pair's messages: all exposed, or none
+        pairs[a, b] = (total + nbytes, exposed)
+    return pairs
+
+
+def draw_links(ax, title, placement, pairs, widest):
+    """Two node boxes, scheme rank g drawn where it runs, an arrow per pair that sends."""
+    for node in range(2):
+        ax.add_patch(FancyBboxPatch((1.6 * node - 0.35, -0.35), 0.7, 1.7, boxstyle="round,pad=0.02",
+                                    facecolor="0.95", edgecolor="0.6"))
+        ax.text(1.6 * node, 1.5, f"node {node}", ha="center", fontsize=8)
+    for g, m in enumerate(placement.order):
+        ax.add_patch(Circle(SPOT[m], 0.16, facecolor="white", edgecolor="0.3", zorder=4))
+        ax.text(*SPOT[m], f"g{g}", ha="center", va="center", fontsize=8, zorder=5)
+    for (a, b), (nbytes, exposed) in pairs.items():
+        ax.add_patch(FancyArrowPatch(SPOT[a], SPOT[b], connectionstyle="arc3,rad=0.18", arrowstyle="-|>",
+                                     mutation_scale=10, shrinkA=12, shrinkB=12, lw=0.8 + 3 * nbytes / widest,
+                                     ls="--" if exposed else "-", color=LINK_COLORS[toy.link(a, b)], zorder=3))
+    ax.set_xlim(-0.5, 2.1)
+    ax.set_ylim(-0.5, 1.7)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title, fontsize=9)
+
+
+toy_plans = {(s.label, p.name): (s, p) for s in candidates(N4, H4, H4) for p in placements(s, toy)}
+toy_pairs = {key: forward_pairs(s, p) for key, (s, p) in toy_plans.items()}
+widest = max(nbytes for pairs in toy_pairs.values() for nbytes, _ in pairs.values())
+fig, axes = plt.subplots(2, 3, figsize=(9, 6.2), layout="constrained")
+for ax, (key, (s, p)) in zip(axes.ravel(), toy_plans.items()):
+    draw_links(ax, ", ".join(key), p, toy_pairs[key], widest)
+fig.legend(handles=[Line2D([], [], color=LINK_COLORS["intra"], lw=2, label="inside a node"),
+                    Line2D([], [], color=LINK_COLORS["inter"], lw=2, label="between nodes"),
+                    Line2D([], [], color="0.3", lw=2, ls="--", label="exposed (no compute overlaps it)")],
+           loc="outside lower center", ncol=3, fontsize=8)
+fig.suptitle("One forward pass on 2 nodes of 2 ranks: who sends to whom, over which link (width: bytes)",
+             fontsize=10)
+plt.show()
+
+# %% [markdown]
+# What the picture shows, checked: the ring in order crosses nodes in 2 of its 4 shifts, and
+# rank `g1` sends every block it passes on across; the all-gather sends over the same pairs,
+# exposed; USP in order keeps its all-to-all (exposed) inside the nodes and sends its ring
+# across, and ring-in-nodes does the opposite; 8 of Ulysses' 12 pairs cross; the double ring
+# sends each rank's three blocks of the pass two inside its node and one across.
+
+# %%
+def link_of(pairs):
+    return {pair: toy.link(*pair) for pair in pairs}
+
+
+block4 = toy_pairs["ring", "in-order"][0, 1][0] // (N4 - 1)               # one K/V block, with its positions
+assert list(link_of(toy_pairs["ring", "in-order"]).values()).count("inter") == 2
+assert link_of(toy_pairs["ring", "in-order"])[1, 2] == "inter"              # g1 -> g2: all 3 of g1's blocks
+all_gather_pairs = toy_pairs["all_gather", "in-order"]
+assert all_gather_pairs.keys() == toy_pairs["ring", "in-order"].keys() and all(e for _, e in all_gather_pairs.values())
+for placement, all_to_all_link, ring_link in (("in-order", "intra", "inter"), ("ring-in-nodes", "inter", "intra")):
+    pairs = toy_pairs["usp (u=2)", placement]
+    assert all(toy.link(*pair) == (all_to_all_link if exposed else ring_link) for pair, (_, exposed) in pairs.items())
+assert list(link_of(toy_pairs["ulysses (u=4)", "in-order"]).values()).count("inter") == 8
+for a in range(N4):
+    sent = {link: sum(nbytes for (src, dst), (nbytes, _) in toy_pairs["double_ring (w=2)", "in-order"].items()
+                      if src == a and toy.link(src, dst) == link) for link in LINK_COLORS}
+    assert sent == {"intra": 2 * block4, "inter": block4}
+
+# %% [markdown]
+# ### At size: 16 H100s, two nodes of eight
+#
+# Llama 3 8B's attention (32 query heads, 8 K/V heads of 128), 64k tokens over 16 GPUs (4096
+# each), tiles of 1024, 400 TFLOP/s of attention a GPU: every scheme the heads allow
+# (`candidates`), in each of its placements (`placed`). For each, the most bytes any rank sends
+# over each link in a forward and a backward pass (`SchemeCost.link_bytes`), and the predicted
+# time of the two passes (`SchemeCost.seconds`: per round, the busiest rank's compute or its
+# slowest overlapped link, whichever is longer, plus what is exposed) between nodes of NDR, of
+# HDR, and of slower links. `python -m reference.cost --scheme all --machine h100-hdr
+# --n-devices 16 --seq-len 65536 --tile-size 1024` prints the same rows.
+
+# %%
+S16, N16, HKV16, TILE16 = 65536, 16, 8, 1024
+RATE16 = h100.tflops * 1e12                                   # attention FLOP/s a GPU
+costs16 = {s: tuple(predict_scheme(s, S16, "striped", B=1, Hq=H7, Hkv=HKV16, D=D7, dtype="float16",
+                                   tile_size=TILE16, backward=backward) for backward in (False, True))
+           for s in candidates(N16, H7, HKV16)}
+plans16 = placed(costs16, h100)                               # {(Scheme, Placement): (forward, backward)}
+
+
+def with_inter(gbs):
+    """The H100 nodes of 8, with `gbs` GB/s a direction between nodes."""
+    return Machine(8, h100.intra, Link(gbs, h100.inter.latency_us), name=f"{gbs:g} GB/s between nodes")
+
+
+def on_links(pair, machine, placement):
+    """{link: GiB}: the most any rank sends over each link, forward and backward."""
+    return {name: sum(c.link_bytes(machine, placement)[name].sum(axis=0) for c in pair).max() / GiB
+            for name in LINK_COLORS}
+
+
+machines16 = {"h100-ndr": MACHINES["h100-ndr"], "h100-hdr": h100, "12.5 GB/s": with_inter(12.5),
+              "3 GB/s": with_inter(3)}
+ms16 = {name: {key: key_seconds(key, pair, m, RATE16) * 1e3 for key, pair in plans16.items()}
+        for name, m in machines16.items()}
+links16 = {key: on_links(pair, h100, key[1]) for key, pair in plans16.items()}
+print(f"{'scheme':<18} {'placement':<14} {'intra GiB':>9} {'inter GiB':>9}"
+      + "".join(f"{name:>10}" for name in machines16) + "   (ms, forward + backward)")
+for (s, p), on in links16.items():
+    print(f"{s.label:<18} {p.name:<14} {on['intra']:>9.2f} {on['inter']:>9.2f}"
+          + "".join(f"{ms16[name][s, p]:>10.1f}" for name in machines16))
+chosen16 = {name: choose(plans16, m, RATE16) for name, m in machines16.items()}
+for name, (s, p) in chosen16.items():
+    print(f"choice, {name}: {s.label}, {p.name}")
+
+inter_gbs = np.geomspace(3, 450, 13)                          # from 3 GB/s to the node's own 450
+swept = {key: np.array([key_seconds(key, pair, with_inter(g), RATE16) for g in inter_gbs]) * 1e3
+         for key, pair in plans16.items()}
+picked = [min(plans16, key=lambda key: swept[key][i]) for i in range(len(inter_gbs))]
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+labels16 = [f"{s.label}, {p.name}" for s, p in plans16]
+y = np.arange(len(labels16))
+for offset, link, words in ((-0.2, "intra", "inside a node"), (0.2, "inter", "between nodes")):
+    axes[0].barh(y + offset, [links16[key][link] for key in plans16], 0.4, color=LINK_COLORS[link], label=words)
+axes[0].set_yticks(y, labels16, fontsize=7)
+axes[0].invert_yaxis()
+axes[0].set_xlabel("GiB, the most one rank sends over the link (forward + backward)")
+axes[0].set_title("Bytes on each link, 2 nodes of 8", fontsize=10)
+axes[0].legend(fontsize=7)
+drawn = [key for key in plans16 if (key[0].label, key[1].name) in
+         {("ring", "in-order"), ("double_ring (w=8)", "in-order"), ("ulysses (u=16)", "in-order"),
+          ("usp (u=8)", "in-order"), ("usp (u=8)", "ring-in-nodes")}]
+for key, color in zip(drawn, COLORS + ["0.4"]):
+    axes[1].plot(inter_gbs, swept[key], "o-" if key[1].name == "in-order" else "o:", ms=3, color=color,
+                 label=f"{key[0].label}, {key[1].name}")
+for name in ("h100-hdr", "h100-ndr"):
+    axes[1].axvline(MACHINES[name].inter.gbs, color="0.6", lw=0.8)
+    axes[1].text(MACHINES[name].inter.gbs * 1.05, 55, name, rotation=90, fontsize=7, va="bottom")
+axes[1].plot(inter_gbs, [swept[key][i] for i, key in enumerate(picked)], "o", ms=9, mfc="none", mec="k",
+             label="the model's choice")
+axes[1].set_xscale("log")
+axes[1].set_yscale("log")
+axes[1].set_xticks([3, 6, 12.5, 25, 50, 100, 200, 450], ["3", "6", "12.5", "25", "50", "100", "200", "450"])
+axes[1].set_yticks([20, 30, 50, 100, 200, 300], ["20", "30", "50", "100", "200", "300"])
+axes[1].minorticks_off()
+axes[1].set_xlabel("link between nodes, GB/s a direction")
+axes[1].set_ylabel("predicted forward + backward, ms")
+axes[1].set_title("Time as the link between nodes slows", fontsize=10)
+axes[1].legend(fontsize=7)
+axes[1].grid(alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# What the model says at this size, checked below:
+#
+# - **Ulysses** over all 16 computes least (19.5 ms of compute alone, the ring 24.1: one causal
+#   triangle per head, where the striped ring pays a masked band every round, notebook 4), but
+#   its all-to-all, exposed, crosses nodes. It is the choice only at the right of the plot,
+#   from 195 GB/s between nodes among the points drawn (four times NDR's 50).
+# - Below that, **USP with Ulysses groups of 8, in order**, is the choice: the all-to-all stays
+#   inside each node, and between nodes go only the blocks of its ring of two (at most 0.09
+#   GiB from a rank, against 0.21 inside): 21.0 ms at NDR, 21.7 at HDR. This is how
+#   Megatron-LM's hierarchical context parallelism (`a2a+p2p`) places the two. Placed
+#   ring-in-nodes, the same scheme sends its all-to-all across, and takes 22.5 and 25.0 ms.
+# - **The ring** in order sends all that ranks 7 and 15 pass on to the next node (0.97 GiB,
+#   blocks and their `dK, dV`): at NDR the compute hides it but for the last hop home (24.7 ms,
+#   its compute alone 24.1), at HDR it does not (42.6 ms). **The double ring** (`w = 8`) sends a tenth of that between
+#   nodes, each block with 8 rounds to cross in: 25.7 ms at HDR. Both compute a fifth more than
+#   USP here, so neither is picked.
+# - **The all-gather** exposes every byte: 44.4 ms at NDR, 64.6 at HDR.
+
+# %%
+key16 = {(s.label, p.name): (s, p) for s, p in plans16}
+ring16, double16, ulysses16 = (key16[label, "in-order"] for label in ("ring", "double_ring (w=8)", "ulysses (u=16)"))
+usp_inside, usp_across = key16["usp (u=8)", "in-order"], key16["usp (u=8)", "ring-in-nodes"]
+alone16 = {key: key_seconds(key, pair, Machine.one_link(float("inf")), RATE16) * 1e3     # compute alone
+           for key, pair in plans16.items()}
+ndr, hdr = ms16["h100-ndr"], ms16["h100-hdr"]
+for name in machines16:
+    assert chosen16[name] == usp_inside and ms16[name][usp_inside] < ms16[name][usp_across]
+ulysses_from = min(g for g, key in zip(inter_gbs, picked) if key == ulysses16)
+assert round(ulysses_from) == 195 and all(key == (ulysses16 if g >= ulysses_from else usp_inside)
+                                          for g, key in zip(inter_gbs, picked))
+assert min(alone16, key=alone16.get) == ulysses16 and 1.19 < alone16[ring16] / alone16[usp_inside] < 1.23
+assert links16[usp_inside]["intra"] > 2 * links16[usp_inside]["inter"]
+assert links16[ring16]["inter"] > 10 * links16[double16]["inter"] and alone16[double16] == alone16[ring16]
+ring_next = (np.arange(N16) + 1) % N16                                     # the ring: g sends to g + 1
+assert np.flatnonzero(crossings(np.arange(N16), ring_next, h100, range(N16))).tolist() == [7, 15]
+assert ndr[ring16] < 1.03 * alone16[ring16] and hdr[ring16] > 1.7 * alone16[ring16]
+assert hdr[double16] < 1.07 * alone16[double16] and ulysses16 not in (chosen16["h100-ndr"], chosen16["h100-hdr"])
+assert all(ms16[name][key16["all_gather", "in-order"]] == max(ms16[name].values()) for name in machines16)
+print({label: round(alone16[key], 1) for label, key in (("ulysses", ulysses16), ("usp (u=8)", usp_inside),
+                                                        ("ring", ring16))}, "ms of compute alone")
 
 # %% [markdown]
 # ## The ring, drawn
@@ -669,7 +923,12 @@ print("busiest device per round, contiguous:", cont.max(axis=1), " striped:", st
 #    `S`, 32 K/V heads): for the ring, and for Ulysses. Then set `N_TRY = 16` and run.
 # 4. The ring on `N` devices sends each device's block to every other device once. What
 #    fraction of one layer's `K` and `V` does one device send in a forward pass, as `N` grows?
-# 5. Write it: Ulysses' first all-to-all, `my_to_heads(shards)`. `shards` are the `N` devices'
+# 5. The 16 GPUs and the attention of *At size* above, on nodes of 4 instead of 8 (four
+#    nodes, HDR between them: `Machine(4, h100.intra, h100.inter)`): which scheme and placement
+#    does the model pick, and which link carries more of its bytes (the most one rank sends
+#    over each, as the bars count them)? Then check with `python -m reference.cost --scheme all
+#    --machine h100-hdr --ranks-per-node 4 --n-devices 16 --seq-len 65536 --tile-size 1024`.
+# 6. Write it: Ulysses' first all-to-all, `my_to_heads(shards)`. `shards` are the `N` devices'
 #    arrays `(B, S / N, H, D)`, device `j` holding tokens `j S / N .. (j + 1) S / N - 1` (the
 #    contiguous layout) of every head; return the `N` arrays `(B, S, H / N, D)` that the devices
 #    hold after it, device `i` holding head group `i` (heads `i H / N ..`) of every token, in
@@ -722,8 +981,18 @@ for n in (4, 8):
                        B=1, Hq=H7, Hkv=H7, D=D7, dtype="float16", tile_size=4096).totals()
     assert abs(t["bytes_sent"] / whole_kv - answer_4(n)) < 0.01
 
+# 5. Ulysses groups of a node's 4 ranks keep the all-to-all on NVLink; in order, rank g's ring group
+#    is g, g + 4, g + 8, g + 12 (mod 16), one rank a node, so every block of its ring crosses:
+#    usp (u=4), in-order, with more bytes between nodes (0.22 GiB) than inside (0.18)
+answer_5 = ("usp (u=4)", "in-order", "inter")
+quad = Machine(4, h100.intra, h100.inter)                      # 4 nodes of 4
+s5, p5 = choose(placed(costs16, quad), quad, RATE16)
+on5 = on_links(costs16[s5], quad, p5)
+assert (s5.label, p5.name, max(on5, key=on5.get)) == answer_5
+assert (round(on5["inter"], 2), round(on5["intra"], 2)) == (0.22, 0.18)
 
-# 5. cut each device's array into N head groups; device i takes group i of every device, in order
+
+# 6. cut each device's array into N head groups; device i takes group i of every device, in order
 def my_to_heads(shards):
     groups = [np.split(x, len(shards), axis=2) for x in shards]           # groups[j][i]: (B, S / N, H / N, D)
     return [np.concatenate([groups[j][i] for j in range(len(shards))], axis=1) for i in range(len(shards))]
@@ -752,8 +1021,9 @@ print("my_to_heads is Ulysses' all-to-all:", check_to_heads(my_to_heads))
 # them all holds one layer's keys and values at a time and exposes its transfers, Ulysses
 # trades the sequence for heads and moves least (`Q` and `O` included) but all of it
 # exposed, and passing them around a ring holds two blocks and hides its transfers behind
-# the compute, while sending the most. A round
-# lasts as long as its busiest device, and under contiguous blocks that device has a full
-# block while others idle: the rest of these notebooks is about that imbalance and how
-# striping removes it. Next, `01_attention_and_online_softmax`: why one block at a time
-# gives the exact answer.
+# the compute (all but the backward's last hop home), while sending the most. On nodes, which
+# link each transfer crosses decides as much: the model puts the exposed all-to-all inside a
+# node and lets the ring's blocks cross between nodes behind the compute. A round lasts as
+# long as its busiest device, and under contiguous blocks that device has a full block while
+# others idle: the rest of these notebooks is about that imbalance and how striping removes
+# it. Next, `01_attention_and_online_softmax`: why one block at a time gives the exact answer.
