@@ -179,6 +179,18 @@ def test_placements_are_the_ones_that_differ():
         fwd.seconds(fast_inside, 1e9, Placement("mine", (0, 0, 1, 2)))
 
 
+
+def test_ring_in_nodes_puts_each_ring_group_on_one_nodes_ranks_in_ring_order():
+    """USP u = 2 on 2 nodes of 4: ring groups (0, 2, 4, 6) and (1, 3, 5, 7) on
+    machine ranks 0..3 and 4..7 in ring order, each Ulysses pair across the
+    nodes (on 4 ranks the order is its own inverse; on 8 it is not)."""
+    usp = Scheme.checked("usp", 2, n_devices=8, Hq=8, Hkv=8)
+    across = topology.placement(usp, Machine(4, FREE, SLOW), "ring-in-nodes")
+    assert across.order == (0, 4, 1, 5, 2, 6, 3, 7)
+    for g in range(8):
+        assert [across.order[h] for h in usp.ring_group(g)] == list(range(g % 2 * 4, g % 2 * 4 + 4))
+        assert {across.order[h] // 4 for h in usp.ulysses_group(g)} == {0, 1}
+
 @pytest.mark.parametrize("make, words", [
     (lambda: Link(0.0), "bandwidth must be a number of GB/s above 0"),
     (lambda: Link(float("nan")), "bandwidth must be"),
