@@ -137,6 +137,23 @@ def test_the_hop_home_and_the_all_to_all_after_it_go_one_after_the_other():
     assert bwd.round_seconds(machine, NO_COMPUTE).tolist() == pytest.approx([11.0, 21.0])
 
 
+
+def test_a_round_lasts_what_its_busiest_device_does_not_the_worst_of_each_apart():
+    """The ring's backward on nodes of 3 (ranks 0..2, and 3), 1 s of latency
+    between nodes: ranks 3, 0 and 2 move bytes across in every round, and in
+    the last their hop home after it (1 s + 1 s); rank 1 moves inside its node
+    only and computes 10 s a round. Each round lasts 10 s: no device is busy
+    for rank 1's compute and rank 0's exposed hop together."""
+    ring = Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
+    bwd = scheme_cost.predict_scheme(ring, 256, "striped", backward=True, **SHAPE)
+    machine = Machine(3, FREE, Link(float("inf"), latency_us=1e6))
+    assert bwd.round_seconds(machine, NO_COMPUTE).tolist() == pytest.approx([1.0, 1.0, 1.0, 2.0])
+
+    class RankOneComputes:
+        def seconds(self, cost):
+            return np.broadcast_to([0.0, 10.0, 0.0, 0.0], cost.kv_bytes.shape)
+    assert bwd.round_seconds(machine, RankOneComputes()).tolist() == pytest.approx([10.0] * 4)
+
 def test_compute_is_a_rate_or_an_object_that_says_each_rounds_seconds():
     ring = Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
     fwd = scheme_cost.predict_scheme(ring, 256, "striped", **SHAPE)
