@@ -1,19 +1,23 @@
 """The communicators a scheme splits (`mpi_impl.groups`), with a stand-in
 communicator that records each Split: the ring group of rank g holds the ranks
 of its g % u in the order of g // u, the Ulysses group the ranks of its g // u
-in the order of g % u; both are freed however the call ends; the all-to-all
-takes one piece per group rank, no more, no fewer.
+in the order of g % u; both are freed however the call ends; the double
+ring's three splits hold the rings `reference.double_ring.groups` names in
+their order; a placed communicator's rank g is machine rank order[g]; the
+all-to-all takes one piece per group rank, no more, no fewer.
 
     .venv/bin/python -m pytest tests/mpi/test_groups.py -q
 """
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from mpi_impl.groups import AllToAll, scheme_comms
+from mpi_impl.groups import AllToAll, placed, scheme_comms
 from reference.schemes import Scheme
+from reference.topology import Placement
 
 
 class Sub:
@@ -76,6 +80,44 @@ def test_each_rank_is_in_the_ring_and_ulysses_groups_the_scheme_names_in_their_o
         assert tuple(h for _, h in ring) == scheme.ring_group(g) and ring_key == g // u
         ulysses = sorted((k, h) for h, (_, (c, k)) in found.items() if c == ulysses_color)
         assert tuple(h for _, h in ulysses) == scheme.ulysses_group(g) and ulysses_key == g % u
+
+
+@contextmanager
+def one_rank(comm):
+    yield SimpleNamespace(rank=0, size=1)      # what DoubleRing reads of a ring
+
+
+@pytest.mark.parametrize("n, w", [(6, 3), (8, 4)])
+def test_each_rank_is_in_the_double_rings_three_rings_in_their_order(n, w):
+    """Each of the three splits (inner, outer, home) puts the rank in the ring
+    `reference.double_ring.groups` names, at its place in the ring's order:
+    the ring dK, dV take home runs (0, 4, 2, 3, 1, 5) on 6 ranks of groups of 3,
+    not in the order of the world's ranks."""
+    scheme = Scheme.checked("double_ring", n_devices=n, Hq=2, Hkv=2, ring_inner=w)
+    found = {}
+    for g in range(n):
+        world = World(g, n)
+        with scheme_comms(world, scheme, one_rank):
+            pass
+        found[g] = [(s.color, s.key) for s in world.splits]
+        assert len(found[g]) == 3 and all(s.freed for s in world.splits)
+    for g in range(n):
+        for k, members in enumerate(scheme.double_ring_groups(g)):
+            color = found[g][k][0]
+            ring = sorted((found[h][k][1], h) for h in range(n) if found[h][k][0] == color)
+            assert tuple(h for _, h in ring) == members, (g, k)
+
+
+def test_a_placed_communicators_rank_g_is_the_machine_rank_its_order_names():
+    """USP u = 2 ring-in-nodes on 8 ranks: scheme rank g on machine rank
+    order[g], an order that is not its own inverse (on 4 ranks it is)."""
+    order = (0, 4, 1, 5, 2, 6, 3, 7)
+    keys = {}
+    for m in range(8):
+        sub = placed(World(m, 8), Placement("ring-in-nodes", order))
+        assert sub.color == 0
+        keys[m] = sub.key
+    assert tuple(sorted(range(8), key=keys.get)) == order
 
 
 @pytest.mark.parametrize("fails", [False, True])

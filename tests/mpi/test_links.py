@@ -16,6 +16,7 @@ bytes per link are the cost model's, byte for byte.
     .venv/bin/python -m pytest tests/mpi/test_links.py -q
 """
 
+import functools
 import json
 
 import numpy as np
@@ -54,11 +55,12 @@ def test_a_links_messages_queue_behind_each_other_and_the_other_link_is_free(mon
     clock = Clock(100.0)
     monkeypatch.setattr(links_module.time, "monotonic", clock.monotonic)
     rank0 = EmulatedLinks(MACHINE, 0)
-    assert rank0.post("intra", 10 ** 9) == pytest.approx(101.0 + 10e-6)          # 1 s of bytes, then the latency
-    assert rank0.post("intra", 10 ** 9) == pytest.approx(102.0 + 10e-6)          # behind the first
-    assert rank0.post("inter", 10 ** 9) == pytest.approx(102.0 + 20e-6)          # its own link: from now
+    at = functools.partial(pytest.approx, abs=1e-9)         # a latency is microseconds: approx's 1e-6 of 100 s hides it
+    assert rank0.post("intra", 10 ** 9) == at(101.0 + 10e-6)          # 1 s of bytes, then the latency
+    assert rank0.post("intra", 10 ** 9) == at(102.0 + 10e-6)          # behind the first's bytes, not its latency
+    assert rank0.post("inter", 10 ** 9) == at(102.0 + 20e-6)          # its own link: from now
     clock.now = 105.0
-    assert rank0.post("intra", 5 * 10 ** 8) == pytest.approx(105.5 + 10e-6)      # idle since 102: from now
+    assert rank0.post("intra", 5 * 10 ** 8) == at(105.5 + 10e-6)      # idle since 102: from now
     view = LinkView(rank0, peers=(3, 0, 1, 2), me=1)                             # a communicator of its own order
     assert [view.link(i) for i in range(4)] == ["inter", "intra", "intra", "inter"]
 
@@ -68,7 +70,8 @@ def test_the_hold_sleeps_in_short_naps_testing_between_them(monkeypatch):
     monkeypatch.setattr(links_module.time, "monotonic", clock.monotonic)
     monkeypatch.setattr(links_module.time, "sleep", clock.sleep)
     hold_until(10.0105, lambda: tested.append(clock.now))
-    assert clock.now >= 10.0105 and max(clock.naps) <= links_module.HOLD_NAP_S and len(tested) == len(clock.naps)
+    assert clock.now == pytest.approx(10.0105, abs=1e-9)                        # the last nap ends at the time
+    assert max(clock.naps) <= links_module.HOLD_NAP_S and len(tested) == len(clock.naps)
     hold_until(5.0)                                                              # past: at once
     assert len(clock.naps) == len(tested)
 

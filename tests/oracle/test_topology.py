@@ -137,6 +137,23 @@ def test_the_hop_home_and_the_all_to_all_after_it_go_one_after_the_other():
     assert bwd.round_seconds(machine, NO_COMPUTE).tolist() == pytest.approx([11.0, 21.0])
 
 
+
+def test_a_round_lasts_what_its_busiest_device_does_not_the_worst_of_each_apart():
+    """The ring's backward on nodes of 3 (ranks 0..2, and 3), 1 s of latency
+    between nodes: ranks 3, 0 and 2 move bytes across in every round, and in
+    the last their hop home after it (1 s + 1 s); rank 1 moves inside its node
+    only and computes 10 s a round. Each round lasts 10 s: no device is busy
+    for rank 1's compute and rank 0's exposed hop together."""
+    ring = Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
+    bwd = scheme_cost.predict_scheme(ring, 256, "striped", backward=True, **SHAPE)
+    machine = Machine(3, FREE, Link(float("inf"), latency_us=1e6))
+    assert bwd.round_seconds(machine, NO_COMPUTE).tolist() == pytest.approx([1.0, 1.0, 1.0, 2.0])
+
+    class RankOneComputes:
+        def seconds(self, cost):
+            return np.broadcast_to([0.0, 10.0, 0.0, 0.0], cost.kv_bytes.shape)
+    assert bwd.round_seconds(machine, RankOneComputes()).tolist() == pytest.approx([10.0] * 4)
+
 def test_compute_is_a_rate_or_an_object_that_says_each_rounds_seconds():
     ring = Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4)
     fwd = scheme_cost.predict_scheme(ring, 256, "striped", **SHAPE)
@@ -178,6 +195,18 @@ def test_placements_are_the_ones_that_differ():
     with pytest.raises(ValueError, match=r"each once, got \[0, 0, 1, 2\]"):
         fwd.seconds(fast_inside, 1e9, Placement("mine", (0, 0, 1, 2)))
 
+
+
+def test_ring_in_nodes_puts_each_ring_group_on_one_nodes_ranks_in_ring_order():
+    """USP u = 2 on 2 nodes of 4: ring groups (0, 2, 4, 6) and (1, 3, 5, 7) on
+    machine ranks 0..3 and 4..7 in ring order, each Ulysses pair across the
+    nodes (on 4 ranks the order is its own inverse; on 8 it is not)."""
+    usp = Scheme.checked("usp", 2, n_devices=8, Hq=8, Hkv=8)
+    across = topology.placement(usp, Machine(4, FREE, SLOW), "ring-in-nodes")
+    assert across.order == (0, 4, 1, 5, 2, 6, 3, 7)
+    for g in range(8):
+        assert [across.order[h] for h in usp.ring_group(g)] == list(range(g % 2 * 4, g % 2 * 4 + 4))
+        assert {across.order[h] // 4 for h in usp.ulysses_group(g)} == {0, 1}
 
 @pytest.mark.parametrize("make, words", [
     (lambda: Link(0.0), "bandwidth must be a number of GB/s above 0"),
