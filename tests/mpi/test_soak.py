@@ -4,9 +4,10 @@ forward and backward, every layout, masks on and off, on 4 ranks.
 A ring call that did not free the communicator it duplicated, or kept a
 buffer alive, would pass every other test; here, after a warm-up cycle, no
 duplicated communicator may stay open and Python's live memory may not grow
-over the last cycle (a leak of 512 bytes a call, the smallest shard's
-size here, is 18 KiB over its 36 calls; with no leak it grew 0.5 to 3.4 KiB). The long run (thousands of calls, where MPICH itself fails
-on a communicator leak) is `python -m bench.soak`.
+over the last cycle: a leak of 512 bytes a call (the smallest shard's size
+here) is 18 KiB over its 36 calls; with no leak a rank's grew 0.5 to 3.7 KiB
+(9 runs under MPICH and Open MPI). The long run (thousands of calls, where
+MPICH itself fails on a communicator leak) is `python -m bench.soak`.
 
     .venv/bin/python -m pytest tests/mpi/test_soak.py -q
 """
