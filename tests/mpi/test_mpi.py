@@ -116,17 +116,6 @@ def draw_cases(n, count):
     return list(dict.fromkeys(drawn))      # hypothesis may repeat an example
 
 
-@pytest.mark.parametrize("n", RANKS)
-def test_matches_reference(n, tmp_path):
-    """Random shapes, layouts, tiles, dtypes, causal or not: forward and backward
-    on n real ranks equal the dense reference."""
-    batch = draw_cases(n, CASES_PER_LAUNCH)
-    assert len(batch) >= CASES_PER_LAUNCH // 2, "hypothesis drew too few distinct cases"
-    results = run_batch(n, batch, tmp_path)
-    for i, case in enumerate(batch):
-        assert_case(case, results[i])
-
-
 def _case(layout, S, *, Hq=2, Hkv=2, D=4, tile_size=2, causal=True, dtype=np.float64, B=1, seed=0):
     return Case(layout=layout, n_devices=3, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, tile_size=tile_size,
                 causal=causal, scale=None, dtype=dtype, kind="gaussian", seed=seed)
@@ -148,10 +137,16 @@ ODD_CASES = [
 ]
 
 
-def test_odd_cases_on_three_ranks(tmp_path):
-    """N = 3 (not a power of two) with the corner cases named in ODD_CASES."""
-    results = run_batch(3, ODD_CASES, tmp_path)
-    for i, case in enumerate(ODD_CASES):
+@pytest.mark.parametrize("n", RANKS)
+def test_matches_reference(n, tmp_path):
+    """Random shapes, layouts, tiles, dtypes, causal or not: forward and backward
+    on n real ranks equal the dense reference; on N = 3 (not a power of two)
+    the corner cases named in ODD_CASES too, in the same launch."""
+    drawn = draw_cases(n, CASES_PER_LAUNCH)
+    assert len(drawn) >= CASES_PER_LAUNCH // 2, "hypothesis drew too few distinct cases"
+    batch = (ODD_CASES if n == 3 else []) + drawn
+    results = run_batch(n, batch, tmp_path)
+    for i, case in enumerate(batch):
         assert_case(case, results[i])
 
 

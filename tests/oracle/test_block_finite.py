@@ -63,4 +63,6 @@ def test_bfloat16_bits_are_finite_where_their_value_is():
     from reference.checks import BFLOAT16
     from reference.nonfinite import finite
     bits = np.arange(2 ** 16, dtype=np.uint16)
-    np.testing.assert_array_equal(finite(np, bits), np.isfinite(bits.view(BFLOAT16)))
+    with np.errstate(invalid="ignore"):         # ml_dtypes 0.6 flags the signalling NaNs' patterns
+        expected = np.isfinite(bits.view(BFLOAT16))
+    np.testing.assert_array_equal(finite(np, bits), expected)

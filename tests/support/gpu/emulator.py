@@ -145,6 +145,27 @@ def nvcc_cubin(text, options):
     return kept / "kernel.cubin", (kept / "ptxas.txt").read_text()
 
 
+def sass(cubin):
+    """`cuobjdump --dump-sass` of `cubin` (with nvdisasm), kept like the builds: each
+    session reads the same few megabytes of text instead of disassembling again.
+    None where either tool is missing."""
+    from bench.gpu_kernel import tool
+    dump, disassembler = tool("cuobjdump"), tool("nvdisasm")
+    if dump is None or disassembler is None:
+        return None
+
+    def disassemble_to(out):
+        out.mkdir()
+        proc = subprocess.run([dump, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S, env=dict(os.environ, NVDISASM_PATH=disassembler))
+        if proc.returncode != 0:
+            raise RuntimeError(f"cuobjdump fails:\n{proc.stderr[-4000:]}")
+        (out / "kernel.sass").write_text(proc.stdout)
+    cubin_hash = hashlib.sha256(Path(cubin).read_bytes()).hexdigest()
+    kept = _kept("sass", [cubin_hash, _version(dump), _version(disassembler)], disassemble_to)
+    return (kept / "kernel.sass").read_text()
+
+
 def load(lib):
     """The library, its functions typed."""
     cdll = ctypes.CDLL(str(lib))
