@@ -189,7 +189,7 @@ def issue_ceiling(flops_per_pair, passes):
 
 def read_section():
     """The markdown of what nvcc makes of both versions, and the expectation."""
-    from gpu_impl import fused, fused_v2
+    from gpu_impl.steps import fused, fused_v2
     if tool("nvcc") is None:
         return "nvcc not found: the kernels were not compiled here.\n"
     rows = []
