@@ -34,37 +34,30 @@ count = at_least(1)             # sizes, devices, heads, repeats, threads
 natural = at_least(0)           # seeds, counts that may be 0
 
 
-def rate(text):
-    """An argparse type: a finite number above 0 (a bandwidth, a compute rate, memory, a step size)."""
+def _number(text, fits, wanted):
+    """float(text) if it is finite and `fits`, else the argparse error saying `wanted`."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    if not (math.isfinite(value) and fits(value)):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
     return value
+
+
+def rate(text):
+    """An argparse type: a finite number above 0 (a bandwidth, a compute rate, memory, a step size)."""
+    return _number(text, lambda x: x > 0, "a number above 0")
 
 
 def seconds(text):
     """An argparse type: a finite number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, 0 or more, got {text!r}")
-    return value
+    return _number(text, lambda x: x >= 0, "a number of seconds, 0 or more")
 
 
 def microseconds(text):
     """An argparse type: a finite number of microseconds, 0 or more (a latency)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a number of microseconds, 0 or more, got {text!r}")
-    return value
+    return _number(text, lambda x: x >= 0, "a number of microseconds, 0 or more")
 
 
 def output_problem(option, path):

@@ -18,6 +18,7 @@ import pytest
 from mpi_impl.groups import AllToAll, placed, scheme_comms
 from reference.schemes import Scheme
 from reference.topology import Placement
+from strict_comm import Pairs
 
 
 class Sub:
@@ -135,22 +136,6 @@ def test_the_ring_alone_splits_nothing():
     with scheme_comms(world, Scheme.checked("ring", None, n_devices=4, Hq=4, Hkv=4), ring_on) as comms:
         assert comms.ring == ("ring on", world) and comms.ulysses is None
     assert world.splits == []
-
-
-class Pairs:
-    """A 2-rank Ulysses group for rank 0 whose partner sent `theirs`."""
-    def __init__(self, theirs):
-        self.theirs = theirs
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 2
-
-    def Alltoall(self, send, received):
-        half = len(send) // 2               # the bytes of piece i go to rank i
-        received[:half], received[half:] = send[:half], self.theirs
 
 
 @pytest.mark.parametrize("count", [1, 3])

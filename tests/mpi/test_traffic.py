@@ -23,7 +23,7 @@ from reference.double_ring import DoubleRing
 from reference.masks import CAUSAL
 from reference.scheme_cost import predict_scheme
 from reference.schemes import Scheme
-from strict_comm import CheckingMPI, World, run_threads
+from strict_comm import CheckingMPI, Pairs, World, run_threads
 
 MOVED = ("bytes_sent", "bytes_received", "kv_bytes")
 
@@ -54,22 +54,6 @@ def test_ring_comm_counts_what_the_cost_model_predicts(n, dtype):
             for name in MOVED:
                 np.testing.assert_array_equal(getattr(log, name), getattr(want, name)[:, j],
                                               err_msg=f"{name}, rank {j}, {'backward' if backward else 'forward'}")
-
-
-class Pairs:
-    """Rank 0 of a group of two, whose partner sends `theirs` (bytes)."""
-    def __init__(self, theirs):
-        self.theirs = theirs
-
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 2
-
-    def Alltoall(self, send, received):
-        half = len(send) // 2
-        received[:half], received[half:] = send[:half], self.theirs
 
 
 def test_the_all_to_all_counts_the_pieces_it_trades_not_its_own():

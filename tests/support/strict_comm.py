@@ -23,7 +23,8 @@ rendezvous protocol, a message's bytes are read from the sender's buffer when
 the receive completes, and only then does the send complete. `CheckingMPI`
 adds the checks for `mpi_impl.RingComm`: a send buffer must be unchanged until
 its send completes, a receive may not be posted into the buffer of a send not
-yet complete, and every send must complete (`incomplete()`).
+yet complete, and every send must complete (`incomplete()`). `Pairs` is a
+Ulysses group of two seen from rank 0, its partner's bytes given.
 
     results = run_threads(3, lambda rank, world: work(rank, StrictRing(rank, world)))
 
@@ -515,3 +516,19 @@ class _Scripted:
             return done[0]
         requests[0].Wait()
         return 0
+
+
+class Pairs:
+    """A 2-rank Ulysses group for rank 0 whose partner sent `theirs`."""
+    def __init__(self, theirs):
+        self.theirs = theirs
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Alltoall(self, send, received):
+        half = len(send) // 2               # the bytes of piece i go to rank i
+        received[:half], received[half:] = send[:half], self.theirs
