@@ -26,9 +26,7 @@ its send completes, a receive may not be posted into the buffer of a send not
 yet complete, and every send must complete (`incomplete()`). `Pairs` is a
 Ulysses group of two seen from rank 0, its partner's bytes given.
 
-    results = run_threads(3, lambda rank, world: work(rank, StrictRing(rank, world)))
-
-Run the ring with them in tests/mpi/test_hazards.py.
+    results = run_threads(3, lambda rank, world: work(rank, StrictRing(rank, world)))   # tests/mpi/test_hazards.py
 """
 
 import queue
